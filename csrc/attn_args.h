@@ -1,0 +1,59 @@
+/*
+ * attn_args.h -- argument checks shared by the attention entry points
+ * (attn_api.c: forward, dilated; attn_api_bwd.c: backward, merge).  Each
+ * check raises a Python exception naming the argument with the expected and
+ * the actual value, and returns -1.
+ */
+#ifndef RA_ATTN_ARGS_H
+#define RA_ATTN_ARGS_H
+
+#include "attn_params.h"
+#include "buffer.h"
+
+typedef struct {
+    const char *name;
+    ra_buffer *buf; /* owned reference */
+} tensor_arg;
+
+/* q/k/v checks shared by forward and backward; fills the sizes. */
+typedef struct {
+    int64_t B, Sq, Sk, H, Hkv, D;
+    ra_dtype dtype;
+    int device_type, device_id;
+} qkv_dims;
+
+extern const char *BSHD; /* "(batch, seq, heads, head_dim)" */
+extern const char *BHS;  /* "(batch, heads, seq_q)" */
+
+void release_args(tensor_arg *a, int n);
+const char *ra_device_name(int device_type);
+int dtype_error(const char *name, ra_buffer *b);
+int load_tensor(tensor_arg *a, PyObject *obj, const char *name, int ndim,
+                const char *dims_doc);  /* copies a strided last dim */
+int load_output(tensor_arg *a, PyObject *obj, const char *name, int ndim,
+                const char *dims_doc);  /* refuses a strided last dim */
+int check_same_dtype(tensor_arg *ref, tensor_arg *a);
+int check_same_device(tensor_arg *ref, tensor_arg *a);
+int check_dim(tensor_arg *a, int dim, const char *what, int64_t want,
+              const char *source);
+int check_writable(tensor_arg *a);
+int check_shape3(tensor_arg *a, int64_t d0, int64_t d1, int64_t d2,
+                 const char *doc);
+int check_shape4_like(tensor_arg *a, tensor_arg *ref);
+int check_acc_dtype(tensor_arg *a, ra_dtype want, const char *why);
+int check_qkv(tensor_arg *q, tensor_arg *k, tensor_arg *v, qkv_dims *d);
+int parse_scale(PyObject *obj, int64_t D, double *scale);
+int parse_positions(PyObject *qoff, long long qstride, long long koff,
+                    long long kstride, const qkv_dims *d, int64_t out[4]);
+ra_buffer *alloc_out(int ndim, const int64_t *shape, ra_dtype t,
+                     const qkv_dims *d, int zero);
+ra_status cuda_unavailable(void);
+/* 3-d (B, H, S_q) acc-dtype tensor such as lse or delta */
+int load_bhs(tensor_arg *a, PyObject *obj, const char *name, const qkv_dims *d,
+             int writable);
+
+/* segment_lengths / dilation_rates -> config (ValueError on bad values) */
+int ra_parse_dilated(PyObject *segs, PyObject *rates, ra_dilated_config *cfg);
+ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
+
+#endif

@@ -1,0 +1,168 @@
+/*
+ * attn_cpu_simd.h -- SIMD building blocks of the CPU attention kernels,
+ * written once with GCC vector extensions and compiled for several targets.
+ *
+ * Not a normal header: an attn_cpu_isa_*.c file sets, before including it,
+ *   RA_REAL      float or double (the arithmetic type)
+ *   RA_VBYTES    vector size in bytes (16 SSE2, 32 AVX2, 64 AVX-512)
+ *   RA_MR, RA_NV micro-tile: RA_MR rows x RA_NV vectors of accumulators
+ * and a `#pragma GCC target` for the instruction set.  Everything here is
+ * static, so each translation unit gets its own copy.
+ *
+ * Provides
+ *   rv / ri            vector of reals / of same-width integers
+ *   v_exp2(x)          2^x elementwise, exact 0 below the smallest normal
+ *   ra_gemm(...)       C (+)= A * B for small packed panels, where A is read
+ *                      by broadcasting scalars (any row/column strides, so A
+ *                      or its transpose) and B is read as row vectors:
+ *                      C[m][n] (+)= sum_k A[m*ars + k*aks] * B[k*ldb + n],
+ *                      N a multiple of the vector width.
+ * The micro-kernel keeps an RA_MR x RA_NV block of C in registers and does
+ * one broadcast and RA_NV fused multiply-adds per row and k.
+ */
+#ifndef RA_REAL
+#error "define RA_REAL, RA_VBYTES, RA_MR, RA_NV before including attn_cpu_simd.h"
+#endif
+
+typedef RA_REAL real;
+#define VW ((int)(RA_VBYTES / sizeof(RA_REAL)))
+
+#if RA_IS_DOUBLE
+typedef int64_t ri_el;
+#else
+typedef int32_t ri_el;
+#endif
+typedef real rv __attribute__((vector_size(RA_VBYTES)));
+typedef ri_el ri __attribute__((vector_size(RA_VBYTES)));
+typedef real rvu __attribute__((vector_size(RA_VBYTES), aligned(sizeof(real))));
+
+#define RA_AI static inline __attribute__((always_inline))
+
+RA_AI rv v_ld(const real *p) { return *(const rvu *)p; }
+RA_AI void v_st(real *p, rv x) { *(rvu *)p = x; }
+RA_AI rv v_set1(real x) { return (rv){0} + x; }
+RA_AI rv v_max(rv a, rv b) {
+    ri m = a > b;
+    return (rv)(((ri)a & m) | ((ri)b & ~m));
+}
+RA_AI real v_hmax(rv a) {
+    real m = a[0];
+    for (int i = 1; i < VW; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+RA_AI real v_hsum(rv a) {
+    real s = 0;
+    for (int i = 0; i < VW; i++) s += a[i];
+    return s;
+}
+
+/* 2^x: x = n + f with n = round(x), |f| <= 1/2; 2^f by a Taylor polynomial
+ * (degree 6 for float, 12 for double: error below one unit in the last
+ * place), 2^n by adding n to the exponent field.  Inputs below the smallest
+ * normal exponent (including -inf) give exactly 0. */
+RA_AI rv v_exp2(rv x) {
+#if RA_IS_DOUBLE
+    const real lo = -1021.0, hi = 1023.0, magic = 6755399441055744.0;
+    const int shift = 52;
+    static const real c[] = {
+        1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
+        0.009618129107628477, 0.0013333558146428443, 0.00015403530393381608,
+        1.525273380405984e-05, 1.3215486790144307e-06, 1.0178086009239699e-07,
+        7.054911620801123e-09, 4.445538271870811e-10, 2.567843599348821e-11};
+    const int deg = 12;
+#else
+    const real lo = -125.0f, hi = 127.0f, magic = 12582912.0f;
+    const int shift = 23;
+    static const real c[] = {1.0f, 0.6931471805599453f, 0.2402265069591007f,
+                             0.05550410866482158f, 0.009618129107628477f,
+                             0.0013333558146428443f, 0.00015403530393381608f};
+    const int deg = 6;
+#endif
+    ri dead = x < v_set1(lo);
+    x = v_max(x, v_set1(lo));
+    x = -v_max(-x, v_set1(-hi));
+    rv t = x + v_set1(magic);           /* rounds x to an integer */
+    rv n = t - v_set1(magic);
+    rv f = x - n;
+    rv p = v_set1(c[deg]);
+    for (int i = deg - 1; i >= 0; i--) p = p * f + v_set1(c[i]);
+    ri ni = (ri)t - (ri)v_set1(magic);  /* the integer n */
+    ri r = (ri)p + (ni << shift);
+    return (rv)(r & ~dead);
+}
+
+/* ---- micro-kernel and panel product ----------------------------------- */
+RA_AI void ra_mk(int mr, int nv, int64_t K, const real *A, int64_t ars,
+                 int64_t aks, const real *B, int64_t ldb, real *C, int64_t ldc,
+                 int acc) {
+    rv c[RA_MR][RA_NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++)
+            c[r][v] = acc ? v_ld(C + r * ldc + v * VW) : v_set1(0);
+    for (int64_t k = 0; k < K; k++) {
+        rv b[RA_NV];
+        for (int v = 0; v < nv; v++) b[v] = v_ld(B + k * ldb + v * VW);
+        const real *a = A + k * aks;
+        for (int r = 0; r < mr; r++) {
+            rv av = v_set1(a[r * ars]);
+            for (int v = 0; v < nv; v++) c[r][v] += av * b[v];
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) v_st(C + r * ldc + v * VW, c[r][v]);
+}
+
+#define RA_MK_DEF(mr)                                                         \
+    static __attribute__((noinline)) void ra_mk_##mr##_w(                    \
+        int64_t K, const real *A, int64_t ars, int64_t aks, const real *B,   \
+        int64_t ldb, real *C, int64_t ldc, int acc) {                        \
+        ra_mk(mr, RA_NV, K, A, ars, aks, B, ldb, C, ldc, acc);               \
+    }                                                                         \
+    static __attribute__((noinline)) void ra_mk_##mr##_1(                    \
+        int64_t K, const real *A, int64_t ars, int64_t aks, const real *B,   \
+        int64_t ldb, real *C, int64_t ldc, int acc) {                        \
+        ra_mk(mr, 1, K, A, ars, aks, B, ldb, C, ldc, acc);                   \
+    }
+#if RA_MR != 6
+#error "ra_gemm's row tails are written for RA_MR == 6"
+#endif
+RA_MK_DEF(1)
+RA_MK_DEF(2)
+RA_MK_DEF(3)
+RA_MK_DEF(4)
+RA_MK_DEF(5)
+RA_MK_DEF(6)
+
+typedef void (*ra_mk_fn)(int64_t, const real *, int64_t, int64_t, const real *,
+                         int64_t, real *, int64_t, int);
+static const ra_mk_fn ra_mk_wide[RA_MR + 1] = {
+    0, ra_mk_1_w, ra_mk_2_w, ra_mk_3_w, ra_mk_4_w, ra_mk_5_w, ra_mk_6_w};
+static const ra_mk_fn ra_mk_one[RA_MR + 1] = {
+    0, ra_mk_1_1, ra_mk_2_1, ra_mk_3_1, ra_mk_4_1, ra_mk_5_1, ra_mk_6_1};
+
+/* C (M x N, ldc) (+)= A (M x K, strides ars/aks) * B (K x N, ldb).
+ * N must be a multiple of VW; M, K anything >= 0. */
+static void ra_gemm(int64_t M, int64_t N, int64_t K, const real *A,
+                    int64_t ars, int64_t aks, const real *B, int64_t ldb,
+                    real *C, int64_t ldc, int acc) {
+    int64_t n0 = 0;
+    const int64_t nw = (int64_t)RA_NV * VW;
+    for (; n0 + nw <= N; n0 += nw) {
+        int64_t m0 = 0;
+        for (; m0 + RA_MR <= M; m0 += RA_MR)
+            ra_mk_6_w(K, A + m0 * ars, ars, aks, B + n0, ldb,
+                      C + m0 * ldc + n0, ldc, acc);
+        if (m0 < M)
+            ra_mk_wide[M - m0](K, A + m0 * ars, ars, aks, B + n0, ldb,
+                               C + m0 * ldc + n0, ldc, acc);
+    }
+    for (; n0 < N; n0 += VW) {
+        int64_t m0 = 0;
+        for (; m0 + RA_MR <= M; m0 += RA_MR)
+            ra_mk_6_1(K, A + m0 * ars, ars, aks, B + n0, ldb,
+                      C + m0 * ldc + n0, ldc, acc);
+        if (m0 < M)
+            ra_mk_one[M - m0](K, A + m0 * ars, ars, aks, B + n0, ldb,
+                              C + m0 * ldc + n0, ldc, acc);
+    }
+}

@@ -1,0 +1,322 @@
+/*
+ * attn_bwd_simt.cu -- the generic attention backward: every dtype, every
+ * head_dim 1..256, CUDA cores only, deterministic (no atomics).
+ *
+ * With P_ij = exp(scale * q_i . k_j - lse_i) for visible pairs (0 otherwise,
+ * and 0 for rows whose final lse is -inf), dP_ij = dout_i . v_j and
+ * dS_ij = P_ij * (dP_ij - delta_i), delta_i = rowsum(dout_i * out_i):
+ *   dv_j = sum_i P_ij dout_i
+ *   dk_j = scale * sum_i dS_ij q_i     (summed over the query heads of kv head)
+ *   dq_i = scale * sum_j dS_ij k_j
+ * Two kernels, each owning its outputs so no two blocks write one element:
+ *   dkdv: one block per (b, kv head, 16 keys); loops over the H / H_kv query
+ *         heads and the visible query tiles of 32; lane i handles query i of
+ *         the tile, each warp owns 4 keys and accumulates their dk, dv rows
+ *         in registers (lane l holds dims l, l+32, ...).
+ *   dq:   one block per (b, h, 16 queries); loops over the visible key tiles
+ *         of 32; lane j handles key j, each warp owns 4 query rows.
+ * Accumulation is in A (double for float64, float otherwise); results are
+ * stored in grad_dtype, or added to the float32/float64 buffers when
+ * p.accumulate.
+ *
+ * Shapes: q, out, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D);
+ * lse, delta (B, H, S_q) in A.
+ */
+#include "attn_kernels.cuh"
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kRowsPerWarp = 4;
+constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 16 owned rows per block
+constexpr int kTile = 32;                           // streamed rows per tile
+
+template <typename T, int DPL>
+__global__ void __launch_bounds__(kWarps * 32)
+dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
+    typedef typename ra::Acc<T>::type A;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int D = (int)p.head_dim;
+    const int ldq = D | 1;
+    A *sk = reinterpret_cast<A *>(smem_raw);  // 16 x D, owned keys
+    A *sv = sk + kBlockRows * D;                // 16 x D
+    A *sq = sv + kBlockRows * D;                // 32 x ldq, streamed queries
+    A *sdo = sq + kTile * ldq;                  // 32 x ldq
+    A *slse = sdo + kTile * ldq;                // 32
+    A *sdelta = slse + kTile;                   // 32
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // blockIdx.x = (b * H_kv + hk) * n_kblocks + kb
+    const int64_t kb = (int64_t)blockIdx.x % n_kblocks;
+    const int64_t bh = (int64_t)blockIdx.x / n_kblocks;
+    const int64_t hk = bh % p.heads_kv, b = bh / p.heads_kv;
+    const int64_t group = p.heads / p.heads_kv;
+    const int64_t k0 = kb * kBlockRows;
+    const A scale = (A)p.scale;
+
+    const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
+    const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
+    for (int idx = threadIdx.x; idx < kBlockRows * D; idx += blockDim.x) {
+        const int r = idx / D, d = idx % D;
+        const int64_t j = k0 + r;
+        const bool ok = j < p.seqlen_k;
+        sk[idx] = ok ? ra::to_acc(kg[j * p.k_seq_stride + d]) : (A)0;
+        sv[idx] = ok ? ra::to_acc(vg[j * p.v_seq_stride + d]) : (A)0;
+    }
+
+    A dk[kRowsPerWarp][DPL], dv[kRowsPerWarp][DPL];
+    int64_t kpos[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; r++) {
+        kpos[r] = p.k_pos_offset + (k0 + warp * kRowsPerWarp + r) * p.k_pos_stride;
+#pragma unroll
+        for (int t = 0; t < DPL; t++) dk[r][t] = dv[r][t] = 0;
+    }
+
+    const int64_t i_begin = p.causal
+        ? ra::causal_query_begin(k0, p.q_pos_offset, p.q_pos_stride,
+                                 p.k_pos_offset, p.k_pos_stride, p.seqlen_q)
+        : 0;
+
+    for (int64_t g = 0; g < group; g++) {
+        const int64_t h = hk * group + g;
+        const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
+        const T *dog = (const T *)p.dout + b * p.dout_batch_stride + h * p.dout_head_stride;
+        const A *lseg = (const A *)p.lse + b * p.lse_batch_stride + h * p.lse_head_stride;
+        const A *deltag = (const A *)p.delta + b * p.lse_batch_stride + h * p.lse_head_stride;
+        for (int64_t i0 = i_begin; i0 < p.seqlen_q; i0 += kTile) {
+            __syncthreads();  // owned K, V written / previous tile consumed
+            for (int idx = threadIdx.x; idx < kTile * D; idx += blockDim.x) {
+                const int r = idx / D, d = idx % D;
+                const int64_t i = i0 + r;
+                const bool ok = i < p.seqlen_q;
+                sq[r * ldq + d] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) : (A)0;
+                sdo[r * ldq + d] = ok ? ra::to_acc(dog[i * p.dout_seq_stride + d]) : (A)0;
+            }
+            if (threadIdx.x < kTile) {
+                const int64_t i = i0 + threadIdx.x;
+                const bool ok = i < p.seqlen_q;
+                slse[threadIdx.x] = ok ? lseg[i * p.lse_seq_stride] : ra::neg_inf<A>();
+                sdelta[threadIdx.x] = ok ? deltag[i * p.lse_seq_stride] : (A)0;
+            }
+            __syncthreads();
+
+            const int64_t qpos = p.q_pos_offset + (i0 + lane) * p.q_pos_stride;
+            const A lse_i = slse[lane], delta_i = sdelta[lane];
+            const int in = (int)(p.seqlen_q - i0 < kTile ? p.seqlen_q - i0 : kTile);
+#pragma unroll
+            for (int r = 0; r < kRowsPerWarp; r++) {
+                const A *kr = sk + (warp * kRowsPerWarp + r) * D;
+                const A *vr = sv + (warp * kRowsPerWarp + r) * D;
+                const A *qi = sq + lane * ldq;
+                const A *doi = sdo + lane * ldq;
+                A s = 0, dp = 0;
+                for (int d = 0; d < D; d++) {
+                    s += qi[d] * kr[d];
+                    dp += doi[d] * vr[d];
+                }
+                // lse_i = -inf covers rows past S_q and rows that saw no key
+                const bool vis = lse_i != ra::neg_inf<A>() && (!p.causal || kpos[r] <= qpos);
+                const A pr = vis ? ra::exp_acc(s * scale - lse_i) : (A)0;
+                const A ds = pr * (dp - delta_i);
+                for (int i = 0; i < in; i++) {
+                    const A pb = __shfl_sync(0xffffffffu, pr, i);
+                    const A dsb = __shfl_sync(0xffffffffu, ds, i);
+                    const A *qrow = sq + i * ldq;
+                    const A *dorow = sdo + i * ldq;
+#pragma unroll
+                    for (int t = 0; t < DPL; t++) {
+                        const int d = lane + 32 * t;
+                        if (d < D) {
+                            dv[r][t] += pb * dorow[d];
+                            dk[r][t] += dsb * qrow[d];
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; r++) {
+        const int64_t j = k0 + warp * kRowsPerWarp + r;
+        if (j >= p.seqlen_k) continue;
+        const int64_t ok_ = b * p.dk_batch_stride + j * p.dk_seq_stride + hk * p.dk_head_stride;
+        const int64_t ov = b * p.dv_batch_stride + j * p.dv_seq_stride + hk * p.dv_head_stride;
+#pragma unroll
+        for (int t = 0; t < DPL; t++) {
+            const int d = lane + 32 * t;
+            if (d >= D) continue;
+            const A gk = dk[r][t] * scale, gv = dv[r][t];
+            if (p.accumulate) {
+                ((A *)p.dk)[ok_ + d] += gk;
+                ((A *)p.dv)[ov + d] += gv;
+            } else {
+                ra::store_dyn(p.dk, ok_ + d, p.grad_dtype, (double)gk);
+                ra::store_dyn(p.dv, ov + d, p.grad_dtype, (double)gv);
+            }
+        }
+    }
+}
+
+template <typename T, int DPL>
+__global__ void __launch_bounds__(kWarps * 32)
+dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
+    typedef typename ra::Acc<T>::type A;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int D = (int)p.head_dim;
+    const int ldk = D | 1;
+    A *sq = reinterpret_cast<A *>(smem_raw);  // 16 x D, owned queries
+    A *sdo = sq + kBlockRows * D;               // 16 x D
+    A *sk = sdo + kBlockRows * D;               // 32 x ldk, streamed keys
+    A *sv = sk + kTile * ldk;                   // 32 x ldk
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // blockIdx.x = (b * H + h) * n_qblocks + (n_qblocks - 1 - qb)
+    const int64_t qb = n_qblocks - 1 - (int64_t)blockIdx.x % n_qblocks;
+    const int64_t bh = (int64_t)blockIdx.x / n_qblocks;
+    const int64_t h = bh % p.heads, b = bh / p.heads;
+    const int64_t hk = h / (p.heads / p.heads_kv);
+    const int64_t q0 = qb * kBlockRows;
+    const A scale = (A)p.scale;
+
+    const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
+    const T *dog = (const T *)p.dout + b * p.dout_batch_stride + h * p.dout_head_stride;
+    const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
+    const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
+    for (int idx = threadIdx.x; idx < kBlockRows * D; idx += blockDim.x) {
+        const int r = idx / D, d = idx % D;
+        const int64_t i = q0 + r;
+        const bool ok = i < p.seqlen_q;
+        sq[idx] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) : (A)0;
+        sdo[idx] = ok ? ra::to_acc(dog[i * p.dout_seq_stride + d]) : (A)0;
+    }
+
+    A dq[kRowsPerWarp][DPL], lse[kRowsPerWarp], delta[kRowsPerWarp];
+    int64_t qpos[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; r++) {
+        const int64_t i = q0 + warp * kRowsPerWarp + r;
+        qpos[r] = p.q_pos_offset + i * p.q_pos_stride;
+        const int64_t li = b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_seq_stride;
+        const bool ok = i < p.seqlen_q;
+        lse[r] = ok ? ((const A *)p.lse)[li] : ra::neg_inf<A>();
+        delta[r] = ok ? ((const A *)p.delta)[li] : (A)0;
+#pragma unroll
+        for (int t = 0; t < DPL; t++) dq[r][t] = 0;
+    }
+
+    const int64_t q_last = (q0 + kBlockRows < p.seqlen_q ? q0 + kBlockRows : p.seqlen_q) - 1;
+    const int64_t kend = p.causal
+        ? ra::causal_key_end(q_last, p.q_pos_offset, p.q_pos_stride,
+                             p.k_pos_offset, p.k_pos_stride, p.seqlen_k)
+        : p.seqlen_k;
+
+    for (int64_t j0 = 0; j0 < kend; j0 += kTile) {
+        __syncthreads();  // owned Q, dO written / previous tile consumed
+        for (int idx = threadIdx.x; idx < kTile * D; idx += blockDim.x) {
+            const int r = idx / D, d = idx % D;
+            const int64_t j = j0 + r;
+            const bool ok = j < kend;
+            sk[r * ldk + d] = ok ? ra::to_acc(kg[j * p.k_seq_stride + d]) : (A)0;
+            sv[r * ldk + d] = ok ? ra::to_acc(vg[j * p.v_seq_stride + d]) : (A)0;
+        }
+        __syncthreads();
+
+        const int64_t key = j0 + lane;
+        const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
+        const bool kvalid = key < kend;
+        const int jn = (int)(kend - j0 < kTile ? kend - j0 : kTile);
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; r++) {
+            if (lse[r] == ra::neg_inf<A>()) continue;  // warp-uniform: empty row, dq = 0
+            const A *qr = sq + (warp * kRowsPerWarp + r) * D;
+            const A *dor = sdo + (warp * kRowsPerWarp + r) * D;
+            const A *kj = sk + lane * ldk;
+            const A *vj = sv + lane * ldk;
+            A s = 0, dp = 0;
+            for (int d = 0; d < D; d++) {
+                s += qr[d] * kj[d];
+                dp += dor[d] * vj[d];
+            }
+            const bool vis = kvalid && (!p.causal || kpos <= qpos[r]);
+            const A pr = vis ? ra::exp_acc(s * scale - lse[r]) : (A)0;
+            const A ds = pr * (dp - delta[r]);
+            for (int j = 0; j < jn; j++) {
+                const A dsb = __shfl_sync(0xffffffffu, ds, j);
+                const A *krow = sk + j * ldk;
+#pragma unroll
+                for (int t = 0; t < DPL; t++) {
+                    const int d = lane + 32 * t;
+                    if (d < D) dq[r][t] += dsb * krow[d];
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; r++) {
+        const int64_t i = q0 + warp * kRowsPerWarp + r;
+        if (i >= p.seqlen_q) continue;
+        const int64_t oq = b * p.dq_batch_stride + i * p.dq_seq_stride + h * p.dq_head_stride;
+#pragma unroll
+        for (int t = 0; t < DPL; t++) {
+            const int d = lane + 32 * t;
+            if (d >= D) continue;
+            const A g = dq[r][t] * scale;
+            if (p.accumulate) ((A *)p.dq)[oq + d] += g;
+            else ra::store_dyn(p.dq, oq + d, p.grad_dtype, (double)g);
+        }
+    }
+}
+
+template <typename T, int DPL>
+ra_status launch(const ra_attn_bwd_params &p, cudaStream_t s) {
+    typedef typename ra::Acc<T>::type A;
+    const int D = (int)p.head_dim;
+    const int ld = D | 1;
+    // dk, dv: grid B * H_kv * ceil(S_k / 16), 128 threads
+    if (p.seqlen_k > 0) {
+        const size_t smem = (size_t)(2 * kBlockRows * D + 2 * kTile * ld + 2 * kTile) * sizeof(A);
+        RA_CHECK(ra_set_smem(dkdv_simt_kernel<T, DPL>, smem));
+        const int64_t n_kblocks = (p.seqlen_k + kBlockRows - 1) / kBlockRows;
+        int64_t blocks = 0;
+        RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
+        dkdv_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_kblocks);
+        RA_CUDA_CHECK_LAUNCH("dkdv_simt_kernel");
+    }
+    // dq: grid B * H * ceil(S_q / 16), 128 threads
+    if (p.seqlen_q > 0) {
+        const size_t smem = (size_t)(2 * kBlockRows * D + 2 * kTile * ld) * sizeof(A);
+        RA_CHECK(ra_set_smem(dq_simt_kernel<T, DPL>, smem));
+        const int64_t n_qblocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
+        int64_t blocks = 0;
+        RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
+        dq_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_qblocks);
+        RA_CUDA_CHECK_LAUNCH("dq_simt_kernel");
+    }
+    return RA_OK;
+}
+
+template <typename T>
+ra_status launch_dpl(const ra_attn_bwd_params &p, cudaStream_t s) {
+    if (p.head_dim <= 32) return launch<T, 1>(p, s);
+    if (p.head_dim <= 64) return launch<T, 2>(p, s);
+    if (p.head_dim <= 128) return launch<T, 4>(p, s);
+    return launch<T, 8>(p, s);
+}
+
+}  // namespace
+
+ra_status ra_bwd_simt(const ra_attn_bwd_params &p, cudaStream_t s) {
+    switch (p.dtype) {
+    case RA_FLOAT32: return launch_dpl<float>(p, s);
+    case RA_FLOAT64: return launch_dpl<double>(p, s);
+    case RA_FLOAT16: return launch_dpl<ra::half_t>(p, s);
+    case RA_BFLOAT16: return launch_dpl<ra::bf16_t>(p, s);
+    default:
+        ra_set_error(RA_ERR_TYPE, "attention backward: unsupported dtype %s",
+                     ra_dtype_name(p.dtype));
+        return RA_ERR_TYPE;
+    }
+}

@@ -1,0 +1,61 @@
+/*
+ * attn_cuda.h -- the C entry points of ringattn's CUDA kernels (the .cu
+ * files under cuda/).
+ * csrc/attn_api.c fills a params struct after every argument check and
+ * calls these when the inputs are CUDA buffers.  `stream` is a cudaStream_t
+ * passed as void* (ringattn's compute stream, ra_cuda_compute_stream).
+ * Every launcher picks its kernel (tensor-core or generic) from the params,
+ * checks what the kernels need, launches asynchronously and returns RA_OK,
+ * or a status with ra_set_error's message.  The caller must have made the
+ * buffers' device current (cudaSetDevice) before calling.
+ */
+#ifndef RA_ATTN_CUDA_H
+#define RA_ATTN_CUDA_H
+
+#include "ra_common.h"
+#include "attn_params.h"
+#include "copy.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* out, lse = attention(q, k, v) (or merged into the running state when
+ * p->accumulate).  cuda/attn_fwd.cu */
+ra_status ra_cuda_attn_fwd(const ra_attn_fwd_params *p, void *stream);
+
+/* delta = rowsum(dout * out) in the acc dtype, (B, H, S_q) with the lse
+ * strides.  cuda/attn_bwd.cu */
+ra_status ra_cuda_attn_bwd_preprocess(const ra_attn_bwd_params *p,
+                                      void *stream);
+
+/* dq, dk, dv from q, k, v, dout, the final lse and delta (run the
+ * preprocess first).  Deterministic on every path (no atomics).
+ * cuda/attn_bwd.cu */
+ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream);
+
+/* out, lse = LSE merge of (out1, lse1) and (out2, lse2).  cuda/merge.cu */
+ra_status ra_cuda_merge(const ra_merge_params *p, void *stream);
+
+/* dst = cast(src), n-d strided, float dtypes.  cuda/copy.cu */
+ra_status ra_cuda_copy(const ra_copy_params *p, void *stream);
+
+/* Initialise a running forward state: out (acc dtype, BSHD strides) = 0 and
+ * lse (acc dtype, (B, H, S) strides) = -inf.  cuda/merge.cu */
+ra_status ra_cuda_fill_state(void *out, void *lse, ra_dtype acc_dtype,
+                             int64_t batch, int64_t seqlen, int64_t heads,
+                             int64_t head_dim, int64_t out_batch_stride,
+                             int64_t out_seq_stride, int64_t out_head_stride,
+                             int64_t lse_batch_stride, int64_t lse_head_stride,
+                             int64_t lse_seq_stride, void *stream);
+
+/* The one mapping of a cudaError_t (as int) to an ra_status with an
+ * ra_set_error message naming `what` and the source location.  Defined in
+ * csrc/cuda_rt.c. */
+ra_status ra_cuda_status(int err, const char *what, const char *file,
+                         int line);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* RA_ATTN_CUDA_H */

@@ -1,0 +1,196 @@
+/*
+ * attn_fwd_simt.cu -- the generic attention forward: every dtype (float32,
+ * float64, float16, bfloat16), every head_dim 1..256, CUDA cores only.
+ *
+ * Computes, per query row i of head h (kv head h / (H / H_kv)):
+ *   s_j = scale * q_i . k_j      for keys j visible to i
+ *   out_i = sum_j softmax(s)_j v_j,  lse_i = log sum_j exp(s_j)
+ * in the accumulator type A (double for float64 inputs, float otherwise),
+ * by the online softmax over tiles of 32 keys (flash attention's recurrence
+ * on CUDA cores).  With p.accumulate the result is merged into the running
+ * state (out, lse) by the LSE rule.
+ *
+ * Shapes: q, out (B, S_q, H, D); k, v (B, S_k, H_kv, D); lse (B, H, S_q).
+ *
+ * Launch: one block of 4 warps per (b, h, 16 query rows); grid
+ * B * H * ceil(S_q / 16), 1-D, heaviest causal blocks first.  Each warp owns
+ * 4 query rows.  Per tile of 32 keys, K and V are staged in shared memory
+ * (as A); lane j scores key j for each of the warp's rows, the warp reduces
+ * max and sum with shuffles, and lane l accumulates output dims l, l+32, ...
+ * (DPL = ceil(D/32) of them, a template parameter).
+ * Shared memory: (16*D + 32*(D|1) + 32*D) * sizeof(A) bytes, dynamic.
+ */
+#include "attn_kernels.cuh"
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kRowsPerWarp = 4;
+constexpr int kBlockQ = kWarps * kRowsPerWarp;  // 16 query rows per block
+constexpr int kTileK = 32;                       // keys per tile = lanes
+
+template <typename T, int DPL>
+__global__ void __launch_bounds__(kWarps * 32)
+fwd_simt_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
+    typedef typename ra::Acc<T>::type A;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A *sq = reinterpret_cast<A *>(smem_raw);
+    const int D = (int)p.head_dim;
+    const int ldk = D | 1;  // odd row stride: lanes reading one column hit distinct banks
+    A *sk = sq + kBlockQ * D;
+    A *sv = sk + kTileK * ldk;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // blockIdx.x = (b * H + h) * n_qblocks + (n_qblocks - 1 - qb)
+    const int64_t qb = n_qblocks - 1 - (int64_t)blockIdx.x % n_qblocks;
+    const int64_t bh = (int64_t)blockIdx.x / n_qblocks;
+    const int64_t h = bh % p.heads, b = bh / p.heads;
+    const int64_t hk = h / (p.heads / p.heads_kv);
+    const int64_t q0 = qb * kBlockQ;
+
+    const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
+    const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
+    const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
+    const A scale = (A)p.scale;
+
+    // q tile (16 x D), pre-scaled; rows past S_q are zero and never stored
+    for (int idx = threadIdx.x; idx < kBlockQ * D; idx += blockDim.x) {
+        const int r = idx / D, d = idx % D;
+        const int64_t i = q0 + r;
+        sq[idx] = i < p.seqlen_q ? ra::to_acc(qg[i * p.q_seq_stride + d]) * scale : (A)0;
+    }
+
+    const int64_t q_last = (q0 + kBlockQ < p.seqlen_q ? q0 + kBlockQ : p.seqlen_q) - 1;
+    const int64_t kend = p.causal
+        ? ra::causal_key_end(q_last, p.q_pos_offset, p.q_pos_stride,
+                             p.k_pos_offset, p.k_pos_stride, p.seqlen_k)
+        : p.seqlen_k;
+
+    A m[kRowsPerWarp], l[kRowsPerWarp], o[kRowsPerWarp][DPL];
+    int64_t qpos[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; r++) {
+        m[r] = ra::neg_inf<A>();
+        l[r] = 0;
+        qpos[r] = p.q_pos_offset + (q0 + warp * kRowsPerWarp + r) * p.q_pos_stride;
+#pragma unroll
+        for (int t = 0; t < DPL; t++) o[r][t] = 0;
+    }
+
+    for (int64_t k0 = 0; k0 < kend; k0 += kTileK) {
+        __syncthreads();  // q tile written / previous K, V tile consumed
+        for (int idx = threadIdx.x; idx < kTileK * D; idx += blockDim.x) {
+            const int j = idx / D, d = idx % D;
+            const int64_t key = k0 + j;
+            const bool ok = key < kend;
+            sk[j * ldk + d] = ok ? ra::to_acc(kg[key * p.k_seq_stride + d]) : (A)0;
+            sv[j * D + d] = ok ? ra::to_acc(vg[key * p.v_seq_stride + d]) : (A)0;
+        }
+        __syncthreads();
+
+        const int64_t key = k0 + lane;
+        const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
+        const bool kvalid = key < kend;
+        const int jn = (int)(kend - k0 < kTileK ? kend - k0 : kTileK);
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; r++) {
+            const A *qr = sq + (warp * kRowsPerWarp + r) * D;
+            const A *kr = sk + lane * ldk;
+            A s = 0;
+            for (int d = 0; d < D; d++) s += qr[d] * kr[d];
+            const bool vis = kvalid && (!p.causal || kpos <= qpos[r]);
+            s = vis ? s : ra::neg_inf<A>();
+            const A mnew = fmax(m[r], ra::warp_max(s));
+            if (mnew == ra::neg_inf<A>()) continue;  // warp-uniform: row sees nothing yet
+            const A alpha = ra::exp_acc(m[r] - mnew);  // 0 when m was -inf
+            const A pj = vis ? ra::exp_acc(s - mnew) : (A)0;
+            l[r] = l[r] * alpha + ra::warp_sum(pj);
+            m[r] = mnew;
+#pragma unroll
+            for (int t = 0; t < DPL; t++) o[r][t] *= alpha;
+            for (int j = 0; j < jn; j++) {
+                const A pb = __shfl_sync(0xffffffffu, pj, j);
+                const A *vr = sv + j * D;
+#pragma unroll
+                for (int t = 0; t < DPL; t++) {
+                    const int d = lane + 32 * t;
+                    if (d < D) o[r][t] += pb * vr[d];
+                }
+            }
+        }
+    }
+
+    // epilogue: normalise, then store or merge into the running state
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; r++) {
+        const int64_t i = q0 + warp * kRowsPerWarp + r;
+        if (i >= p.seqlen_q) continue;
+        const bool empty = !(l[r] > 0);
+        const A inv = empty ? (A)0 : (A)1 / l[r];
+        const A lse_new = empty ? ra::neg_inf<A>() : m[r] + ra::log_acc(l[r]);
+        A *lse = (A *)p.lse + b * p.lse_batch_stride + h * p.lse_head_stride +
+                 i * p.lse_seq_stride;
+        const int64_t orow = b * p.out_batch_stride + i * p.out_seq_stride +
+                             h * p.out_head_stride;
+        if (p.accumulate) {
+            if (empty) continue;  // merging nothing leaves the state as it is
+            A *out = (A *)p.out + orow;
+            const A lo = *lse;
+            __syncwarp();  // all lanes read the old lse before lane 0 writes
+            const A mm = fmax(lo, lse_new);
+            const A e1 = ra::exp_acc(lo - mm), e2 = ra::exp_acc(lse_new - mm);
+            const A sum = e1 + e2;
+            const A w1 = e1 / sum, w2 = e2 / sum * inv;
+#pragma unroll
+            for (int t = 0; t < DPL; t++) {
+                const int d = lane + 32 * t;
+                if (d < D) out[d] = (w1 != (A)0 ? w1 * out[d] : (A)0) + w2 * o[r][t];
+            }
+            if (lane == 0) *lse = mm + ra::log_acc(sum);
+        } else {
+#pragma unroll
+            for (int t = 0; t < DPL; t++) {
+                const int d = lane + 32 * t;
+                if (d < D) ra::store_dyn(p.out, orow + d, p.out_dtype, (double)(o[r][t] * inv));
+            }
+            if (lane == 0) *lse = lse_new;
+        }
+    }
+}
+
+template <typename T, int DPL>
+ra_status launch(const ra_attn_fwd_params &p, cudaStream_t s) {
+    typedef typename ra::Acc<T>::type A;
+    const int D = (int)p.head_dim;
+    const size_t smem = (size_t)(kBlockQ * D + kTileK * (D | 1) + kTileK * D) * sizeof(A);
+    RA_CHECK(ra_set_smem(fwd_simt_kernel<T, DPL>, smem));
+    const int64_t n_qblocks = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
+    int64_t blocks = 0;
+    RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
+    // grid: (B * H * ceil(S_q / 16)) blocks of 128 threads
+    fwd_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_qblocks);
+    RA_CUDA_CHECK_LAUNCH("fwd_simt_kernel");
+    return RA_OK;
+}
+
+template <typename T>
+ra_status launch_dpl(const ra_attn_fwd_params &p, cudaStream_t s) {
+    if (p.head_dim <= 32) return launch<T, 1>(p, s);
+    if (p.head_dim <= 64) return launch<T, 2>(p, s);
+    if (p.head_dim <= 128) return launch<T, 4>(p, s);
+    return launch<T, 8>(p, s);
+}
+
+}  // namespace
+
+ra_status ra_fwd_simt(const ra_attn_fwd_params &p, cudaStream_t s) {
+    switch (p.dtype) {
+    case RA_FLOAT32: return launch_dpl<float>(p, s);
+    case RA_FLOAT64: return launch_dpl<double>(p, s);
+    case RA_FLOAT16: return launch_dpl<ra::half_t>(p, s);
+    case RA_BFLOAT16: return launch_dpl<ra::bf16_t>(p, s);
+    default:
+        ra_set_error(RA_ERR_TYPE, "attention: unsupported dtype %s", ra_dtype_name(p.dtype));
+        return RA_ERR_TYPE;
+    }
+}

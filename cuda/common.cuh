@@ -1,0 +1,170 @@
+/*
+ * common.cuh -- helpers shared by ringattn's CUDA kernels: checked CUDA
+ * calls and launches, element conversions for the four float dtypes, and
+ * the accumulator type of each (double for double, float otherwise).
+ */
+#ifndef RA_CUDA_COMMON_CUH
+#define RA_CUDA_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+#include "attn_cuda.h"
+
+/* Return the mapped status of a failing CUDA call. */
+#define RA_CUDA_CHECK(call)                                                   \
+    do {                                                                      \
+        cudaError_t ra_cu_e_ = (call);                                        \
+        if (ra_cu_e_ != cudaSuccess)                                          \
+            return ra_cuda_status((int)ra_cu_e_, #call, __FILE__, __LINE__);  \
+    } while (0)
+
+/* After a <<<...>>> launch: report a bad configuration or a missing kernel
+ * image (asynchronous faults surface at the next synchronising call). */
+#define RA_CUDA_CHECK_LAUNCH(name)                                            \
+    do {                                                                      \
+        cudaError_t ra_cu_e_ = cudaGetLastError();                            \
+        if (ra_cu_e_ != cudaSuccess)                                          \
+            return ra_cuda_status((int)ra_cu_e_, "launch of " name,           \
+                                  __FILE__, __LINE__);                        \
+    } while (0)
+
+namespace ra {
+
+typedef __half half_t;
+typedef __nv_bfloat16 bf16_t;
+
+/* accumulator type */
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+
+/* element -> accumulator */
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(half_t x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(bf16_t x) {
+    return __bfloat162float(x);
+}
+
+/* accumulator -> element (round to nearest even) */
+template <typename T> __device__ __forceinline__ T from_acc(double x);
+template <> __device__ __forceinline__ float from_acc<float>(double x) {
+    return (float)x;
+}
+template <> __device__ __forceinline__ double from_acc<double>(double x) {
+    return x;
+}
+template <> __device__ __forceinline__ half_t from_acc<half_t>(double x) {
+    return __float2half_rn((float)x);
+}
+template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(double x) {
+    return __float2bfloat16_rn((float)x);
+}
+template <typename T> __device__ __forceinline__ T from_accf(float x);
+template <> __device__ __forceinline__ float from_accf<float>(float x) {
+    return x;
+}
+template <> __device__ __forceinline__ double from_accf<double>(float x) {
+    return (double)x;
+}
+template <> __device__ __forceinline__ half_t from_accf<half_t>(float x) {
+    return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ bf16_t from_accf<bf16_t>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+/* Load/store of an element whose dtype is only known at run time
+ * (outputs that may be the input dtype or the accumulator dtype). */
+__device__ __forceinline__ double load_dyn(const void *p, int64_t i,
+                                           ra_dtype t) {
+    switch (t) {
+    case RA_FLOAT32: return (double)((const float *)p)[i];
+    case RA_FLOAT64: return ((const double *)p)[i];
+    case RA_FLOAT16: return (double)__half2float(((const half_t *)p)[i]);
+    default: return (double)__bfloat162float(((const bf16_t *)p)[i]);
+    }
+}
+
+__device__ __forceinline__ void store_dyn(void *p, int64_t i, ra_dtype t,
+                                          double x) {
+    switch (t) {
+    case RA_FLOAT32: ((float *)p)[i] = (float)x; break;
+    case RA_FLOAT64: ((double *)p)[i] = x; break;
+    case RA_FLOAT16: ((half_t *)p)[i] = __float2half_rn((float)x); break;
+    default: ((bf16_t *)p)[i] = __float2bfloat16_rn((float)x); break;
+    }
+}
+
+template <typename A> __device__ __forceinline__ A neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() {
+    return -CUDART_INF_F;
+}
+template <> __device__ __forceinline__ double neg_inf<double>() {
+    return -CUDART_INF;
+}
+
+__device__ __forceinline__ float exp_acc(float x) { return __expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+template <typename A>
+__device__ __forceinline__ A warp_max(A x) {
+    for (int o = 16; o > 0; o >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+template <typename A>
+__device__ __forceinline__ A warp_sum(A x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+/* Key range [0, n) a block of queries [q0, q1) can see under the causal
+ * rule pos_k(j) <= pos_q(i); positions increase along both sequences. */
+__host__ __device__ __forceinline__ int64_t causal_key_end(
+    int64_t q_last, int64_t q_pos_offset, int64_t q_pos_stride,
+    int64_t k_pos_offset, int64_t k_pos_stride, int64_t seqlen_k) {
+    int64_t qpos = q_pos_offset + q_last * q_pos_stride;
+    if (qpos < k_pos_offset) return 0;
+    int64_t n = (qpos - k_pos_offset) / k_pos_stride + 1;
+    return n < seqlen_k ? n : seqlen_k;
+}
+
+/* First query a key at index k_first can be seen by: the smallest i with
+ * pos_q(i) >= pos_k(k_first), clamped to [0, seqlen_q]. */
+__host__ __device__ __forceinline__ int64_t causal_query_begin(
+    int64_t k_first, int64_t q_pos_offset, int64_t q_pos_stride,
+    int64_t k_pos_offset, int64_t k_pos_stride, int64_t seqlen_q) {
+    int64_t kpos = k_pos_offset + k_first * k_pos_stride;
+    if (kpos <= q_pos_offset) return 0;
+    int64_t i = (kpos - q_pos_offset + q_pos_stride - 1) / q_pos_stride;
+    return i < seqlen_q ? i : seqlen_q;
+}
+
+}  // namespace ra
+
+/* Grant a kernel more than 48 KiB of dynamic shared memory when it asks. */
+template <typename K>
+static inline ra_status ra_set_smem(K kernel, size_t smem) {
+    if (smem > 48 * 1024) {
+        int dev = 0, optin = 0;
+        RA_CUDA_CHECK(cudaGetDevice(&dev));
+        RA_CUDA_CHECK(cudaDeviceGetAttribute(
+            &optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+        if ((size_t)optin < smem) {
+            ra_set_error(RA_ERR_UNSUPPORTED,
+                         "kernel needs %zu bytes of shared memory, device "
+                         "allows %d", smem, optin);
+            return RA_ERR_UNSUPPORTED;
+        }
+        RA_CUDA_CHECK(cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    }
+    return RA_OK;
+}
+
+#endif /* RA_CUDA_COMMON_CUH */

@@ -1,0 +1,65 @@
+"""Local (single-rank) attention: forward, backward and the LSE merge.
+
+Layout is BSHD: q (B, S_q, H, D); k, v (B, S_k, H_kv, D) with H % H_kv == 0
+(query head h reads kv head h // (H // H_kv)).  out (B, S_q, H, D) has q's
+dtype; lse (B, H, S_q) is float32 (float64 for float64 inputs), the natural
+log of the softmax denominator of the scaled scores.  Causal positions align
+bottom-right when S_q != S_k.  Rows that see no key give out 0, lse -inf.
+Inputs may be any array kind; results come back as the kind of q.
+"""
+
+from . import _C
+from .interop import kind_of, from_buffer, to_buffer
+
+
+def _flag(value, name):
+    if not isinstance(value, (bool, int)) or isinstance(value, float):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+    """Exact softmax attention.
+
+    q: (B, S_q, H, D); k, v: (B, S_k, H_kv, D); float32, float64, float16 or
+    bfloat16 (all three the same).  scale defaults to 1/sqrt(D).
+    Returns out (B, S_q, H, D), or (out, lse) with return_lse=True.
+    """
+    kind = kind_of(q)
+    out, lse = _C.attn_fwd(to_buffer(q, "q"), to_buffer(k, "k"),
+                           to_buffer(v, "v"),
+                           causal=_flag(causal, "causal"), scale=scale)
+    out = from_buffer(out, kind)
+    if _flag(return_lse, "return_lse"):
+        return out, from_buffer(lse, kind)
+    return out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
+                       deterministic=False):
+    """Gradients of ``attention``: returns (dq, dk, dv) in the inputs' dtype.
+
+    dout, out: (B, S_q, H, D); lse: (B, H, S_q) as returned by
+    ``attention(..., return_lse=True)``.  Arithmetic is float32 (float64 for
+    float64 inputs) with delta = rowsum(dout * out) computed first.
+    """
+    kind = kind_of(q)
+    grads = _C.attn_bwd(to_buffer(dout, "dout"), to_buffer(q, "q"),
+                        to_buffer(k, "k"), to_buffer(v, "v"),
+                        to_buffer(out, "out"), to_buffer(lse, "lse"),
+                        causal=_flag(causal, "causal"), scale=scale,
+                        deterministic=_flag(deterministic, "deterministic"))
+    return tuple(from_buffer(g, kind) for g in grads)
+
+
+def merge(out1, lse1, out2, lse2):
+    """Combine two partial attention results over disjoint key sets.
+
+    lse = logaddexp(lse1, lse2); out = exp(lse1-lse)*out1 + exp(lse2-lse)*out2
+    with empty rows (lse -inf) handled, so two empty rows give (0, -inf).
+    outs: (B, S, H, D); lses: (B, H, S).  Returns (out, lse).
+    """
+    kind = kind_of(out1)
+    out, lse = _C.merge(to_buffer(out1, "out1"), to_buffer(lse1, "lse1"),
+                        to_buffer(out2, "out2"), to_buffer(lse2, "lse2"))
+    return from_buffer(out, kind), from_buffer(lse, kind)

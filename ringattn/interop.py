@@ -1,0 +1,118 @@
+"""Array exchange: any array kind in, the caller's kind out, zero-copy.
+
+Inputs are anything NumPy, JAX, CuPy, PyTorch or a ringattn ``Buffer``; they
+become ``Buffer`` views through DLPack (NumPy directly, which also covers
+ml_dtypes bfloat16).  Results are ``Buffer`` objects turned back into the
+kind of the first input: NumPy in gives NumPy out, JAX gives JAX, ...
+"""
+
+from . import _C
+
+Buffer = _C.Buffer
+
+
+def kind_of(x):
+    """'numpy' | 'jax' | 'torch' | 'cupy' | 'buffer' | 'other'."""
+    if isinstance(x, Buffer):
+        return "buffer"
+    mod = type(x).__module__ or ""
+    root = mod.split(".", 1)[0]
+    if root == "numpy":
+        return "numpy"
+    if root in ("jax", "jaxlib"):
+        return "jax"
+    if root == "torch":
+        return "torch"
+    if root == "cupy":
+        return "cupy"
+    return "other"
+
+
+def to_buffer(x, name="x"):
+    """A ``Buffer`` viewing `x`'s memory (no copy).
+
+    Raises TypeError for non-arrays and BufferError when the producer cannot
+    export.  PyTorch tensors that require grad are detached first (the
+    autodiff wrappers in ``ringattn.torch`` handle gradients).
+    """
+    if kind_of(x) == "torch" and getattr(x, "requires_grad", False):
+        x = x.detach()
+    return _C.from_dlpack(x, name)
+
+
+def from_buffer(buf, kind):
+    """Turn a ``Buffer`` into an array of `kind`, sharing memory."""
+    if kind == "numpy":
+        return buf.numpy()
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        return jnp.from_dlpack(buf)
+    if kind == "torch":
+        import torch
+
+        return torch.from_dlpack(buf)
+    if kind == "cupy":
+        import cupy
+
+        return cupy.from_dlpack(buf)
+    return buf
+
+
+def like(buf, x):
+    """`buf` as the kind of array `x` is."""
+    return from_buffer(buf, kind_of(x))
+
+
+def from_dlpack(x):
+    """Any DLPack producer or NumPy array -> ``ringattn.Buffer`` (zero-copy)."""
+    return _C.from_dlpack(x, "x")
+
+
+def to_numpy(x):
+    """A NumPy view (host arrays) of any array kind; copies device arrays."""
+    import numpy as np
+
+    kind = kind_of(x)
+    if kind == "numpy":
+        return x
+    if kind == "cupy":
+        return x.get()
+    if kind == "torch":
+        return x.detach().cpu().numpy()
+    if kind == "jax":
+        return np.asarray(x)
+    buf = to_buffer(x)
+    if buf.device[0] != "cpu":
+        raise TypeError("to_numpy: device buffers must be copied by their "
+                        "framework first")
+    return buf.numpy()
+
+
+_DEVICE_CODES = {"cpu": 1, "cuda": 2}
+
+
+def parse_device(device):
+    """'cpu' | 'cuda' | 'cuda:N' | ('cuda', N) -> (dlpack_type, index)."""
+    if isinstance(device, tuple) and len(device) == 2:
+        kind, index = device
+    elif isinstance(device, str):
+        kind, _, idx = device.partition(":")
+        index = int(idx) if idx else 0
+    else:
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if kind not in _DEVICE_CODES:
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return _DEVICE_CODES[kind], int(index)
+
+
+def empty(shape, dtype="float32", device="cpu"):
+    """Uninitialised ``Buffer`` owned by ringattn (counted in memory_stats)."""
+    t, i = parse_device(device)
+    return _C.empty(tuple(shape), dtype, t, i)
+
+
+def zeros(shape, dtype="float32", device="cpu"):
+    """Zero-filled ``Buffer`` owned by ringattn (counted in memory_stats)."""
+    t, i = parse_device(device)
+    return _C.zeros(tuple(shape), dtype, t, i)

@@ -1,0 +1,145 @@
+"""Build ringattn's C core, and its CUDA kernels when a toolkit is found.
+
+Environment:
+  RINGATTN_CUDA=0|1         force the CUDA part off / on (1 fails loudly if
+                            no CUDA toolkit is found); default: on when nvcc
+                            is found (CUDA_HOME, nvcc on PATH, /usr/local/cuda)
+  RINGATTN_CUDA_ARCHS="80;90"  SM targets (default sm_80 and sm_90, plus PTX
+                            for the newest so later GPUs can JIT it)
+  RINGATTN_BUILD_JOBS=N     parallel compile jobs (default: CPU count)
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def find_cuda_home():
+    """Return the CUDA toolkit root or None."""
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(env)
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return home
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if os.path.exists("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda"
+    return None
+
+
+def cuda_wanted():
+    """(enabled, cuda_home) following RINGATTN_CUDA."""
+    flag = os.environ.get("RINGATTN_CUDA", "").strip()
+    home = find_cuda_home()
+    if flag == "0":
+        return False, None
+    if flag == "1" and home is None:
+        raise RuntimeError(
+            "RINGATTN_CUDA=1 but no CUDA toolkit was found: set CUDA_HOME or put "
+            "nvcc on PATH")
+    if flag not in ("", "0", "1"):
+        raise RuntimeError(f"RINGATTN_CUDA: expected 0 or 1, got {flag!r}")
+    return home is not None, home
+
+
+def cuda_arch_flags():
+    archs = os.environ.get("RINGATTN_CUDA_ARCHS", "80;90")
+    items = [a.strip().replace("sm_", "").replace(".", "")
+             for a in archs.replace(",", ";").split(";") if a.strip()]
+    if not items:
+        raise RuntimeError("RINGATTN_CUDA_ARCHS is empty")
+    flags = []
+    for a in items:
+        if not a.isdigit() and not a.rstrip("a").isdigit():
+            raise RuntimeError(f"RINGATTN_CUDA_ARCHS: bad architecture {a!r}")
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    newest = items[-1]
+    flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
+    return flags
+
+
+class BuildExt(build_ext):
+    """Compiles C sources in parallel and, when enabled, the CUDA kernels."""
+
+    def build_extensions(self):
+        jobs = int(os.environ.get("RINGATTN_BUILD_JOBS", os.cpu_count() or 1))
+        self.parallel = max(1, jobs)
+        enabled, home = cuda_wanted()
+        for ext in self.extensions:
+            if enabled:
+                self.add_cuda(ext, home, jobs)
+        print(f"ringattn: CUDA part {'ON (' + home + ')' if enabled else 'OFF'}",
+              file=sys.stderr)
+        super().build_extensions()
+
+    def add_cuda(self, ext, home, jobs):
+        nvcc = os.path.join(home, "bin", "nvcc")
+        sources = sorted(glob.glob(os.path.join(ROOT, "cuda", "*.cu")))
+        headers = (glob.glob(os.path.join(ROOT, "cuda", "*.cuh")) +
+                   glob.glob(os.path.join(ROOT, "cuda", "*.h")) +
+                   glob.glob(os.path.join(ROOT, "csrc", "*.h")))
+        newest_header = max((os.path.getmtime(h) for h in headers), default=0)
+        objdir = os.path.join(self.build_temp, "cuda")
+        os.makedirs(objdir, exist_ok=True)
+        flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+                 "--expt-relaxed-constexpr", "-DRA_WITH_CUDA",
+                 "-I" + os.path.join(ROOT, "csrc"),
+                 "-I" + os.path.join(ROOT, "cuda")] + cuda_arch_flags()
+        extra = os.environ.get("RINGATTN_NVCC_FLAGS", "").split()
+        objects = []
+        todo = []
+        for src in sources:
+            obj = os.path.join(objdir, os.path.basename(src) + ".o")
+            objects.append(obj)
+            if (not os.path.exists(obj) or
+                    os.path.getmtime(obj) < max(os.path.getmtime(src),
+                                                newest_header)):
+                todo.append((src, obj))
+
+        def compile_one(item):
+            src, obj = item
+            cmd = [nvcc, "-c", src, "-o", obj] + flags + extra
+            print(" ".join(cmd), file=sys.stderr)
+            subprocess.run(cmd, check=True)
+
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            list(pool.map(compile_one, todo))
+        ext.extra_objects += objects
+        ext.define_macros.append(("RA_WITH_CUDA", "1"))
+        ext.include_dirs += [os.path.join(home, "include"),
+                             os.path.join(ROOT, "cuda")]
+        libdir = os.path.join(home, "lib64")
+        if not os.path.exists(libdir):
+            libdir = os.path.join(home, "lib")
+        ext.library_dirs.append(libdir)
+        ext.libraries += ["cudart_static", "dl", "rt", "pthread", "stdc++"]
+
+
+def numpy_include():
+    import numpy
+
+    return numpy.get_include()
+
+
+ext = Extension(
+    "ringattn._C",
+    sources=sorted(glob.glob(os.path.join("csrc", "*.c"))),
+    include_dirs=["csrc", numpy_include()],
+    extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno",
+                        "-fno-trapping-math", "-fvisibility=hidden", "-Wall",
+                        "-Wno-unknown-pragmas"],
+    extra_link_args=["-fopenmp"],
+    libraries=["dl", "pthread"],
+    depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),
+)
+
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

@@ -1,0 +1,267 @@
+"""Bad input raises the exception DESIGN.md section 8 names, before any work.
+
+ValueError for shapes, lengths, heads and layouts; TypeError for dtypes and
+non-arrays; BufferError for DLPack problems.  Messages name the argument.
+"""
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+
+import ringattn as ra
+from ringattn import testing as rt
+
+
+def qkv(B=1, S_q=5, S_k=6, H=4, H_kv=2, D=8, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((B, S_q, H, D)).astype(dtype),
+            rng.standard_normal((B, S_k, H_kv, D)).astype(dtype),
+            rng.standard_normal((B, S_k, H_kv, D)).astype(dtype))
+
+
+def forward_state(q, k, v):
+    return ra.attention(q, k, v, return_lse=True)
+
+
+# ------------------------------------------------------------ attention
+
+@pytest.mark.parametrize("which,bad,match", [
+    ("q", np.zeros((5, 4, 8), np.float32), r"\bq\b"),                   # 3-d
+    ("k", np.zeros((1, 6, 2, 8, 1), np.float32), r"\bk\b"),             # 5-d
+    ("k", np.zeros((2, 6, 2, 8), np.float32), r"\bk\b"),                # batch
+    ("v", np.zeros((1, 7, 2, 8), np.float32), r"\bv\b"),                # S_k of v
+    ("k", np.zeros((1, 6, 2, 16), np.float32), r"\bk\b"),               # head dim
+    ("v", np.zeros((1, 6, 2, 16), np.float32), r"\bv\b"),               # head dim
+    ("k", np.zeros((1, 6, 3, 8), np.float32), r"head"),                 # 4 % 3 != 0
+    ("v", np.zeros((1, 6, 1, 8), np.float32), r"\bv\b"),                # H_kv of v
+])
+def test_attention_shape_errors(which, bad, match):
+    args = dict(zip("qkv", qkv()))
+    args[which] = bad
+    with pytest.raises(ValueError, match=match):
+        ra.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("which,bad,match", [
+    ("q", np.zeros((1, 5, 4, 8), np.int32), r"\bq\b"),
+    ("k", np.zeros((1, 6, 2, 8), np.float64), r"\bk\b"),                # mixed
+    ("v", np.zeros((1, 6, 2, 8), np.float16), r"\bv\b"),                # mixed
+    ("q", np.zeros((1, 5, 4, 8), np.complex64), r"\bq\b"),
+    ("q", [[[[0.0] * 8] * 4] * 5], r"\bq\b"),                           # list
+    ("k", None, r"\bk\b"),
+    ("v", "not an array", r"\bv\b"),
+])
+def test_attention_type_errors(which, bad, match):
+    args = dict(zip("qkv", qkv()))
+    args[which] = bad
+    with pytest.raises(TypeError, match=match):
+        ra.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("D", [0, 257, 512])
+def test_unusual_head_dims_are_refused_or_correct(D):
+    """A head dim the kernels do not support is a ValueError naming q/D, never wrong."""
+    q, k, v = qkv(D=D)
+    try:
+        out = ra.attention(q, k, v, causal=True)
+    except ValueError as exc:
+        assert re.search(r"\bq\b|head|\bD\b", str(exc)), str(exc)
+        return
+    rt.assert_close(out, rt.ref_attention(q, k, v, causal=True)[0], "float32")
+
+
+# ------------------------------------------------------------ backward
+
+def _backward_args():
+    q, k, v = qkv()
+    out, lse = forward_state(q, k, v)
+    return dict(dout=np.ones_like(q), q=q, k=k, v=v, out=out, lse=lse)
+
+
+@pytest.mark.parametrize("which,bad,match", [
+    ("lse", np.zeros((1, 4, 6), np.float32), r"\blse\b"),               # S_q wrong
+    ("lse", np.zeros((1, 5, 4), np.float32), r"\blse\b"),               # transposed
+    ("lse", np.zeros((1, 4, 5, 1), np.float32), r"\blse\b"),            # 4-d
+    ("out", np.zeros((1, 5, 4, 4), np.float32), r"\bout\b"),
+    ("dout", np.zeros((1, 6, 4, 8), np.float32), r"\bdout\b"),
+    ("dout", np.zeros((5, 4, 8), np.float32), r"\bdout\b"),
+])
+def test_backward_shape_errors(which, bad, match):
+    args = _backward_args()
+    args[which] = bad
+    with pytest.raises(ValueError, match=match):
+        ra.attention_backward(*args.values())
+
+
+@pytest.mark.parametrize("which,bad,match", [
+    ("dout", np.zeros((1, 5, 4, 8), np.int64), r"\bdout\b"),
+    ("lse", np.zeros((1, 4, 5), np.int32), r"\blse\b"),
+    ("out", None, r"\bout\b"),
+    ("dout", [1.0, 2.0], r"\bdout\b"),
+])
+def test_backward_type_errors(which, bad, match):
+    args = _backward_args()
+    args[which] = bad
+    with pytest.raises(TypeError, match=match):
+        ra.attention_backward(*args.values())
+
+
+# ------------------------------------------------------------ merge
+
+def _merge_args():
+    rng = np.random.default_rng(1)
+    return dict(out1=rng.standard_normal((1, 5, 4, 8)).astype(np.float32),
+                lse1=rng.standard_normal((1, 4, 5)).astype(np.float32),
+                out2=rng.standard_normal((1, 5, 4, 8)).astype(np.float32),
+                lse2=rng.standard_normal((1, 4, 5)).astype(np.float32))
+
+
+@pytest.mark.parametrize("which,bad,match", [
+    ("out2", np.zeros((1, 6, 4, 8), np.float32), r"\bout2\b"),
+    ("out1", np.zeros((1, 5, 4), np.float32), r"\bout1\b"),
+    ("lse1", np.zeros((1, 5, 4), np.float32), r"\blse1\b"),
+    ("lse2", np.zeros((1, 4, 6), np.float32), r"\blse2\b"),
+])
+def test_merge_shape_errors(which, bad, match):
+    args = _merge_args()
+    args[which] = bad
+    with pytest.raises(ValueError, match=match):
+        ra.merge(*args.values())
+
+
+@pytest.mark.parametrize("which,bad,match", [
+    ("out1", np.zeros((1, 5, 4, 8), np.int16), r"\bout1\b"),
+    ("lse2", np.zeros((1, 4, 5), np.int32), r"\blse2\b"),
+    ("lse1", None, r"\blse1\b"),
+])
+def test_merge_type_errors(which, bad, match):
+    args = _merge_args()
+    args[which] = bad
+    with pytest.raises(TypeError, match=match):
+        ra.merge(*args.values())
+
+
+# ------------------------------------------------------------ layouts
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: ra.shard_indices(8, 2, "spiral"), "layout"),
+    (lambda: ra.shard_indices(8, 0, "zigzag"), "world_size"),
+    (lambda: ra.shard(np.zeros((1, 8)), 2, 2, "striped"), "rank"),
+    (lambda: ra.unshard([np.zeros((1, 3)), np.zeros((1, 1))], "contiguous"), "shards"),
+])
+def test_layout_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ------------------------------------------------------------ sizes
+
+@pytest.mark.parametrize("shape", [(2**40, 2**40), (2**62, 4), (2**31, 2**31, 2**2)])
+def test_empty_refuses_overflowing_sizes(shape):
+    with pytest.raises((ValueError, OverflowError)):
+        ra.empty(shape, dtype="float32")
+
+
+def test_empty_refuses_negative_sizes():
+    with pytest.raises(ValueError, match="shape"):
+        ra.empty((3, -1), dtype="float32")
+
+
+@pytest.mark.timeout(60)
+def test_huge_broadcast_query_is_refused_not_crashed():
+    """A zero-stride q claiming 2**45 bytes of output fails cleanly."""
+    base = np.zeros(8, np.float32)
+    q = np.lib.stride_tricks.as_strided(base, shape=(2**10, 2**30, 1, 8),
+                                        strides=(0, 0, 0, 4))
+    k = np.zeros((2**10, 1, 1, 8), np.float32)
+    with pytest.raises((MemoryError, ValueError, OverflowError)):
+        ra.attention(q, k, k)
+
+
+# ------------------------------------------------------------ DLPack producers
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice),
+                ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class HandMadeProducer:
+    """A DLPack producer (legacy capsule, NULL deleter) describing arbitrary metadata.
+
+    Its data pointer is a small real host buffer; the claimed shape may be
+    far larger, so a consumer that does not validate would read out of bounds.
+    """
+
+    def __init__(self, shape, strides=None, code=2, bits=32, lanes=1, device=(1, 0)):
+        self.storage = np.zeros(64, np.float32)
+        ndim = len(shape)
+        self.shape = (ctypes.c_int64 * max(ndim, 1))(*shape)
+        self.strides = None if strides is None else (ctypes.c_int64 * max(ndim, 1))(*strides)
+        self.managed = _DLManagedTensor()
+        t = self.managed.dl_tensor
+        t.data = self.storage.ctypes.data
+        t.device = _DLDevice(*device)
+        t.ndim = ndim
+        t.dtype = _DLDataType(code, bits, lanes)
+        t.shape = self.shape
+        t.strides = self.strides
+        self.device = device
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        return _capsule_new(ctypes.addressof(self.managed), b"dltensor", None)
+
+    def __dlpack_device__(self):
+        return self.device
+
+
+@pytest.mark.parametrize("producer", [
+    pytest.param(dict(shape=(2**62, 2**62)), id="numel-overflow"),
+    pytest.param(dict(shape=(2**61, 8)), id="bytes-overflow"),
+    pytest.param(dict(shape=(4, -3)), id="negative-shape"),
+    pytest.param(dict(shape=(4, 4), strides=(2**62, 1)), id="stride-overflow"),
+    pytest.param(dict(shape=(1,) * 9), id="too-many-dims"),
+])
+def test_bad_dlpack_metadata_is_refused(producer):
+    with pytest.raises((BufferError, ValueError, OverflowError)):
+        ra.from_dlpack(HandMadeProducer(**producer))
+
+
+def test_vector_lanes_are_refused():
+    with pytest.raises((BufferError, TypeError)):
+        ra.from_dlpack(HandMadeProducer(shape=(4,), lanes=4))
+
+
+def test_attention_refuses_non_float_dlpack_dtype():
+    producer = HandMadeProducer(shape=(1, 2, 1, 8), code=0, bits=32)  # int32
+    q, k, v = qkv(S_q=2, S_k=2, H=1, H_kv=1)
+    with pytest.raises(TypeError, match=r"\bq\b"):
+        ra.attention(producer, k, v)
+
+
+def test_from_dlpack_refuses_non_arrays():
+    with pytest.raises(TypeError):
+        ra.from_dlpack([1.0, 2.0])
