@@ -116,9 +116,13 @@ typedef struct ra_comm_vtable {
     /* Wake every waiter and stop all transfers (the comm is already marked
      * failed); safe from any thread, repeatable. */
     void (*abort)(ra_comm *c);
-    /* Release transport resources and the backend state; bounded time;
-     * called once, when no request is pending any more. */
+    /* Stop: finish pending requests as failed, stop threads, shut the
+     * transport down; bounded time; called once.  Other threads may still
+     * call into the backend afterwards (and get "closed" errors). */
     void (*close)(ra_comm *c);
+    /* Free the backend state; called once, after close, when nobody uses
+     * the communicator any more. */
+    void (*destroy)(ra_comm *c);
 } ra_comm_vtable;
 
 struct ra_comm {
@@ -159,6 +163,10 @@ ra_status ra_comm_check_usable(ra_comm *c, const char *op);
 void ra_comm_abort(ra_comm *c, const char *reason);
 /* Close once; bounded time even with dead peers. */
 void ra_comm_close(ra_comm *c);
+/* Wait until r finished or `until` passed, without failing anything;
+ * 1 when finished.  Lets the Python layer wait in slices and still see
+ * signals. */
+int ra_req_wait_done(ra_req *r, double until);
 /* Close, then free the struct (allocated by the backend with
  * ra_host_alloc(sizeof(ra_comm))). */
 void ra_comm_free(ra_comm *c);
@@ -174,6 +182,9 @@ void ra_req_finish_locked(ra_req *r, ra_status st, const char *msg);
 ra_status ra_comm_start(ra_comm *c, const ra_xfer *x, const char *op,
                         double timeout, ra_req **out);
 ra_status ra_comm_wait(ra_req *r, double timeout);   /* timeout<0: none */
+/* Wait until an absolute deadline; msg_timeout is the number of seconds a
+ * timeout message reports. */
+ra_status ra_comm_wait_until(ra_req *r, double deadline, double msg_timeout);
 int ra_comm_test(ra_req *r);                         /* 1 when finished */
 ra_status ra_comm_sendrecv(ra_comm *c, const ra_xfer *x, const char *op,
                            double timeout);

@@ -112,6 +112,7 @@ void ra_comm_close(ra_comm *c) {
 void ra_comm_free(ra_comm *c) {
     if (c == NULL) return;
     ra_comm_close(c);
+    if (c->vt->destroy != NULL) c->vt->destroy(c);
     ra_comm_destroy_base(c);
     ra_host_free(c, sizeof *c);
 }
@@ -290,6 +291,15 @@ done:
     return st;
 }
 
+ra_status ra_comm_wait_until(ra_req *r, double deadline,
+                             double msg_timeout) {
+    if (deadline > r->deadline) {
+        deadline = r->deadline;
+        msg_timeout = r->timeout;
+    }
+    return wait_deadline(r, deadline, msg_timeout);
+}
+
 ra_status ra_comm_wait(ra_req *r, double timeout) {
     double deadline = r->deadline, msg_timeout = r->timeout;
     if (timeout > 0 && ra_now() + timeout < deadline) {
@@ -297,6 +307,20 @@ ra_status ra_comm_wait(ra_req *r, double timeout) {
         msg_timeout = timeout;
     }
     return wait_deadline(r, deadline, msg_timeout);
+}
+
+int ra_req_wait_done(ra_req *r, double until) {
+    ra_comm *c = r->comm;
+    if (c->vt->wait != NULL) return atomic_load(&r->state) != RA_REQ_PENDING;
+    pthread_mutex_lock(&c->mu);
+    while (atomic_load(&r->state) == RA_REQ_PENDING && ra_now() < until) {
+        struct timespec ts;
+        timespec_at(until, &ts);
+        pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+    }
+    int done = atomic_load(&r->state) != RA_REQ_PENDING;
+    pthread_mutex_unlock(&c->mu);
+    return done;
 }
 
 int ra_comm_test(ra_req *r) {

@@ -858,7 +858,8 @@ static void host_close(ra_comm *c) {
         pthread_cond_broadcast(&h->qcv);
         pthread_mutex_unlock(&c->mu);
         wake_thread(h);
-        /* the thread leaves within one poll slice (1 s) */
+        /* the thread leaves at once: it never blocks outside poll and
+         * the wake pipe interrupts that */
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_sec += 10;
@@ -868,10 +869,14 @@ static void host_close(ra_comm *c) {
             c->impl = NULL;
             return;
         }
+        h->thread_started = 0;
+    } else {
+        pthread_mutex_lock(&c->mu);
+        h->stop = 1;
+        pthread_mutex_unlock(&c->mu);
     }
     for (int i = 0; i < c->size; i++)
         if (h->fds[i] >= 0) shutdown(h->fds[i], SHUT_RDWR);
-    host_free_impl(c);
 }
 
 static const ra_comm_vtable host_vtable = {
@@ -883,6 +888,7 @@ static const ra_comm_vtable host_vtable = {
     .allgather = NULL,
     .abort = host_abort,
     .close = host_close,
+    .destroy = host_free_impl,
 };
 
 ra_status ra_host_comm_create(int rank, int size, const char *master_addr,

@@ -290,6 +290,10 @@ static void threads_close(ra_comm *c) {
     }
     g->comms[c->rank] = NULL;
     pthread_mutex_unlock(&g->mu);
+}
+
+static void threads_destroy(ra_comm *c) {
+    ra_tgroup *g = c->impl;
     c->impl = NULL;
     ra_tgroup_decref(g);
 }
@@ -303,6 +307,7 @@ static const ra_comm_vtable threads_vtable = {
     .allgather = NULL,
     .abort = threads_abort,
     .close = threads_close,
+    .destroy = threads_destroy,
 };
 
 /* ---- group ------------------------------------------------------------- */

@@ -84,5 +84,3 @@ static struct PyModuleDef ra_module_def = {
 };
 
 PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&ra_module_def); }
-/* TEMP-WEAK: removed once comm.c lands */
-__attribute__((weak)) int ra_comm_exec(PyObject *m, ra_module_state *st) { (void)m; (void)st; return 0; }

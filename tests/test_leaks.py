@@ -44,7 +44,8 @@ def _call_merge(q, k, v, dout, out, lse):
 
 def _call_dlpack(q, k, v, dout, out, lse):
     buf = ra.from_dlpack(q)
-    np.from_dlpack(buf)
+    buf.numpy()
+    np.from_dlpack(ra.from_dlpack(lse))  # NumPy cannot import bfloat16 capsules
     buf.__dlpack__()
     buf.__dlpack__(max_version=(1, 0))
     np.from_dlpack(ra.empty((16,), dtype="float32"))

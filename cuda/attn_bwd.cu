@@ -1,0 +1,113 @@
+/*
+ * attn_bwd.cu -- the backward's entry points.
+ *
+ * ra_cuda_attn_bwd_preprocess: delta_i = sum_d dout_i[d] * out_i[d] in the
+ *   acc dtype, (B, H, S_q) with lse's strides.  One warp per (b, s, h) row,
+ *   256 threads per block, grid-stride.
+ * ra_cuda_attn_bwd: checks what the kernels rely on and runs the generic
+ *   deterministic kernels of attn_bwd_simt.cu (dk/dv pass, then dq pass;
+ *   every output element is written by exactly one thread, so no dq
+ *   conversion pass is needed and the bits are the same on every run).
+ *
+ * q, out, dout, dq: (B, S_q, H, D); k, v, dk, dv: (B, S_k, H_kv, D).
+ */
+#include "attn_kernels.cuh"
+
+namespace {
+
+template <typename T>
+__global__ void delta_kernel(ra_attn_bwd_params p) {
+    typedef typename ra::Acc<T>::type A;
+    const int lane = threadIdx.x & 31;
+    const int64_t rows = p.batch * p.seqlen_q * p.heads;
+    const int64_t warps_total = (int64_t)gridDim.x * (blockDim.x / 32);
+    for (int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+         row < rows; row += warps_total) {
+        // row = (b * S_q + s) * H + h
+        const int64_t h = row % p.heads;
+        const int64_t s = (row / p.heads) % p.seqlen_q;
+        const int64_t b = row / (p.heads * p.seqlen_q);
+        const T *o = (const T *)p.out + b * p.out_batch_stride + s * p.out_seq_stride +
+                     h * p.out_head_stride;
+        const T *g = (const T *)p.dout + b * p.dout_batch_stride + s * p.dout_seq_stride +
+                     h * p.dout_head_stride;
+        A acc = 0;
+        for (int64_t d = lane; d < p.head_dim; d += 32)
+            acc += ra::to_acc(o[d]) * ra::to_acc(g[d]);
+        acc = ra::warp_sum(acc);
+        if (lane == 0)
+            ((A *)p.delta)[b * p.lse_batch_stride + h * p.lse_head_stride +
+                           s * p.lse_seq_stride] = acc;
+    }
+}
+
+template <typename T>
+ra_status launch_delta(const ra_attn_bwd_params &p, cudaStream_t s) {
+    const int64_t rows = p.batch * p.seqlen_q * p.heads;
+    int64_t blocks = (rows + 7) / 8;
+    if (blocks > 65536) blocks = 65536;
+    // one warp per (b, s, h) row; 8 rows per 256-thread block
+    delta_kernel<T><<<(unsigned)blocks, 256, 0, s>>>(p);
+    RA_CUDA_CHECK_LAUNCH("delta_kernel");
+    return RA_OK;
+}
+
+ra_status check_bwd(const ra_attn_bwd_params *p) {
+    if (p->dtype != RA_FLOAT32 && p->dtype != RA_FLOAT64 &&
+        p->dtype != RA_FLOAT16 && p->dtype != RA_BFLOAT16) {
+        ra_set_error(RA_ERR_TYPE, "attention backward: unsupported dtype %s",
+                     ra_dtype_name(p->dtype));
+        return RA_ERR_TYPE;
+    }
+    if (p->out_dtype != p->dtype) {
+        ra_set_error(RA_ERR_TYPE, "attention backward on CUDA: out/dout dtype %s must equal "
+                     "q's dtype %s", ra_dtype_name(p->out_dtype), ra_dtype_name(p->dtype));
+        return RA_ERR_TYPE;
+    }
+    const ra_dtype acc = ra_acc_dtype(p->dtype);
+    if (p->grad_dtype != p->dtype && p->grad_dtype != acc) {
+        ra_set_error(RA_ERR_TYPE, "attention backward: grad dtype %s must be %s or %s",
+                     ra_dtype_name(p->grad_dtype), ra_dtype_name(p->dtype), ra_dtype_name(acc));
+        return RA_ERR_TYPE;
+    }
+    if (p->accumulate && p->grad_dtype != acc) {
+        ra_set_error(RA_ERR_TYPE, "attention backward: accumulated grads must be %s, got %s",
+                     ra_dtype_name(acc), ra_dtype_name(p->grad_dtype));
+        return RA_ERR_TYPE;
+    }
+    if (p->head_dim < 1 || p->head_dim > RA_MAX_HEAD_DIM) {
+        ra_set_error(RA_ERR_VALUE, "attention backward: head_dim %lld outside [1, %d] on CUDA",
+                     (long long)p->head_dim, RA_MAX_HEAD_DIM);
+        return RA_ERR_VALUE;
+    }
+    if (p->heads_kv < 1 || p->heads % p->heads_kv != 0) {
+        ra_set_error(RA_ERR_VALUE, "attention backward: heads %lld not a multiple of kv "
+                     "heads %lld", (long long)p->heads, (long long)p->heads_kv);
+        return RA_ERR_VALUE;
+    }
+    if (p->causal && (p->q_pos_stride < 1 || p->k_pos_stride < 1)) {
+        ra_set_error(RA_ERR_VALUE, "attention backward: position strides must be >= 1");
+        return RA_ERR_VALUE;
+    }
+    return RA_OK;
+}
+
+}  // namespace
+
+extern "C" ra_status ra_cuda_attn_bwd_preprocess(const ra_attn_bwd_params *p, void *stream) {
+    RA_CHECK(check_bwd(p));
+    if (p->batch == 0 || p->heads == 0 || p->seqlen_q == 0) return RA_OK;
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (p->dtype) {
+    case RA_FLOAT32: return launch_delta<float>(*p, s);
+    case RA_FLOAT64: return launch_delta<double>(*p, s);
+    case RA_FLOAT16: return launch_delta<ra::half_t>(*p, s);
+    default: return launch_delta<ra::bf16_t>(*p, s);
+    }
+}
+
+extern "C" ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream) {
+    RA_CHECK(check_bwd(p));
+    if (p->batch == 0 || p->heads == 0) return RA_OK;
+    return ra_bwd_simt(*p, (cudaStream_t)stream);
+}

@@ -1,0 +1,360 @@
+"""The ring: attention over a sequence sharded across ranks.
+
+Each rank holds a shard of q, k, v along the sequence (``layout``: DESIGN §4).
+Forward: the rank keeps its q and a float32 running state (out, lse); k/v
+blocks travel around the ring (send to r+1, receive from r-1), double
+buffered, the transfer of the next block started before the kernel on the
+current one so the two overlap.  Each block merges into the running state by
+the LSE rule inside the kernel (``accumulate``), so nothing is rounded to the
+input dtype between steps.  Blocks entirely in the causal future are skipped.
+
+Backward: each rank keeps q, out, lse, dout and accumulates dq; dk/dv
+accumulators (float32) travel with their k/v blocks and, after p hops, arrive
+back at their owner.  Only kv heads travel (GQA cuts traffic by H/H_kv).
+Memory per rank is O(n/p).
+
+Shapes (local shard of n_r tokens): q, out, dout (B, n_r, H, D); k, v
+(B, n_r, H_kv, D); lse (B, H, n_r) float32 (float64 for float64 inputs).
+"""
+
+import math
+import pickle
+
+from . import _C, layout as _layout
+from .interop import kind_of, from_buffer, to_buffer
+
+__all__ = ["ring_attention", "ring_attention_backward", "RingPlan"]
+
+
+class RingPlan:
+    """What every rank agreed on before the first ring step.
+
+    Built by ``agree`` from one allgather: sizes, dtype, flags and every
+    rank's shard length; any mismatch raises ValueError on every rank (all
+    ranks compare the same gathered list, so none is left waiting).
+    """
+
+    def __init__(self, rank, world_size, n, lengths, layout, progressions):
+        self.rank = rank
+        self.world_size = world_size
+        self.n = n
+        self.lengths = lengths
+        self.layout = layout
+        self.progressions = progressions  # per rank: [(start, stride, len)]
+
+    def local_pieces(self, rank):
+        """[(local_offset, start, stride, length)] of `rank`'s shard."""
+        pieces, off = [], 0
+        for start, stride, length in self.progressions[rank]:
+            pieces.append((off, start, stride, length))
+            off += length
+        return pieces
+
+
+def _describe(op, q, k, causal, scale, layout, seq_len, extra=()):
+    B, n_r, H, D = q.shape
+    return {
+        "op": op,
+        "batch": B, "heads": H, "heads_kv": k.shape[2], "head_dim": D,
+        "dtype": q.dtype, "device": q.device[0],
+        "causal": bool(causal),
+        "scale": None if scale is None else float(scale),
+        "layout": layout, "seq_len": seq_len, "extra": tuple(extra),
+        "length": n_r,
+    }
+
+
+def agree(comm, desc, layout, seq_len, timeout=None):
+    """Allgather `desc` and check every rank asked for the same thing.
+
+    Returns a RingPlan.  Raises ValueError (on every rank) naming the field
+    and the ranks that disagree, or when the shard lengths do not match
+    ``shard_indices(n, p, layout)``.
+    """
+    p, r = comm.size, comm.rank
+    if p == 1:
+        descs = [desc]
+    else:
+        blobs = comm.allgather(pickle.dumps(desc, protocol=4))
+        descs = [pickle.loads(b) for b in blobs]
+    for key in desc:
+        if key == "length":
+            continue
+        values = [d[key] for d in descs]
+        if any(v != values[0] for v in values):
+            detail = ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(values))
+            raise ValueError(
+                f"{key}: expected the same value on every rank, got {detail}")
+    lengths = [d["length"] for d in descs]
+    n = sum(lengths) if seq_len is None else int(seq_len)
+    expected = [len(ix) for ix in _layout.shard_indices(n, p, layout)]
+    if lengths != expected:
+        raise ValueError(
+            f"shard lengths: expected {expected} for seq_len={n}, "
+            f"world_size={p}, layout={layout!r}, got {lengths} "
+            f"(rank {r} holds {lengths[r]} tokens)")
+    progs = [_layout.shard_progressions(n, p, layout, i) for i in range(p)]
+    return RingPlan(r, p, n, lengths, layout, progs)
+
+
+def _check_layout(layout):
+    if layout not in ("contiguous", "zigzag", "striped"):
+        raise ValueError(
+            "layout: expected 'contiguous', 'zigzag' or 'striped', "
+            f"got {layout!r}")
+
+
+def _check_comm(comm):
+    for attr in ("rank", "size", "sendrecv_start", "allgather"):
+        if not hasattr(comm, attr):
+            raise TypeError(
+                f"comm: expected a ringattn communicator (ra.init / ra.launch), "
+                f"got {type(comm).__name__}")
+
+
+def _default_threads(comm):
+    """Kernel threads per rank: threads-backend ranks share the cores."""
+    if getattr(comm, "backend", "") == "threads" and comm.size > 1:
+        return max(1, _C.cpu_num_threads() // comm.size)
+    return 0
+
+
+def _fill(buf, value):
+    if buf.device[0] == "cpu":
+        buf.numpy().fill(value)
+    else:
+        raise NotImplementedError("device running state is set by the GPU ring")
+
+
+def _pairs(plan, q_rank, k_rank, causal):
+    """(q piece, k piece) pairs of two shards that have any visible key."""
+    out = []
+    for qp in plan.local_pieces(q_rank):
+        q_off, q_start, q_stride, q_len = qp
+        q_last = q_start + q_stride * (q_len - 1)
+        for kp in plan.local_pieces(k_rank):
+            k_off, k_start, k_stride, k_len = kp
+            if causal and k_start > q_last:
+                continue  # entirely in the causal future
+            out.append((qp, kp))
+    return out
+
+
+class _KVBlocks:
+    """Two flat buffers that hold packed blocks (m, B, L, H_kv, D) in turn.
+
+    A block from a rank with L tokens occupies the first m*B*L*H_kv*D
+    elements, so one allocation of the largest shard serves every step.
+    """
+
+    def __init__(self, m, B, Hkv, D, max_len, dtype, device):
+        self.m, self.B, self.Hkv, self.D = m, B, Hkv, D
+        size = max(1, m * B * max_len * Hkv * D)
+        self.flat = [_C.empty((size,), dtype, *device),
+                     _C.empty((size,), dtype, *device)]
+
+    def view(self, i, length):
+        numel = self.m * self.B * length * self.Hkv * self.D
+        return self.flat[i].narrow(0, 0, numel).reshape(
+            (self.m, self.B, length, self.Hkv, self.D))
+
+    def part(self, packed, j):
+        """Part j (B, L, H_kv, D) of a packed block (m, B, L, H_kv, D)."""
+        _, B, L, Hkv, D = packed.shape
+        return packed.narrow(0, j, 1).reshape((B, L, Hkv, D))
+
+
+_DEVICE_CODES = {"cpu": 1, "cuda": 2}
+
+
+def _device(buf):
+    kind, idx = buf.device
+    return (_DEVICE_CODES[kind], idx)
+
+
+def ring_attention(q, k, v, comm, *, causal=False, scale=None,
+                   layout="contiguous", seq_len=None, return_lse=False,
+                   progress=None, num_threads=None, timeout=None):
+    """Exact attention over the sequence sharded across `comm`'s ranks.
+
+    q: (B, n_r, H, D), k, v: (B, n_r, H_kv, D): this rank's shard in
+    `layout` ('contiguous' | 'zigzag' | 'striped'), n_r =
+    len(shard_indices(seq_len, p, layout)[rank]).  Causal masking uses the
+    tokens' global positions.  seq_len=None: ranks exchange shard lengths.
+    Returns out (B, n_r, H, D) in q's dtype, and lse (B, H, n_r) float32
+    (float64 for float64) with return_lse=True.  progress(step, steps) is
+    called after each ring step.
+    """
+    _check_comm(comm)
+    _check_layout(layout)
+    kind = kind_of(q)
+    qb, kb, vb = to_buffer(q, "q"), to_buffer(k, "k"), to_buffer(v, "v")
+    if qb.ndim != 4 or kb.ndim != 4 or vb.ndim != 4:
+        bad = next(nm for nm, b in (("q", qb), ("k", kb), ("v", vb)) if b.ndim != 4)
+        got = {"q": qb, "k": kb, "v": vb}[bad].ndim
+        raise ValueError(
+            f"{bad}: expected 4 dimensions (batch, seq, heads, head_dim), got {got}")
+    if kb.shape[1] != qb.shape[1] or vb.shape[1] != qb.shape[1]:
+        raise ValueError(
+            f"k: expected this rank's shard length {qb.shape[1]} (from q), "
+            f"got {kb.shape[1]} (k) and {vb.shape[1]} (v)")
+    plan = agree(comm, _describe("fwd", qb, kb, causal, scale, layout, seq_len),
+                 layout, seq_len)
+    threads = _default_threads(comm) if num_threads is None else num_threads
+    out, lse = _ring_forward(qb, kb, vb, comm, plan, bool(causal), scale,
+                             progress, threads, timeout)
+    out_final = out if out.dtype == qb.dtype else out.astype(qb.dtype)
+    out_final = from_buffer(out_final, kind)
+    if return_lse:
+        return out_final, from_buffer(lse, kind)
+    return out_final
+
+
+def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
+                  timeout):
+    p, r = plan.world_size, plan.rank
+    B, n_r, H, D = qb.shape
+    Hkv = kb.shape[2]
+    dev = _device(qb)
+    acc = "float64" if qb.dtype == "float64" else "float32"
+    out = _C.zeros((B, n_r, H, D), acc, *dev)
+    lse = _C.empty((B, H, n_r), acc, *dev)
+    _fill(lse, -math.inf)
+    blocks = _KVBlocks(2, B, Hkv, D, max(plan.lengths), qb.dtype, dev)
+    cur = blocks.view(0, n_r)
+    blocks.part(cur, 0).copy_(kb)
+    blocks.part(cur, 1).copy_(vb)
+    cur_i = 0
+    for step in range(p):
+        src_rank = (r - step) % p          # whose block we hold now
+        req = None
+        if step < p - 1:
+            nxt_len = plan.lengths[(r - step - 1) % p]
+            nxt = blocks.view(1 - cur_i, nxt_len)
+            req = comm.sendrecv_start(cur, (r + 1) % p, nxt, (r - 1) % p,
+                                      step=step, timeout=timeout)
+        k_blk, v_blk = blocks.part(cur, 0), blocks.part(cur, 1)
+        for (q_off, q_start, q_stride, q_len), (k_off, k_start, k_stride,
+                                                k_len) in _pairs(
+                plan, r, src_rank, causal):
+            _C.attn_fwd(qb.narrow(1, q_off, q_len),
+                        k_blk.narrow(1, k_off, k_len),
+                        v_blk.narrow(1, k_off, k_len),
+                        causal=causal, scale=scale,
+                        out=out.narrow(1, q_off, q_len),
+                        lse=lse.narrow(2, q_off, q_len), accumulate=True,
+                        q_pos_offset=q_start, q_pos_stride=q_stride,
+                        k_pos_offset=k_start, k_pos_stride=k_stride,
+                        num_threads=threads)
+        if req is not None:
+            req.wait()
+            cur_i = 1 - cur_i
+            cur = nxt
+        if progress is not None:
+            progress(step + 1, p)
+    return out, lse
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
+                            scale=None, layout="contiguous", seq_len=None,
+                            progress=None, num_threads=None, timeout=None):
+    """Gradients of ``ring_attention`` for this rank's shard.
+
+    dout, q, out: (B, n_r, H, D); k, v: (B, n_r, H_kv, D); lse: (B, H, n_r)
+    as returned by ``ring_attention(..., return_lse=True)``.  Returns
+    (dq, dk, dv) in the inputs' dtypes; dk/dv are this rank's keys'
+    gradients summed over every rank's queries.
+    """
+    _check_comm(comm)
+    _check_layout(layout)
+    kind = kind_of(q)
+    qb, kb, vb = to_buffer(q, "q"), to_buffer(k, "k"), to_buffer(v, "v")
+    doutb, outb, lseb = (to_buffer(dout, "dout"), to_buffer(out, "out"),
+                         to_buffer(lse, "lse"))
+    for name, b in (("q", qb), ("k", kb), ("v", vb), ("dout", doutb),
+                    ("out", outb)):
+        if b.ndim != 4:
+            raise ValueError(f"{name}: expected 4 dimensions (batch, seq, heads, "
+                             f"head_dim), got {b.ndim}")
+    if kb.shape[1] != qb.shape[1] or vb.shape[1] != qb.shape[1]:
+        raise ValueError(
+            f"k: expected this rank's shard length {qb.shape[1]} (from q), "
+            f"got {kb.shape[1]} (k) and {vb.shape[1]} (v)")
+    plan = agree(comm, _describe("bwd", qb, kb, causal, scale, layout, seq_len),
+                 layout, seq_len)
+    threads = _default_threads(comm) if num_threads is None else num_threads
+    dq, dk, dv = _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan,
+                                bool(causal), scale, progress, threads, timeout)
+    res = []
+    for g, like in ((dq, qb), (dk, kb), (dv, vb)):
+        g = g if g.dtype == like.dtype else g.astype(like.dtype)
+        res.append(from_buffer(g, kind))
+    return tuple(res)
+
+
+def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan, causal, scale,
+                   progress, threads, timeout):
+    p, r = plan.world_size, plan.rank
+    B, n_r, H, D = qb.shape
+    Hkv = kb.shape[2]
+    dev = _device(qb)
+    acc = "float64" if qb.dtype == "float64" else "float32"
+    # checks out/dout/lse shapes and computes delta = rowsum(dout * out)
+    delta = _C.attn_bwd_preprocess(doutb, outb, num_threads=threads)
+    dq = _C.zeros((B, n_r, H, D), acc, *dev)
+    max_len = max(plan.lengths)
+    kv = _KVBlocks(2, B, Hkv, D, max_len, qb.dtype, dev)
+    dkv = _KVBlocks(2, B, Hkv, D, max_len, acc, dev)
+    kv_cur, kv_i = kv.view(0, n_r), 0
+    kv.part(kv_cur, 0).copy_(kb)
+    kv.part(kv_cur, 1).copy_(vb)
+    dkv_cur, dkv_i = dkv.view(0, n_r), 0
+    dkv_cur.zero_()
+    dkv_req = None
+    for step in range(p):
+        src_rank = (r - step) % p
+        if dkv_req is not None:       # this block's dk/dv from the previous rank
+            dkv_req.wait()
+            dkv_i = 1 - dkv_i
+            dkv_cur = dkv_nxt
+        kv_req = None
+        if step < p - 1:
+            kv_nxt = kv.view(1 - kv_i, plan.lengths[(r - step - 1) % p])
+            kv_req = comm.sendrecv_start(kv_cur, (r + 1) % p, kv_nxt,
+                                         (r - 1) % p, step=step, timeout=timeout)
+        k_blk, v_blk = kv.part(kv_cur, 0), kv.part(kv_cur, 1)
+        dk_blk, dv_blk = dkv.part(dkv_cur, 0), dkv.part(dkv_cur, 1)
+        for (q_off, q_start, q_stride, q_len), (k_off, k_start, k_stride,
+                                                k_len) in _pairs(
+                plan, r, src_rank, causal):
+            _C.attn_bwd(doutb.narrow(1, q_off, q_len),
+                        qb.narrow(1, q_off, q_len),
+                        k_blk.narrow(1, k_off, k_len),
+                        v_blk.narrow(1, k_off, k_len),
+                        None, lseb.narrow(2, q_off, q_len),
+                        causal=causal, scale=scale,
+                        dq=dq.narrow(1, q_off, q_len),
+                        dk=dk_blk.narrow(1, k_off, k_len),
+                        dv=dv_blk.narrow(1, k_off, k_len),
+                        delta=delta.narrow(2, q_off, q_len), accumulate=True,
+                        q_pos_offset=q_start, q_pos_stride=q_stride,
+                        k_pos_offset=k_start, k_pos_stride=k_stride,
+                        num_threads=threads)
+        if kv_req is not None:
+            kv_req.wait()
+            kv_i = 1 - kv_i
+            kv_cur = kv_nxt
+        if p > 1:
+            # dk/dv move on with their block; after the last step they reach
+            # their owner, and ours arrives from the previous rank
+            home_len = plan.lengths[(r - step - 1) % p]
+            dkv_nxt = dkv.view(1 - dkv_i, home_len)
+            dkv_req = comm.sendrecv_start(dkv_cur, (r + 1) % p, dkv_nxt,
+                                          (r - 1) % p, step=step,
+                                          timeout=timeout)
+        if progress is not None:
+            progress(step + 1, p)
+    if dkv_req is not None:
+        dkv_req.wait()
+        dkv_cur = dkv_nxt
+    return dq, dkv.part(dkv_cur, 0), dkv.part(dkv_cur, 1)
