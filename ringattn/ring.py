@@ -19,6 +19,7 @@ Shapes (local shard of n_r tokens): q, out, dout (B, n_r, H, D); k, v
 
 import math
 import pickle
+import time
 
 from . import _C, layout as _layout
 from .interop import kind_of, from_buffer, to_buffer
@@ -174,7 +175,8 @@ def _device(buf):
 
 def ring_attention(q, k, v, comm, *, causal=False, scale=None,
                    layout="contiguous", seq_len=None, return_lse=False,
-                   progress=None, num_threads=None, timeout=None):
+                   progress=None, num_threads=None, timeout=None,
+                   profile=None):
     """Exact attention over the sequence sharded across `comm`'s ranks.
 
     q: (B, n_r, H, D), k, v: (B, n_r, H_kv, D): this rank's shard in
@@ -183,7 +185,9 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
     tokens' global positions.  seq_len=None: ranks exchange shard lengths.
     Returns out (B, n_r, H, D) in q's dtype, and lse (B, H, n_r) float32
     (float64 for float64) with return_lse=True.  progress(step, steps) is
-    called after each ring step.
+    called after each ring step.  profile: a dict to fill with
+    {"compute_s", "wait_s", "steps", "bytes_sent"} (time in kernels, time
+    blocked waiting for transfers, ring steps, bytes this rank sent).
     """
     _check_comm(comm)
     _check_layout(layout)
@@ -202,7 +206,7 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
                  layout, seq_len)
     threads = _default_threads(comm) if num_threads is None else num_threads
     out, lse = _ring_forward(qb, kb, vb, comm, plan, bool(causal), scale,
-                             progress, threads, timeout)
+                             progress, threads, timeout, profile)
     out_final = out if out.dtype == qb.dtype else out.astype(qb.dtype)
     out_final = from_buffer(out_final, kind)
     if return_lse:
@@ -211,7 +215,7 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
 
 
 def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
-                  timeout):
+                  timeout, profile=None):
     p, r = plan.world_size, plan.rank
     B, n_r, H, D = qb.shape
     Hkv = kb.shape[2]
@@ -225,6 +229,8 @@ def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
     blocks.part(cur, 0).copy_(kb)
     blocks.part(cur, 1).copy_(vb)
     cur_i = 0
+    compute_s = wait_s = 0.0
+    sent = 0
     for step in range(p):
         src_rank = (r - step) % p          # whose block we hold now
         req = None
@@ -233,6 +239,8 @@ def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
             nxt = blocks.view(1 - cur_i, nxt_len)
             req = comm.sendrecv_start(cur, (r + 1) % p, nxt, (r - 1) % p,
                                       step=step, timeout=timeout)
+            sent += cur.nbytes
+        t0 = time.perf_counter()
         k_blk, v_blk = blocks.part(cur, 0), blocks.part(cur, 1)
         for (q_off, q_start, q_stride, q_len), (k_off, k_start, k_stride,
                                                 k_len) in _pairs(
@@ -246,12 +254,19 @@ def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
                         q_pos_offset=q_start, q_pos_stride=q_stride,
                         k_pos_offset=k_start, k_pos_stride=k_stride,
                         num_threads=threads)
+        t1 = time.perf_counter()
         if req is not None:
             req.wait()
             cur_i = 1 - cur_i
             cur = nxt
+        t2 = time.perf_counter()
+        compute_s += t1 - t0
+        wait_s += t2 - t1
         if progress is not None:
             progress(step + 1, p)
+    if profile is not None:
+        profile.update(compute_s=compute_s, wait_s=wait_s, steps=p,
+                       bytes_sent=sent)
     return out, lse
 
 

@@ -1,0 +1,187 @@
+"""``ringattn demo``: a ring over local ranks, checked against one rank.
+
+Every rank generates only its own shard of q, k, v and dout (rows are drawn
+from a generator seeded per chunk of positions, so any rank can produce any
+rows without holding the rest), runs ``ring_attention`` forward and backward,
+and returns its values at a few sampled global positions together with its
+timings and peak ringattn memory.  The parent then runs the same problem on
+one rank (``attention`` / ``attention_backward`` over the whole sequence) and
+reports the largest difference at the sampled rows.
+"""
+
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+_CHUNK = 512
+
+
+def demo_rows(seed, shape_bhd, kv_heads, positions, dtype="float32"):
+    """q, k, v, dout rows at global `positions`.
+
+    shape_bhd = (B, H, D).  Returns arrays (B, len, H, D) for q and dout and
+    (B, len, H_kv, D) for k and v; identical for the same position whichever
+    rank asks.
+    """
+    B, H, D = shape_bhd
+    positions = np.asarray(positions, dtype=np.int64)
+    outs = [np.empty((B, len(positions), h, D), np.float32)
+            for h in (H, kv_heads, kv_heads, H)]
+    if len(positions):
+        chunks = np.unique(positions // _CHUNK)
+        for c in chunks:
+            sel = np.nonzero(positions // _CHUNK == c)[0]
+            rows = positions[sel] - c * _CHUNK
+            rng = np.random.default_rng([seed, int(c)])
+            for i, h in enumerate((H, kv_heads, kv_heads, H)):
+                block = rng.standard_normal((B, _CHUNK, h, D), dtype=np.float32)
+                outs[i][:, sel] = block[:, rows]
+    if dtype != "float32":
+        from .testing import np_dtype
+
+        outs = [o.astype(np_dtype(dtype)) for o in outs]
+    return outs
+
+
+class _Bar:
+    def __init__(self, label, stream=sys.stderr):
+        self.label, self.stream, self.t0 = label, stream, time.perf_counter()
+
+    def __call__(self, step, steps):
+        width = 24
+        done = int(width * step / steps)
+        el = time.perf_counter() - self.t0
+        self.stream.write(f"\r  {self.label:8s} ring step {step}/{steps} "
+                          f"[{'#' * done}{'.' * (width - done)}] {el:6.1f} s")
+        if step == steps:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _rank_main(comm, cfg):
+    import ringattn as ra
+
+    from .layout import shard_positions
+
+    p, r = comm.size, comm.rank
+    n, B, H, Hkv, D = cfg["n"], cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    pos = shard_positions(n, p, cfg["layout"], r)
+    q, k, v, dout = demo_rows(cfg["seed"], (B, H, D), Hkv, pos, cfg["dtype"])
+    threads = cfg["threads"]
+    comm.barrier()
+    ra.reset_peak_memory_stats()
+    base = ra.memory_stats()["cpu"]["current"]
+    show = r == 0 and cfg["progress"]
+    t0 = time.perf_counter()
+    out, lse = ra.ring_attention(q, k, v, comm, causal=cfg["causal"],
+                                 layout=cfg["layout"], seq_len=n,
+                                 return_lse=True, num_threads=threads,
+                                 progress=_Bar("forward") if show else None)
+    t1 = time.perf_counter()
+    comm.barrier()
+    t2 = time.perf_counter()
+    dq, dk, dv = ra.ring_attention_backward(
+        dout, q, k, v, out, lse, comm, causal=cfg["causal"],
+        layout=cfg["layout"], seq_len=n, num_threads=threads,
+        progress=_Bar("backward") if show else None)
+    t3 = time.perf_counter()
+    comm.barrier()
+    peak = ra.memory_stats()["cpu"]["peak"] - base
+    samples = np.asarray(cfg["samples"], dtype=np.int64)
+    mine = np.nonzero(np.isin(pos, samples))[0]
+    to64 = lambda a: np.asarray(a, dtype=np.float64)
+    return {
+        "rank": r, "tokens": len(pos), "fwd_s": t1 - t0, "bwd_s": t3 - t2,
+        "peak_bytes": peak,
+        "positions": pos[mine],
+        "out": to64(out[:, mine]), "lse": to64(lse[:, :, mine]),
+        "dq": to64(dq[:, mine]), "dk": to64(dk[:, mine]), "dv": to64(dv[:, mine]),
+    }
+
+
+def _flops(B, H, n, D, causal):
+    f = 4.0 * B * H * n * n * D
+    return f / 2 if causal else f
+
+
+def run(args):
+    import ringattn as ra
+
+    n, p = args.seq_len, args.ranks
+    causal = not args.no_causal
+    rng = np.random.default_rng(args.seed + 1)
+    samples = np.sort(rng.choice(n, size=min(args.samples, n), replace=False))
+    backend = args.backend
+    if backend == "auto":
+        backend = "host"
+    threads = args.threads or max(1, (os.cpu_count() or 1) // p)
+    cfg = {"n": n, "batch": args.batch, "heads": args.heads,
+           "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
+           "layout": args.layout, "causal": causal, "seed": args.seed,
+           "dtype": args.dtype, "samples": samples.tolist(),
+           "threads": threads, "progress": not args.quiet}
+    B, H, Hkv, D = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    print(f"ringattn demo: {p} ranks ({backend} backend, {threads} kernel "
+          f"thread(s) each), {n} tokens, batch {B}, {H} heads "
+          f"({Hkv} kv), head_dim {D}, {args.dtype}, "
+          f"{'causal' if causal else 'full'}, {args.layout} layout")
+    t0 = time.perf_counter()
+    results = ra.launch(_rank_main, p, args=(cfg,), backend=backend)
+    wall = time.perf_counter() - t0
+    results.sort(key=lambda x: x["rank"])
+
+    print("checking against a single-rank run of the whole sequence ...")
+    full = demo_rows(args.seed, (B, H, D), Hkv, np.arange(n), args.dtype)
+    ra.reset_peak_memory_stats()
+    base = ra.memory_stats()["cpu"]["current"]
+    s0 = time.perf_counter()
+    out, lse = ra.attention(full[0], full[1], full[2], causal=causal,
+                            return_lse=True)
+    s1 = time.perf_counter()
+    grads = ra.attention_backward(full[3], full[0], full[1], full[2], out, lse,
+                                  causal=causal)
+    s2 = time.perf_counter()
+    single_peak = ra.memory_stats()["cpu"]["peak"] - base
+
+    ref = {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1],
+           "dv": grads[2]}
+    err = {key: 0.0 for key in ref}
+    for res in results:
+        pos = res["positions"]
+        for key in ref:
+            r_arr = np.asarray(ref[key], dtype=np.float64)
+            r_rows = r_arr[:, :, pos] if key == "lse" else r_arr[:, pos]
+            if r_rows.size:
+                d = np.abs(res[key] - r_rows)
+                d = np.where(np.isfinite(r_rows), d, 0.0)
+                scale = max(1.0, float(np.max(np.abs(np.where(
+                    np.isfinite(r_rows), r_rows, 0.0)))))
+                err[key] = max(err[key], float(np.max(d)) / scale)
+
+    flops = _flops(B, H, n, D, causal)
+    fwd_ring = max(x["fwd_s"] for x in results)
+    bwd_ring = max(x["bwd_s"] for x in results)
+    print()
+    print(f"{'rank':>4} {'tokens':>7} {'peak MiB':>9} {'fwd s':>7} {'bwd s':>7}")
+    for x in results:
+        print(f"{x['rank']:>4} {x['tokens']:>7} {x['peak_bytes'] / 2**20:>9.1f} "
+              f"{x['fwd_s']:>7.2f} {x['bwd_s']:>7.2f}")
+    print(f"{'1':>4} {n:>7} {single_peak / 2**20:>9.1f} {s1 - s0:>7.2f} "
+          f"{s2 - s1:>7.2f}   <- single rank, whole sequence")
+    print()
+    print(f"ring forward : {fwd_ring:7.2f} s  {flops / fwd_ring / 1e9:8.1f} GFLOP/s  "
+          f"{B * n / fwd_ring:10.0f} tokens/s")
+    print(f"ring backward: {bwd_ring:7.2f} s  {2.5 * flops / bwd_ring / 1e9:8.1f} GFLOP/s  "
+          f"{B * n / bwd_ring:10.0f} tokens/s")
+    print(f"launch + ring wall time: {wall:.1f} s")
+    tol = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2,
+           "bfloat16": 5e-2}[args.dtype]
+    worst = max(err.values())
+    print("max error vs single rank on %d sampled rows (relative to max |ref|): %s"
+          % (len(samples), ", ".join(f"{k} {v:.2e}" for k, v in err.items())))
+    ok = worst <= tol and all(math.isfinite(v) for v in err.values())
+    print(f"{'PASS' if ok else 'FAIL'} (tolerance {tol:g})")
+    return 0 if ok else 1

@@ -1,0 +1,310 @@
+"""GPU tests of ringattn's CUDA kernels through the public API.
+
+Every test carries the ``gpu`` marker and skips unless
+``ringattn.cuda_available()`` is true and CuPy or PyTorch (with CUDA) is
+importable.  Results are compared with the float64 references of
+``ringattn.testing`` computed on host copies of the very inputs the kernel
+saw (so bf16/fp16 rounding of the inputs is not counted as error).
+
+Tolerance: max |got - ref| <= tol * max(1, max |ref|), with tol 2e-2 for
+bfloat16, 5e-3 for float16, 1e-4 for float32 and 1e-9 for float64.
+
+Assumptions about the layers written elsewhere (skipped when absent):
+  * ``ra.memory_stats()["cuda"]["current"]`` is the bytes ringattn holds.
+  * ``ringattn._C.attention_forward_state(q, k, v, out, lse, causal=,
+    scale=, q_pos_offset=, k_pos_offset=)`` runs the forward with
+    accumulate=1 on a float32 running state (out, lse) in place.
+"""
+import os
+
+import numpy as np
+import pytest
+
+ra = pytest.importorskip("ringattn")
+testing = pytest.importorskip("ringattn.testing")
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda_ok():
+    try:
+        ok = ra.cuda_available()
+    except Exception:  # noqa: BLE001 - any failure means "no GPU here"
+        return False
+    return bool(ok[0] if isinstance(ok, tuple) else ok)
+
+
+if not _cuda_ok():
+    pytest.skip("CUDA is not available to ringattn", allow_module_level=True)
+
+try:
+    import torch
+
+    HAVE_TORCH = torch.cuda.is_available()
+except ImportError:
+    torch = None
+    HAVE_TORCH = False
+try:
+    import cupy
+
+    HAVE_CUPY = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001 - ImportError or a CuPy without a driver
+    cupy = None
+    HAVE_CUPY = False
+
+if not (HAVE_TORCH or HAVE_CUPY):
+    pytest.skip("needs PyTorch with CUDA or CuPy", allow_module_level=True)
+
+TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4, "float64": 1e-9}
+
+
+# ---- device array helpers ----------------------------------------------------
+
+def backends_for(dtype):
+    out = []
+    if HAVE_TORCH:
+        out.append("torch")
+    if HAVE_CUPY and dtype != "bfloat16":  # CuPy has no bfloat16
+        out.append("cupy")
+    return out
+
+
+def to_device(x, dtype, backend):
+    """float64 numpy -> device array of `dtype` on the chosen backend."""
+    if backend == "torch":
+        return torch.from_numpy(np.ascontiguousarray(x)).to("cuda").to(getattr(torch, dtype))
+    return cupy.asarray(x).astype(dtype)
+
+
+def to_host(x):
+    """device array (or numpy) -> float64 numpy."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.detach().to(torch.float64).cpu().numpy()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return cupy.asnumpy(x.astype("float64"))
+    return np.asarray(x, dtype=np.float64)
+
+
+def close(got, ref, dtype):
+    got, ref = to_host(got), np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    fin = np.isfinite(ref)
+    assert np.array_equal(np.isneginf(got), np.isneginf(ref)), "-inf pattern differs"
+    assert not np.isnan(got).any(), "NaN in result"
+    err = np.abs(got[fin] - ref[fin]).max(initial=0.0)
+    bound = TOL[dtype] * max(1.0, np.abs(ref[fin]).max(initial=0.0))
+    assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
+
+
+def make_qkv(rng, B, Sq, Sk, H, Hkv, D, dtype, backend):
+    q = to_device(rng.standard_normal((B, Sq, H, D)), dtype, backend)
+    k = to_device(rng.standard_normal((B, Sk, Hkv, D)), dtype, backend)
+    v = to_device(rng.standard_normal((B, Sk, Hkv, D)), dtype, backend)
+    return q, k, v
+
+
+SHAPES = [  # B, S_q, S_k, H, H_kv
+    (1, 1, 1, 1, 1),
+    (2, 7, 7, 2, 2),
+    (1, 113, 113, 4, 2),
+    (2, 65, 200, 3, 1),
+    (1, 200, 65, 2, 2),
+    (1, 257, 257, 2, 1),
+]
+DIMS = [8, 59, 64, 128, 256]
+DTYPES = ["bfloat16", "float16", "float32", "float64"]
+
+
+def grid():
+    for dtype in DTYPES:
+        for backend in backends_for(dtype):
+            yield dtype, backend
+
+
+# ---- forward -------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,backend", list(grid()))
+@pytest.mark.parametrize("D", DIMS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_matches_reference(dtype, backend, D, shape, causal):
+    B, Sq, Sk, H, Hkv = shape
+    rng = np.random.default_rng(hash((dtype, D, shape, causal)) % 2**32)
+    q, k, v = make_qkv(rng, B, Sq, Sk, H, Hkv, D, dtype, backend)
+    out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
+    assert type(out) is type(q)
+    ref_out, ref_lse = testing.ref_attention(to_host(q), to_host(k), to_host(v), causal=causal)
+    close(out, ref_out, dtype)
+    close(lse, ref_lse, "float64" if dtype == "float64" else "float32")
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tensor_core_and_generic_paths_agree(D, causal, monkeypatch):
+    backend = backends_for("float16")[0]
+    rng = np.random.default_rng(7)
+    q, k, v = make_qkv(rng, 2, 300, 333, 4, 2, D, "float16", backend)
+    fast, lse_fast = ra.attention(q, k, v, causal=causal, return_lse=True)
+    monkeypatch.setenv("RINGATTN_CUDA_GENERIC", "1")
+    slow, lse_slow = ra.attention(q, k, v, causal=causal, return_lse=True)
+    close(fast, to_host(slow), "float16")
+    close(lse_fast, to_host(lse_slow), "float32")
+
+
+@pytest.mark.parametrize("dtype,backend", list(grid()))
+def test_empty_rows_give_zero_and_neg_inf(dtype, backend):
+    # causal with S_q > S_k aligns bottom-right: the first S_q - S_k query
+    # rows sit before every key and see nothing
+    rng = np.random.default_rng(3)
+    q, k, v = make_qkv(rng, 1, 40, 9, 2, 2, 64, dtype, backend)
+    out, lse = ra.attention(q, k, v, causal=True, return_lse=True)
+    out_h, lse_h = to_host(out), to_host(lse)
+    assert not np.isnan(out_h).any()
+    assert np.all(out_h[:, :31] == 0.0)
+    assert np.all(np.isneginf(lse_h[:, :, :31]))
+    assert np.all(np.isfinite(lse_h[:, :, 31:]))
+
+
+@pytest.mark.parametrize("dtype,backend", list(grid()))
+def test_non_contiguous_strides(dtype, backend):
+    # q, k, v as views of a packed (B, S, 3, H, D) array
+    rng = np.random.default_rng(11)
+    qkv = to_device(rng.standard_normal((2, 77, 3, 4, 64)), dtype, backend)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out, lse = ra.attention(q, k, v, causal=True, return_lse=True)
+    ref_out, ref_lse = testing.ref_attention(to_host(q), to_host(k), to_host(v), causal=True)
+    close(out, ref_out, dtype)
+
+
+# ---- backward ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,backend", list(grid()))
+@pytest.mark.parametrize("D", DIMS)
+@pytest.mark.parametrize("shape", SHAPES[1:5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_matches_reference(dtype, backend, D, shape, causal):
+    B, Sq, Sk, H, Hkv = shape
+    rng = np.random.default_rng(hash(("bwd", dtype, D, shape, causal)) % 2**32)
+    q, k, v = make_qkv(rng, B, Sq, Sk, H, Hkv, D, dtype, backend)
+    out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
+    dout = to_device(rng.standard_normal((B, Sq, H, D)), dtype, backend)
+    dq, dk, dv = ra.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          causal=causal)
+    for got, ref in zip((dq, dk, dv), refs):
+        close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype,backend", list(grid()))
+def test_backward_is_deterministic(dtype, backend):
+    rng = np.random.default_rng(5)
+    q, k, v = make_qkv(rng, 2, 150, 150, 4, 1, 64, dtype, backend)
+    out, lse = ra.attention(q, k, v, causal=True, return_lse=True)
+    dout = to_device(rng.standard_normal((2, 150, 4, 64)), dtype, backend)
+    first = [to_host(x) for x in ra.attention_backward(dout, q, k, v, out, lse, causal=True)]
+    again = [to_host(x) for x in ra.attention_backward(dout, q, k, v, out, lse, causal=True)]
+    for a, b in zip(first, again):
+        assert np.array_equal(a, b)
+
+
+# ---- merge and running state ----------------------------------------------
+
+@pytest.mark.parametrize("dtype,backend", list(grid()))
+def test_merge_of_two_key_halves_is_full_attention(dtype, backend):
+    rng = np.random.default_rng(13)
+    q, k, v = make_qkv(rng, 2, 33, 90, 2, 2, 59, dtype, backend)
+    o1, l1 = ra.attention(q, k[:, :40], v[:, :40], return_lse=True)
+    o2, l2 = ra.attention(q, k[:, 40:], v[:, 40:], return_lse=True)
+    out, lse = ra.merge(o1, l1, o2, l2)
+    ref_out, ref_lse = testing.ref_attention(to_host(q), to_host(k), to_host(v))
+    close(out, ref_out, dtype)
+    close(lse, ref_lse, "float64" if dtype == "float64" else "float32")
+
+
+def test_merge_of_empty_rows_is_empty():
+    backend = backends_for("float32")[0]
+    o = to_device(np.zeros((1, 3, 2, 8)), "float32", backend)
+    l = to_device(np.full((1, 2, 3), -np.inf), "float32", backend)
+    out, lse = ra.merge(o, l, o, l)
+    assert np.all(to_host(out) == 0.0) and np.all(np.isneginf(to_host(lse)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("D", [59, 64, 128])
+def test_accumulate_continues_running_state(dtype, D):
+    fn = getattr(getattr(ra, "_C", None), "attention_forward_state", None)
+    if fn is None or not HAVE_TORCH:
+        pytest.skip("needs ringattn._C.attention_forward_state and PyTorch")
+    rng = np.random.default_rng(17)
+    q, k, v = make_qkv(rng, 1, 70, 150, 2, 1, D, dtype, "torch")
+    out = torch.zeros((1, 70, 2, D), dtype=torch.float32, device="cuda")
+    lse = torch.full((1, 2, 70), float("-inf"), dtype=torch.float32, device="cuda")
+    # three "ring steps" over key chunks, positions continuing, causal with
+    # queries at the end of the sequence
+    for lo, hi in ((0, 50), (50, 100), (100, 150)):
+        fn(q, k[:, lo:hi], v[:, lo:hi], out, lse, causal=True, scale=None,
+           q_pos_offset=80, k_pos_offset=lo)
+    ref_out, ref_lse = testing.ref_attention(to_host(q), to_host(k), to_host(v), causal=True)
+    close(out, ref_out, dtype)
+    close(lse, ref_lse, "float32")
+
+
+# ---- interop, streams, memory ---------------------------------------------
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="needs PyTorch")
+def test_torch_round_trip_on_side_stream():
+    rng = np.random.default_rng(19)
+    q, k, v = make_qkv(rng, 1, 128, 128, 2, 2, 64, "bfloat16", "torch")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out = ra.attention(q, k, v)
+        # consumed on `side` right away: the export must order it after our work
+        host = out.float().cpu().numpy()
+    assert isinstance(out, torch.Tensor) and out.device.type == "cuda"
+    ref, _ = testing.ref_attention(to_host(q), to_host(k), to_host(v))
+    close(host, ref, "bfloat16")
+
+
+@pytest.mark.skipif(not HAVE_CUPY, reason="needs CuPy")
+def test_cupy_round_trip_on_side_stream():
+    rng = np.random.default_rng(23)
+    q, k, v = make_qkv(rng, 1, 96, 96, 2, 2, 64, "float16", "cupy")
+    with cupy.cuda.Stream(non_blocking=True):
+        out = ra.attention(q, k, v)
+        host = cupy.asnumpy(out.astype("float64"))
+    assert isinstance(out, cupy.ndarray)
+    ref, _ = testing.ref_attention(to_host(q), to_host(k), to_host(v))
+    close(host, ref, "float16")
+
+
+def test_jax_gpu_round_trip():
+    jax = pytest.importorskip("jax")
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX has no GPU backend here")
+    rng = np.random.default_rng(29)
+    arrs = [jax.device_put(rng.standard_normal((1, 50, 2, 64)).astype(np.float32), dev)
+            for _ in range(3)]
+    out = ra.attention(*arrs, causal=True)
+    assert isinstance(out, jax.Array)
+    ref, _ = testing.ref_attention(*[np.asarray(a, dtype=np.float64) for a in arrs], causal=True)
+    close(np.asarray(out), ref, "float32")
+
+
+def test_memory_stats_count_cuda_bytes():
+    stats = ra.memory_stats()
+    if "cuda" not in stats or not isinstance(stats["cuda"], dict) or "current" not in stats["cuda"]:
+        pytest.skip("memory_stats()['cuda']['current'] not provided")
+    backend = backends_for("float32")[0]
+    rng = np.random.default_rng(31)
+    q, k, v = make_qkv(rng, 1, 64, 64, 2, 2, 64, "float32", backend)
+    before = ra.memory_stats()["cuda"]["current"]
+    out, lse = ra.attention(q, k, v, return_lse=True)
+    during = ra.memory_stats()["cuda"]["current"]
+    assert during - before >= 64 * 2 * 64 * 4 + 2 * 64 * 4  # out + lse held by us
+    del out, lse
+    import gc
+
+    gc.collect()
+    assert ra.memory_stats()["cuda"]["current"] == before
