@@ -146,6 +146,14 @@ static void restore_device(int device, int prev) {
     if (prev != device) (void)cudaSetDevice(prev);
 }
 
+ra_status ra_cuda_enter_device(int device, int *prev) {
+    return enter_device(device, prev);
+}
+
+void ra_cuda_leave_device(int device, int prev) {
+    restore_device(device, prev);
+}
+
 /* ---- caching pool ------------------------------------------------------ */
 
 typedef struct free_block {
@@ -412,6 +420,15 @@ ra_status ra_cuda_status(int err, const char *what, const char *file,
                          int line) {
     (void)err; (void)what; (void)file; (void)line;
     return no_cuda();
+}
+
+ra_status ra_cuda_enter_device(int device, int *prev) {
+    (void)device;
+    *prev = 0;
+    return no_cuda();
+}
+void ra_cuda_leave_device(int device, int prev) {
+    (void)device; (void)prev;
 }
 
 int ra_cuda_available(const char **why) {
