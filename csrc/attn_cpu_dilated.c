@@ -73,14 +73,17 @@ static ra_status check_cfg(const ra_dilated_config *cfg, int64_t qps,
     return RA_OK;
 }
 
-/* segments that intersect both local ranges */
+/* segments that hold rows of both local ranges: [*s_lo, *s_lo + count) */
 static int64_t seg_range(int64_t qlo, int64_t nq, int64_t klo, int64_t nk,
                          int64_t w, int64_t *s_lo) {
-    int64_t lo = qlo > klo ? qlo : klo;
-    int64_t hi = qlo + nq < klo + nk ? qlo + nq : klo + nk;   /* exclusive */
-    if (lo >= hi || lo < 0) return 0;
-    *s_lo = lo / w;
-    return (hi - 1) / w - lo / w + 1;
+    if (nq <= 0 || nk <= 0 || qlo < 0 || klo < 0) return 0;
+    const int64_t q_first = qlo / w, q_last = (qlo + nq - 1) / w;
+    const int64_t k_first = klo / w, k_last = (klo + nk - 1) / w;
+    const int64_t first = q_first > k_first ? q_first : k_first;
+    const int64_t last = q_last < k_last ? q_last : k_last;
+    if (first > last) return 0;
+    *s_lo = first;
+    return last - first + 1;
 }
 
 ra_status ra_cpu_dilated_fwd(const ra_attn_fwd_params *p,

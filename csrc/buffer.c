@@ -424,12 +424,13 @@ static PyObject *buffer_numpy(PyObject *self, PyObject *unused) {
     return ra_buffer_to_ndarray((ra_buffer *)self);
 }
 
-/* narrow(axis, start, length): view of [start, start+length) along axis */
+/* narrow(axis, start, length, step=1): view of rows start, start+step, ...
+ * (length of them) along axis */
 static PyObject *buffer_narrow(PyObject *self, PyObject *args) {
     ra_buffer *b = (ra_buffer *)self;
     int axis;
-    long long start, length;
-    if (!PyArg_ParseTuple(args, "iLL:narrow", &axis, &start, &length))
+    long long start, length, step = 1;
+    if (!PyArg_ParseTuple(args, "iLL|L:narrow", &axis, &start, &length, &step))
         return NULL;
     if (axis < 0) axis += b->ndim;
     if (axis < 0 || axis >= b->ndim) {
@@ -438,21 +439,29 @@ static PyObject *buffer_narrow(PyObject *self, PyObject *args) {
                      b->ndim, axis);
         return NULL;
     }
-    if (start < 0 || length < 0 || start + length > b->shape[axis]) {
-        PyErr_Format(PyExc_ValueError,
-                     "narrow: expected 0 <= start <= start+length <= %lld, "
-                     "got start=%lld length=%lld",
-                     (long long)b->shape[axis], start, length);
+    if (step < 1) {
+        PyErr_Format(PyExc_ValueError, "step: expected >= 1, got %lld", step);
         return NULL;
     }
-    int64_t shape[RA_MAX_NDIM];
+    long long last = length > 0 ? start + (length - 1) * step : start - 1;
+    if (start < 0 || length < 0 || (length > 0 && last >= b->shape[axis]) ||
+        (length == 0 && start > b->shape[axis])) {
+        PyErr_Format(PyExc_ValueError,
+                     "narrow: rows start=%lld length=%lld step=%lld do not fit "
+                     "in a dimension of size %lld",
+                     start, length, step, (long long)b->shape[axis]);
+        return NULL;
+    }
+    int64_t shape[RA_MAX_NDIM], strides[RA_MAX_NDIM];
     memcpy(shape, b->shape, sizeof shape);
+    memcpy(strides, b->strides, sizeof strides);
     shape[axis] = length;
+    strides[axis] = length > 1 ? b->strides[axis] * step : b->strides[axis];
     char *data = (char *)b->data;
     if (length > 0)
         data += (int64_t)start * b->strides[axis] *
                 (int64_t)ra_buffer_elsize(b);
-    return (PyObject *)ra_buffer_view(b, data, b->ndim, shape, b->strides);
+    return (PyObject *)ra_buffer_view(b, data, b->ndim, shape, strides);
 }
 
 /* reshape(shape): only for contiguous buffers */
@@ -602,7 +611,8 @@ static PyMethodDef buffer_methods[] = {
     {"numpy", buffer_numpy, METH_NOARGS,
      "A NumPy array viewing the same host memory (bfloat16 via ml_dtypes)."},
     {"narrow", buffer_narrow, METH_VARARGS,
-     "narrow(axis, start, length) -> view of [start, start+length) on axis"},
+     "narrow(axis, start, length, step=1) -> view of rows start, start+step, "
+     "... (length of them) on axis"},
     {"reshape", buffer_reshape, METH_O, "reshape(shape) of a contiguous buffer"},
     {"copy_", buffer_copy_, METH_O,
      "copy_(src): copy src (same shape, float dtype, same device) into self"},

@@ -13,6 +13,11 @@ Python layer.  Arrays in: NumPy, JAX, CuPy, PyTorch, or anything with
 from . import _C
 from ._C import Buffer, CommError
 from .attention import attention, attention_backward, merge
+from .dilated import (DilatedAttention, dilated_attention,
+                      dilated_attention_backward)
+from .ring import ring_attention, ring_attention_backward
+from .ring_dilated import (ring_dilated_attention,
+                           ring_dilated_attention_backward)
 from .interop import empty, from_dlpack, zeros
 from .layout import shard_indices
 from .sharding import shard, unshard
@@ -61,5 +66,8 @@ __all__ = [
     "Buffer", "CommError", "attention", "attention_backward", "merge",
     "shard_indices", "shard", "unshard", "memory_stats",
     "reset_peak_memory_stats", "cuda_available", "cuda_info", "cpu_info",
-    "from_dlpack", "empty", "zeros",
+    "from_dlpack", "empty", "zeros", "ring_attention",
+    "ring_attention_backward", "dilated_attention",
+    "dilated_attention_backward", "DilatedAttention", "ring_dilated_attention",
+    "ring_dilated_attention_backward",
 ]

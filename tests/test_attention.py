@@ -230,3 +230,27 @@ def test_read_only_inputs(rng):
         x.flags.writeable = False
     out = ra.attention(q, k, v)
     rt.assert_close(out, rt.ref_attention(q, k, v)[0], "float32", name="out")
+
+
+def test_concurrent_calls_from_threads_agree(rng):
+    """Kernels release the GIL: calls from several threads give the serial results."""
+    import threading
+
+    cases = [rt.random_qkv(rng, 1, 57, 61, 4, 2, 32, "float32") for _ in range(4)]
+    serial = [ra.attention(*c, causal=True) for c in cases]
+    results, errors = [[] for _ in cases], []
+
+    def worker(i):
+        try:
+            for _ in range(10):
+                results[i].append(ra.attention(*cases[i], causal=True))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(np.array_equal(r, serial[i])
+                              for i in range(len(cases)) for r in results[i])

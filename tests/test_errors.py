@@ -100,6 +100,9 @@ def test_backward_shape_errors(which, bad, match):
     ("lse", np.zeros((1, 4, 5), np.int32), r"\blse\b"),
     ("out", None, r"\bout\b"),
     ("dout", [1.0, 2.0], r"\bdout\b"),
+    ("dout", np.zeros((1, 5, 4, 8), np.float64), r"\bdout\b"),        # mixed
+    ("out", np.zeros((1, 5, 4, 8), np.float16), r"\bout\b"),          # mixed
+    ("lse", np.zeros((1, 4, 5), np.float16), r"\blse\b"),             # below float32
 ])
 def test_backward_type_errors(which, bad, match):
     args = _backward_args()

@@ -135,3 +135,22 @@ def test_unshard_rejects_wrong_lengths():
 def test_unshard_rejects_no_shards():
     with pytest.raises(ValueError, match="shards: expected at least one"):
         L.unshard([], "striped")
+
+
+# ---------------------------------------------------------------- properties
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(n=st.integers(0, 300), p=st.integers(1, 12),
+                  layout=st.sampled_from(LAYOUTS))
+def test_shard_unshard_round_trip_property(n, p, layout):
+    x = np.arange(n * 2).reshape(2, n)
+    shards = [L.shard(x, r, p, layout) for r in range(p)]
+    progressions = [L.shard_progressions(n, p, layout, r) for r in range(p)]
+    sizes = [sum(length for _, _, length in prog) for prog in progressions]
+    assert (np.array_equal(L.unshard(shards, layout), x)
+            and sizes == [s.shape[1] for s in shards]
+            and max(sizes) - min(sizes) <= (2 if layout == "zigzag" else 1))

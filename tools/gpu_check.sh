@@ -23,6 +23,19 @@ stage() {  # stage NAME CMD...: run, tee the log, remember failures
 
 nvidia-smi >"$LOG/nvidia-smi.log" 2>&1 || true
 export RINGATTN_CUDA=1
+
+# 1. the kernels alone, against a float64 CPU reference (no Python layer)
+NVCC="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
+SELF="$LOG/selftest_build"; mkdir -p "$SELF"
+build_selftest() {
+    local flags="-O3 -std=c++17 -Xcompiler -fPIC --expt-relaxed-constexpr -Icsrc -Icuda -DRA_WITH_CUDA -arch=native"
+    ls cuda/*.cu | xargs -P 8 -I{} sh -c "$NVCC $flags -c {} -o $SELF/\$(basename {} .cu).o" &&
+    gcc -c -O2 -std=gnu11 -Icsrc csrc/status.c -o "$SELF/status_c.o" &&
+    $NVCC $flags tools/cuda_selftest.cu "$SELF"/*.o -o "$SELF/selftest"
+}
+stage selftest_build build_selftest
+stage selftest "$SELF/selftest"
+# 2. the package and its GPU tests
 stage build python -m pip install --no-build-isolation -v . || { echo "build failed"; exit 1; }
 # run the tests from outside the source tree so the installed package is used
 stage tests bash -c "cd /tmp && python -m pytest -x -q -m gpu '$PWD/tests/test_cuda.py' -p no:cacheprovider"
@@ -52,6 +65,9 @@ for tool in memcheck racecheck; do
 done
 RINGATTN_CUDA_CACHING=0 stage sanitizer_synccheck \
     $SAN --tool synccheck --error-exitcode 9 python "$LOG/sanitize_case.py"
+for tool in memcheck racecheck; do
+    stage "sanitizer_selftest_$tool" $SAN --tool $tool --error-exitcode 9 "$SELF/selftest" quick
+done
 
 stage bench python -c "import ringattn.bench_gpu as b; open('$LOG/bench_table.txt','w').write(b.run())"
 echo "logs in $LOG; overall status $status"

@@ -1,0 +1,437 @@
+"""Starting ranks: ``ringattn.launch`` (a function per rank) and
+``ringattn launch -n N script.py`` (a script per rank, torchrun-style).
+
+``launch(fn, nprocs)`` runs ``fn(comm, *args)`` on every rank and returns
+the results by rank.  With backend ``host`` the ranks are processes started
+with multiprocessing's *spawn* context (``fn`` and ``args`` must pickle);
+with ``threads`` they are threads of this process (what notebooks use).  If
+a rank raises or dies, the others are stopped, nothing is left running, and
+``LaunchError`` names the rank with its traceback (or exit code / signal).
+"""
+
+import argparse
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import pickle
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+from .comm import CommError, ThreadsGroup, default_timeout, init
+
+__all__ = ["launch", "main_launch", "LaunchError"]
+
+# extra seconds the whole launch may take beyond one communicator timeout
+TIMEOUT_MARGIN = 60.0
+# seconds the other ranks get to finish on their own after a failure
+# (they fail fast: the transport tells them), then SIGTERM, then SIGKILL
+STOP_GRACE = 3.0
+KILL_GRACE = 2.0
+
+
+class LaunchError(RuntimeError):
+    """A rank of ``launch`` raised, died or timed out.
+
+    Attributes: ``rank`` (the root cause's rank), ``failures`` (one dict per
+    failing rank: rank, kind = 'exception' | 'exit' | 'timeout', exc_type,
+    message, traceback, exitcode).  ``__cause__`` is the rank's exception
+    when it could be brought back.
+    """
+
+    def __init__(self, message, rank=None, failures=()):
+        super().__init__(message)
+        self.rank = rank
+        self.failures = list(failures)
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _check_launch_args(nprocs, backend, timeout):
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
+    if backend not in ("auto", "host", "threads"):
+        raise ValueError(f"backend must be 'auto', 'host' or 'threads', got "
+                         f"{backend!r}")
+    if timeout is None:
+        return default_timeout() + TIMEOUT_MARGIN
+    if not float(timeout) > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got "
+                         f"{timeout!r}")
+    return float(timeout)
+
+
+def _is_root_cause(f):
+    return not (f["kind"] == "exception" and f["exc_type"] == "CommError")
+
+
+def _raise_failures(failures, causes):
+    """LaunchError for the root cause first, the other ranks after it."""
+    failures = sorted(failures, key=lambda f: (not _is_root_cause(f),
+                                               f["order"]))
+    first = failures[0]
+    lines = [_describe(first)]
+    if first.get("traceback"):
+        lines.append(first["traceback"].rstrip())
+    for f in failures[1:]:
+        lines.append("also " + _describe(f))
+    err = LaunchError("\n".join(lines), rank=first["rank"], failures=failures)
+    cause = causes.get(first["rank"])
+    if cause is not None:
+        raise err from cause
+    raise err
+
+
+def _describe(f):
+    if f["kind"] == "exception":
+        return f"rank {f['rank']} raised {f['exc_type']}: {f['message']}"
+    if f["kind"] == "timeout":
+        return f"rank {f['rank']} {f['message']}"
+    code = f["exitcode"]
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"rank {f['rank']} was killed by signal {name}"
+    return f"rank {f['rank']} exited with code {code} before returning"
+
+
+# ---- processes ------------------------------------------------------------
+
+def _rank_main(fn, rank, nprocs, port, token, args, conn, comm_timeout):
+    """Body of one spawned rank: run fn, send ('ok', result) or the error."""
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+        "RINGATTN_MASTER_PORT": str(port), "RINGATTN_TOKEN": token,
+    })
+    try:
+        try:
+            comm = init("host", rank, nprocs, master_addr="127.0.0.1",
+                        master_port=port, token=token, timeout=comm_timeout)
+            try:
+                result = fn(comm, *args)
+            except BaseException as e:
+                comm.abort(f"rank {rank} raised {type(e).__name__}: {e}")
+                raise
+            finally:
+                comm.close()
+            payload = pickle.dumps(("ok", result))
+        except BaseException as e:
+            try:
+                exc_blob = pickle.dumps(e)
+            except Exception:
+                exc_blob = None
+            payload = pickle.dumps(("err", type(e).__name__, str(e),
+                                    traceback.format_exc(), exc_blob))
+        conn.send_bytes(payload)
+    finally:
+        conn.close()
+
+
+def _launch_processes(fn, nprocs, args, timeout):
+    try:
+        pickle.dumps((fn, args))
+    except Exception as e:
+        raise ValueError(
+            f"fn and args must pickle to run in spawned processes ({e}); "
+            f"define fn at module level, or use backend='threads'") from e
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    token = secrets.token_hex(16)
+    comm_timeout = min(default_timeout(), timeout)
+    procs, conns = [], []
+    results = [None] * nprocs
+    failures, causes = [], {}
+    answered = set()
+    try:
+        for rank in range(nprocs):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, name=f"ringattn-rank-{rank}",
+                            args=(fn, rank, nprocs, port, token, args,
+                                  send_end, comm_timeout))
+            p.start()
+            send_end.close()
+            procs.append(p)
+            conns.append(recv_end)
+        deadline = time.monotonic() + timeout
+        stop_at = None            # set at the first failure
+        while len(answered) < nprocs:
+            now = time.monotonic()
+            if stop_at is not None and now >= stop_at:
+                break
+            if now >= deadline:
+                for r in range(nprocs):
+                    if r not in answered:
+                        failures.append({
+                            "rank": r, "kind": "timeout", "exc_type": None,
+                            "message": f"did not finish within {timeout:.1f} s",
+                            "traceback": "", "exitcode": None,
+                            "order": len(failures)})
+                break
+            limit = min(deadline, stop_at or deadline) - now
+            waitables = [conns[r] for r in range(nprocs) if r not in answered]
+            waitables += [procs[r].sentinel for r in range(nprocs)
+                          if r not in answered]
+            ready = mp_connection.wait(waitables, timeout=min(limit, 1.0))
+            for r in range(nprocs):
+                if r in answered:
+                    continue
+                if conns[r] in ready or procs[r].sentinel in ready:
+                    msg = _read_answer(conns[r], procs[r])
+                    if msg is None:
+                        continue
+                    answered.add(r)
+                    if msg[0] == "ok":
+                        results[r] = msg[1]
+                        continue
+                    failures.append(_failure(r, msg, len(failures), causes))
+                    if stop_at is None:
+                        stop_at = time.monotonic() + STOP_GRACE
+    finally:
+        _stop_processes(procs)
+        for c in conns:
+            c.close()
+    if failures:
+        _raise_failures(failures, causes)
+    return results
+
+
+def _read_answer(conn, proc):
+    """('ok', value), ('err', ...), ('exit', code), or None (still running)."""
+    try:
+        if conn.poll(0):
+            return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        pass
+    except Exception as e:     # the result does not unpickle here
+        return ("err", type(e).__name__, f"cannot unpickle the result: {e}",
+                traceback.format_exc(), None)
+    if proc.exitcode is None:
+        proc.join(0.05)
+    if proc.exitcode is not None:
+        return ("exit", proc.exitcode)
+    return None
+
+
+def _failure(rank, msg, order, causes):
+    if msg[0] == "exit":
+        return {"rank": rank, "kind": "exit", "exc_type": None,
+                "message": "", "traceback": "", "exitcode": msg[1],
+                "order": order}
+    _, exc_type, text, tb, blob = msg
+    if blob is not None:
+        try:
+            causes[rank] = pickle.loads(blob)
+        except Exception:
+            pass
+    return {"rank": rank, "kind": "exception", "exc_type": exc_type,
+            "message": text, "traceback": tb, "exitcode": None,
+            "order": order}
+
+
+def _stop_processes(procs):
+    """Join every process: politely, then SIGTERM, then SIGKILL."""
+    for p in procs:
+        p.join(timeout=0 if p.exitcode is not None else 0.5)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + KILL_GRACE
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+# ---- threads --------------------------------------------------------------
+
+def _launch_threads(fn, nprocs, args, timeout):
+    group = ThreadsGroup(nprocs, timeout=min(default_timeout(), timeout))
+    results = [None] * nprocs
+    failures, causes = [], {}
+    lock = threading.Lock()
+
+    def body(rank):
+        comm = group.comm(rank)
+        try:
+            results[rank] = fn(comm, *args)
+        except BaseException as e:
+            with lock:
+                failures.append({
+                    "rank": rank, "kind": "exception",
+                    "exc_type": type(e).__name__, "message": str(e),
+                    "traceback": traceback.format_exc(), "exitcode": None,
+                    "order": len(failures)})
+                causes[rank] = e
+            group.abort(f"rank {rank} raised {type(e).__name__}: {e}")
+        finally:
+            comm.close()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True,
+                                name=f"ringattn-rank-{r}")
+               for r in range(nprocs)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    if stuck:
+        group.abort(f"launch timed out after {timeout:.1f} s")
+        for t in threads:
+            t.join(STOP_GRACE)
+        with lock:
+            for r, t in enumerate(threads):
+                if t.is_alive():
+                    failures.append({
+                        "rank": r, "kind": "timeout", "exc_type": None,
+                        "message": f"did not finish within {timeout:.1f} s "
+                                   f"(thread still running)",
+                        "traceback": "", "exitcode": None,
+                        "order": len(failures)})
+    if failures:
+        _raise_failures(failures, causes)
+    return results
+
+
+def launch(fn, nprocs, args=(), backend="auto", timeout=None):
+    """Run ``fn(comm, *args)`` on ``nprocs`` ranks; return results by rank.
+
+    backend: ``"host"`` (``"auto"`` on CPU): processes started with the
+    spawn context, joined by a TCP communicator on loopback (free port,
+    fresh random token; the environment ``ra.init()`` reads is set too);
+    ``fn``, ``args`` and the results must pickle.  ``"threads"``: threads of
+    this process sharing a ``ThreadsGroup`` (notebooks, closures).
+
+    timeout: seconds for the whole launch (default ``RINGATTN_TIMEOUT`` +
+    60).  Every communicator wait also has the ``RINGATTN_TIMEOUT``
+    deadline (capped at ``timeout``).
+
+    Raises ``LaunchError`` if a rank raises, dies or times out: the other
+    ranks are stopped first and no process is left behind.
+    """
+    timeout = _check_launch_args(nprocs, backend, timeout)
+    args = tuple(args)
+    if backend == "threads":
+        return _launch_threads(fn, nprocs, args, timeout)
+    return _launch_processes(fn, nprocs, args, timeout)
+
+
+# ---- ringattn launch -n N script.py ----------------------------------------
+
+def _launch_parser():
+    p = argparse.ArgumentParser(
+        prog="ringattn launch",
+        description="Start N ranks of a Python script with the environment "
+                    "ringattn.init() reads (RANK, WORLD_SIZE, LOCAL_RANK, "
+                    "MASTER_ADDR, MASTER_PORT, RINGATTN_MASTER_PORT, "
+                    "RINGATTN_TOKEN).  If one rank fails the others are "
+                    "stopped; the exit code is the first failing rank's.")
+    p.add_argument("-n", "--nprocs", type=int, required=True,
+                   help="number of ranks")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="address of rank 0 (default 127.0.0.1)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds before all ranks are stopped (default: none)")
+    p.add_argument("-m", dest="module", default=None,
+                   help="run a module (python -m) instead of a script")
+    p.add_argument("script", nargs="?", help="the script to run")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="arguments passed to the script")
+    return p
+
+
+def main_launch(argv):
+    """``ringattn launch -n N script.py [args...]``; returns the exit code."""
+    parser = _launch_parser()
+    opts = parser.parse_args(list(argv))
+    if opts.nprocs < 1:
+        parser.error(f"-n must be >= 1, got {opts.nprocs}")
+    if opts.module is None and opts.script is None:
+        parser.error("a script (or -m module) is required")
+    if opts.module is not None:
+        target = ["-m", opts.module] + ([opts.script] if opts.script else [])
+    else:
+        target = [opts.script]
+    cmd = [sys.executable] + target + list(opts.script_args)
+    base_env = dict(os.environ)
+    base_env.update({
+        "WORLD_SIZE": str(opts.nprocs),
+        "LOCAL_WORLD_SIZE": str(opts.nprocs),
+        "MASTER_ADDR": opts.master_addr,
+        "MASTER_PORT": str(free_port()),
+        "RINGATTN_MASTER_PORT": str(free_port()),
+        "RINGATTN_TOKEN": secrets.token_hex(16),
+    })
+    procs = []
+    first_bad = 0
+    try:
+        for rank in range(opts.nprocs):
+            env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen(cmd, env=env))
+        deadline = (time.monotonic() + opts.timeout
+                    if opts.timeout is not None else None)
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [c for c in codes if c not in (None, 0)]
+            if bad:
+                first_bad = _exit_code(bad[0])
+                rank = codes.index(bad[0])
+                print(f"ringattn launch: rank {rank} exited with code "
+                      f"{bad[0]}; stopping the other ranks", file=sys.stderr)
+                break
+            if all(c == 0 for c in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"ringattn launch: timed out after {opts.timeout} s; "
+                      f"stopping the ranks", file=sys.stderr)
+                first_bad = 124
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        first_bad = 130
+    finally:
+        _stop_popen(procs)
+    return first_bad
+
+
+def _exit_code(code):
+    return 128 - code if code < 0 else code
+
+
+def _stop_popen(procs):
+    end = time.monotonic() + STOP_GRACE
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.wait(max(0.0, min(0.5, end - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pass
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + KILL_GRACE
+    for p in procs:
+        try:
+            p.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main_launch(sys.argv[1:]))

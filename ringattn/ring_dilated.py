@@ -1,0 +1,367 @@
+"""Dilated (LongNet) attention over the ring.
+
+A branch whose segments lie inside one rank's shard is computed locally by
+the dilated CPU kernel, with no communication.  For a branch whose segments
+span shards, each rank receives from every other rank only the rows of the
+shared segments that its heads select (offset h mod r), and only the kv heads
+that read them; with causal masking only keys at or before its last selected
+query.  The bytes on the wire therefore shrink by the branch's dilation rate.
+Received rows are computed with the dense kernel over affine positions (a
+selected row set is an arithmetic progression of global positions), merging
+into the same float32 running state by the LSE rule.
+
+Backward: the same exchange brings the rows in; dk/dv contributions for
+them go back to their owner in the reverse direction and are added there.
+
+Exchange schedule: p-1 rounds; in round d rank u sends to u+d and receives
+from u-d, so every pair meets exactly once per direction and nobody waits on
+a rank that is not sending to it.  Both sides derive the block lists from
+the agreed plan, so sizes always match.
+"""
+
+import math
+
+import numpy as np
+
+from . import _C
+from .dilated import check_config
+from .interop import from_buffer, kind_of, to_buffer
+from .ring import (_check_comm, _check_layout, _default_threads, _describe,
+                   _device, _fill, agree)
+
+__all__ = ["ring_dilated_attention", "ring_dilated_attention_backward"]
+
+
+def _select(piece, seg_lo, seg_hi, r, o, pos_max=None):
+    """Rows of a shard piece in segment [seg_lo, seg_hi) at offset o (mod r).
+
+    piece: (local_offset, start, stride, length), positions start + stride*i.
+    Returns (local_first, local_step, pos_first, pos_step, count) or None.
+    """
+    off, start, stride, length = piece
+    hi = seg_hi if pos_max is None else min(seg_hi, pos_max + 1)
+    i0 = max(0, -((start - seg_lo) // stride))
+    i1 = min(length, -((start - hi) // stride))
+    if i0 >= i1:
+        return None
+    period = r // math.gcd(stride, r)
+    first = None
+    for i in range(i0, min(i1, i0 + period)):
+        if (start + stride * i - seg_lo) % r == o:
+            first = i
+            break
+    if first is None:
+        return None
+    count = (i1 - 1 - first) // period + 1
+    return (off + first, period, start + stride * first, stride * period, count)
+
+
+def _pieces(plan, rank):
+    return plan.local_pieces(rank)
+
+
+def _blocks(plan, u, t, segs, rates, H, Hkv, causal):
+    """Blocks of rows rank t sends rank u: one per (branch, segment, offset,
+    t piece, kv head).  Each block: dict(branch, g, heads, k=(select tuple),
+    qs=[select tuples of u's query rows])."""
+    if plan.lengths[u] == 0 or plan.lengths[t] == 0:
+        return []
+    n = plan.n
+    group = H // Hkv
+    u_pieces = _pieces(plan, u)
+    t_pieces = _pieces(plan, t)
+    t_lo = min(p[1] for p in t_pieces)
+    t_hi = max(p[1] + p[2] * (p[3] - 1) for p in t_pieces)
+    out = []
+    for b, (w, r) in enumerate(zip(segs, rates)):
+        seg_ids = set()
+        for _, start, stride, length in u_pieces:
+            last = start + stride * (length - 1)
+            s_lo, s_hi = start // w, last // w
+            # only segments that can also hold rows of t
+            s_lo, s_hi = max(s_lo, t_lo // w), min(s_hi, t_hi // w)
+            seg_ids.update(range(s_lo, s_hi + 1))
+        for s in sorted(seg_ids):
+            seg_lo, seg_hi = s * w, min((s + 1) * w, n)
+            for o in range(min(r, seg_hi - seg_lo)):
+                heads = [h for h in range(o, H, r)]
+                if not heads:
+                    continue
+                qs = [x for x in (_select(p, seg_lo, seg_hi, r, o)
+                                  for p in u_pieces) if x is not None]
+                if not qs:
+                    continue
+                qmax = max(x[2] + x[3] * (x[4] - 1) for x in qs)
+                for tp in t_pieces:
+                    ks = _select(tp, seg_lo, seg_hi, r, o,
+                                 qmax if causal else None)
+                    if ks is None:
+                        continue
+                    for g in sorted({h // group for h in heads}):
+                        out.append({"branch": b, "g": g, "k": ks, "qs": qs,
+                                    "heads": [h for h in heads if h // group == g]})
+    return out
+
+
+def _block_numel(blk, B, D):
+    return 2 * B * blk["k"][4] * D
+
+
+def _pack(blocks, kb, vb, B, D, dtype, dev):
+    """Gather the blocks' rows of local k, v into one flat buffer."""
+    total = sum(_block_numel(x, B, D) for x in blocks)
+    buf = _C.empty((max(total, 1),), dtype, *dev)
+    flat, k, v = buf.numpy(), kb.numpy(), vb.numpy()
+    pos = 0
+    for blk in blocks:
+        first, step, _, _, count = blk["k"]
+        idx = first + step * np.arange(count)
+        part = flat[pos:pos + _block_numel(blk, B, D)].reshape(2, B, count, D)
+        part[0] = k[:, idx, blk["g"], :]
+        part[1] = v[:, idx, blk["g"], :]
+        pos += part.size
+    return buf.narrow(0, 0, total) if total else None
+
+
+def _views(buf, blocks, B, D):
+    """(k, v) views (B, count, 1, D) of each block inside a flat buffer."""
+    views, pos = [], 0
+    for blk in blocks:
+        count = blk["k"][4]
+        numel = _block_numel(blk, B, D)
+        packed = buf.narrow(0, pos, numel).reshape((2, B, count, 1, D))
+        views.append(tuple(packed.narrow(0, j, 1).reshape((B, count, 1, D))
+                           for j in (0, 1)))
+        pos += numel
+    return views
+
+
+def _local_pairs(plan, r):
+    pieces = _pieces(plan, r)
+    return [(a, b) for a in pieces for b in pieces]
+
+
+def _exchange(comm, send, dst, recv, src, tag, timeout):
+    if send is None and recv is None:
+        return None
+    return comm.sendrecv_start(send, dst if send is not None else None,
+                               recv, src if recv is not None else None,
+                               step=tag, timeout=timeout)
+
+
+def _prepare(q, k, v, comm, segment_lengths, dilation_rates, causal, scale,
+             layout, seq_len, op, extra_bufs=()):
+    _check_comm(comm)
+    _check_layout(layout)
+    segs, rates = check_config(segment_lengths, dilation_rates)
+    qb, kb, vb = to_buffer(q, "q"), to_buffer(k, "k"), to_buffer(v, "v")
+    for name, b in (("q", qb), ("k", kb), ("v", vb)) + tuple(extra_bufs):
+        if b.ndim != 4:
+            raise ValueError(f"{name}: expected 4 dimensions (batch, seq, heads, "
+                             f"head_dim), got {b.ndim}")
+    if kb.shape[1] != qb.shape[1] or vb.shape[1] != qb.shape[1]:
+        raise ValueError(
+            f"k: expected this rank's shard length {qb.shape[1]} (from q), "
+            f"got {kb.shape[1]} (k) and {vb.shape[1]} (v)")
+    if qb.device[0] != "cpu":
+        raise NotImplementedError("dilated attention runs on the CPU for now")
+    plan = agree(comm, _describe(op, qb, kb, causal, scale, layout, seq_len,
+                                 extra=(tuple(segs), tuple(rates))),
+                 layout, seq_len)
+    return segs, rates, qb, kb, vb, plan
+
+
+def _rounds(plan, comm, segs, rates, H, Hkv, causal):
+    """[(d, dst, send_blocks, src, recv_blocks)] for rounds with traffic."""
+    p, u = comm.size, comm.rank
+    rounds = []
+    for d in range(1, p):
+        dst, src = (u + d) % p, (u - d) % p
+        send = _blocks(plan, dst, u, segs, rates, H, Hkv, causal)
+        recv = _blocks(plan, u, src, segs, rates, H, Hkv, causal)
+        if send or recv:
+            rounds.append((d, dst, send, src, recv))
+    return rounds
+
+
+def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
+                           causal=False, scale=None, layout="contiguous",
+                           seq_len=None, return_lse=False, num_threads=None,
+                           timeout=None, profile=None):
+    """Dilated attention over the sequence sharded across `comm`'s ranks.
+
+    Shapes as ``ring_attention``: q (B, n_r, H, D), k, v (B, n_r, H_kv, D),
+    this rank's shard in `layout`.  Returns out (B, n_r, H, D) in q's dtype
+    (and lse (B, H, n_r) with return_lse=True).  profile: a dict filled with
+    {"bytes_sent", "rounds"}.
+    """
+    segs, rates, qb, kb, vb, plan = _prepare(
+        q, k, v, comm, segment_lengths, dilation_rates, causal, scale, layout,
+        seq_len, "dilated_fwd")
+    kind = kind_of(q)
+    threads = _default_threads(comm) if num_threads is None else num_threads
+    B, n_r, H, D = qb.shape
+    Hkv = kb.shape[2]
+    dev = _device(qb)
+    acc = "float64" if qb.dtype == "float64" else "float32"
+    out = _C.zeros((B, n_r, H, D), acc, *dev)
+    lse = _C.empty((B, H, n_r), acc, *dev)
+    _fill(lse, -math.inf)
+    causal = bool(causal)
+    u = comm.rank
+
+    # local part: every pair of this rank's stride-1 pieces through the
+    # dilated kernel; pieces with stride > 1 (striped) go through blocks
+    local_blocks = []
+    for qp, kp in _local_pairs(plan, u):
+        if qp[2] == 1 and kp[2] == 1:
+            _C.dilated_fwd(qb.narrow(1, qp[0], qp[3]), kb.narrow(1, kp[0], kp[3]),
+                           vb.narrow(1, kp[0], kp[3]), segs, rates,
+                           causal=causal, scale=scale,
+                           out=out.narrow(1, qp[0], qp[3]),
+                           lse=lse.narrow(2, qp[0], qp[3]), accumulate=True,
+                           q_pos_offset=qp[1], k_pos_offset=kp[1],
+                           num_threads=threads)
+    if any(pc[2] != 1 for pc in _pieces(plan, u)):
+        local_blocks = _blocks(plan, u, u, segs, rates, H, Hkv, causal)
+        views = [(kb.narrow(1, x["k"][0], x["k"][4], x["k"][1]).narrow(2, x["g"], 1),
+                  vb.narrow(1, x["k"][0], x["k"][4], x["k"][1]).narrow(2, x["g"], 1))
+                 for x in local_blocks]
+        _forward_blocks(local_blocks, views, qb, out, lse, causal, scale, threads)
+
+    sent = 0
+    for d, dst, send, src, recv in _rounds(plan, comm, segs, rates, H, Hkv,
+                                           causal):
+        send_buf = _pack(send, kb, vb, B, D, qb.dtype, dev) if send else None
+        total = sum(_block_numel(x, B, D) for x in recv)
+        recv_buf = _C.empty((total,), qb.dtype, *dev) if recv else None
+        req = _exchange(comm, send_buf, dst, recv_buf, src, d, timeout)
+        if req is not None:
+            req.wait()
+        if send_buf is not None:
+            sent += send_buf.nbytes
+        if recv:
+            _forward_blocks(recv, _views(recv_buf, recv, B, D), qb, out, lse,
+                            causal, scale, threads)
+    if profile is not None:
+        profile.update(bytes_sent=sent)
+    out_final = out if out.dtype == qb.dtype else out.astype(qb.dtype)
+    out_final = from_buffer(out_final, kind)
+    if return_lse:
+        return out_final, from_buffer(lse, kind)
+    return out_final
+
+
+def _forward_blocks(blocks, views, qb, out, lse, causal, scale, threads):
+    for blk, (k_blk, v_blk) in zip(blocks, views):
+        _, _, k_pos, k_step, _ = blk["k"]
+        for h in blk["heads"]:
+            for q_first, q_step, q_pos, q_pstep, q_count in blk["qs"]:
+                _C.attn_fwd(
+                    qb.narrow(1, q_first, q_count, q_step).narrow(2, h, 1),
+                    k_blk, v_blk, causal=causal, scale=scale,
+                    out=out.narrow(1, q_first, q_count, q_step).narrow(2, h, 1),
+                    lse=lse.narrow(1, h, 1).narrow(2, q_first, q_count, q_step),
+                    accumulate=True, q_pos_offset=q_pos, q_pos_stride=q_pstep,
+                    k_pos_offset=k_pos, k_pos_stride=k_step,
+                    num_threads=threads)
+
+
+def _backward_blocks(blocks, views, grad_views, qb, doutb, lseb, delta, dq,
+                     causal, scale, threads):
+    for blk, (k_blk, v_blk), (dk_blk, dv_blk) in zip(blocks, views, grad_views):
+        _, _, k_pos, k_step, _ = blk["k"]
+        for h in blk["heads"]:
+            for q_first, q_step, q_pos, q_pstep, q_count in blk["qs"]:
+                rows = lambda b: b.narrow(1, q_first, q_count, q_step).narrow(2, h, 1)
+                bhs = lambda b: b.narrow(1, h, 1).narrow(2, q_first, q_count, q_step)
+                _C.attn_bwd(rows(doutb), rows(qb), k_blk, v_blk, None, bhs(lseb),
+                            causal=causal, scale=scale, dq=rows(dq), dk=dk_blk,
+                            dv=dv_blk, delta=bhs(delta), accumulate=True,
+                            q_pos_offset=q_pos, q_pos_stride=q_pstep,
+                            k_pos_offset=k_pos, k_pos_stride=k_step,
+                            num_threads=threads)
+
+
+def ring_dilated_attention_backward(dout, q, k, v, out, lse, comm,
+                                    segment_lengths, dilation_rates, *,
+                                    causal=False, scale=None,
+                                    layout="contiguous", seq_len=None,
+                                    num_threads=None, timeout=None):
+    """Gradients of ``ring_dilated_attention`` for this rank's shard:
+    (dq, dk, dv) in the inputs' dtypes."""
+    doutb, outb, lseb = (to_buffer(dout, "dout"), to_buffer(out, "out"),
+                         to_buffer(lse, "lse"))
+    segs, rates, qb, kb, vb, plan = _prepare(
+        q, k, v, comm, segment_lengths, dilation_rates, causal, scale, layout,
+        seq_len, "dilated_bwd", extra_bufs=(("dout", doutb), ("out", outb)))
+    kind = kind_of(q)
+    threads = _default_threads(comm) if num_threads is None else num_threads
+    B, n_r, H, D = qb.shape
+    Hkv = kb.shape[2]
+    dev = _device(qb)
+    acc = "float64" if qb.dtype == "float64" else "float32"
+    causal = bool(causal)
+    u = comm.rank
+    delta = _C.attn_bwd_preprocess(doutb, outb, num_threads=threads)
+    lse_c = _C.empty(tuple(lseb.shape), acc, *dev)
+    lse_c.copy_(lseb)            # compact, the layout delta has
+    dq = _C.zeros((B, n_r, H, D), acc, *dev)
+    dk = _C.zeros((B, n_r, Hkv, D), acc, *dev)
+    dv = _C.zeros((B, n_r, Hkv, D), acc, *dev)
+
+    for qp, kp in _local_pairs(plan, u):
+        if qp[2] == 1 and kp[2] == 1:
+            _C.dilated_bwd(doutb.narrow(1, qp[0], qp[3]), qb.narrow(1, qp[0], qp[3]),
+                           kb.narrow(1, kp[0], kp[3]), vb.narrow(1, kp[0], kp[3]),
+                           None, lse_c.narrow(2, qp[0], qp[3]), segs, rates,
+                           causal=causal, scale=scale,
+                           dq=dq.narrow(1, qp[0], qp[3]),
+                           dk=dk.narrow(1, kp[0], kp[3]),
+                           dv=dv.narrow(1, kp[0], kp[3]),
+                           delta=delta.narrow(2, qp[0], qp[3]), accumulate=True,
+                           q_pos_offset=qp[1], k_pos_offset=kp[1],
+                           num_threads=threads)
+    if any(pc[2] != 1 for pc in _pieces(plan, u)):
+        blocks = _blocks(plan, u, u, segs, rates, H, Hkv, causal)
+        sel = lambda b, x: b.narrow(1, x["k"][0], x["k"][4], x["k"][1]).narrow(2, x["g"], 1)
+        _backward_blocks(blocks, [(sel(kb, x), sel(vb, x)) for x in blocks],
+                         [(sel(dk, x), sel(dv, x)) for x in blocks],
+                         qb, doutb, lse_c, delta, dq, causal, scale, threads)
+
+    dk_np, dv_np = dk.numpy(), dv.numpy()
+    for d, dst, send, src, recv in _rounds(plan, comm, segs, rates, H, Hkv,
+                                           causal):
+        # rows in: k/v of the blocks this rank needs from src
+        send_buf = _pack(send, kb, vb, B, D, qb.dtype, dev) if send else None
+        recv_total = sum(_block_numel(x, B, D) for x in recv)
+        recv_buf = _C.empty((recv_total,), qb.dtype, *dev) if recv else None
+        req = _exchange(comm, send_buf, dst, recv_buf, src, 2 * d, timeout)
+        if req is not None:
+            req.wait()
+        grad_out = None
+        if recv:
+            grad_out = _C.zeros((recv_total,), acc, *dev)
+            _backward_blocks(recv, _views(recv_buf, recv, B, D),
+                             _views(grad_out, recv, B, D), qb, doutb, lse_c,
+                             delta, dq, causal, scale, threads)
+        # gradients out: back to src; ours come back from dst
+        send_total = sum(_block_numel(x, B, D) for x in send)
+        grad_in = _C.empty((send_total,), acc, *dev) if send else None
+        req = _exchange(comm, grad_out, src, grad_in, dst, 2 * d + 1, timeout)
+        if req is not None:
+            req.wait()
+        if send:
+            flat, pos = grad_in.numpy(), 0
+            for blk in send:
+                first, step, _, _, count = blk["k"]
+                idx = first + step * np.arange(count)
+                part = flat[pos:pos + _block_numel(blk, B, D)].reshape(2, B, count, D)
+                dk_np[:, idx, blk["g"], :] += part[0]
+                dv_np[:, idx, blk["g"], :] += part[1]
+                pos += part.size
+    res = []
+    for g, like in ((dq, qb), (dk, kb), (dv, vb)):
+        g = g if g.dtype == like.dtype else g.astype(like.dtype)
+        res.append(from_buffer(g, kind))
+    return tuple(res)
