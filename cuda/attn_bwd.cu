@@ -98,6 +98,8 @@ extern "C" ra_status ra_cuda_attn_bwd_preprocess(const ra_attn_bwd_params *p, vo
     RA_CHECK(check_bwd(p));
     if (p->batch == 0 || p->heads == 0 || p->seqlen_q == 0) return RA_OK;
     cudaStream_t s = (cudaStream_t)stream;
+    RaDeviceGuard guard;
+    RA_CHECK(guard.enter_for(p->q));
     switch (p->dtype) {
     case RA_FLOAT32: return launch_delta<float>(*p, s);
     case RA_FLOAT64: return launch_delta<double>(*p, s);
@@ -109,5 +111,7 @@ extern "C" ra_status ra_cuda_attn_bwd_preprocess(const ra_attn_bwd_params *p, vo
 extern "C" ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream) {
     RA_CHECK(check_bwd(p));
     if (p->batch == 0 || p->heads == 0) return RA_OK;
+    RaDeviceGuard guard;
+    RA_CHECK(guard.enter_for(p->q));
     return ra_bwd_simt(*p, (cudaStream_t)stream);
 }

@@ -6,8 +6,9 @@
  * passed as void* (ringattn's compute stream, ra_cuda_compute_stream).
  * Every launcher picks its kernel (tensor-core or generic) from the params,
  * checks what the kernels need, launches asynchronously and returns RA_OK,
- * or a status with ra_set_error's message.  The caller must have made the
- * buffers' device current (cudaSetDevice) before calling.
+ * or a status with ra_set_error's message.  Each launcher makes the device
+ * that owns its output (or q) current for the launch and restores the
+ * caller's device afterwards; `stream` must belong to that device.
  */
 #ifndef RA_ATTN_CUDA_H
 #define RA_ATTN_CUDA_H

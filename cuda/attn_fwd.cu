@@ -50,6 +50,8 @@ extern "C" ra_status ra_cuda_attn_fwd(const ra_attn_fwd_params *p, void *stream)
     }
     if (p->batch == 0 || p->heads == 0 || p->seqlen_q == 0) return RA_OK;
     cudaStream_t s = (cudaStream_t)stream;
+    RaDeviceGuard guard;
+    RA_CHECK(guard.enter_for(p->q));
     if (!force_generic() && ra_fwd_tc_supported(*p)) return ra_fwd_tc(*p, s);
     return ra_fwd_simt(*p, s);
 }

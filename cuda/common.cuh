@@ -147,6 +147,31 @@ __host__ __device__ __forceinline__ int64_t causal_query_begin(
 
 }  // namespace ra
 
+/* Launch on the device that owns `ptr`: the launchers are called from C
+ * with ringattn's stream of that device, which only accepts launches while
+ * its device is current.  Restores the caller's device when it goes out of
+ * scope (other libraries share the thread). */
+class RaDeviceGuard {
+  public:
+    RaDeviceGuard() : prev_(-1), dev_(-1) {}
+    ~RaDeviceGuard() {
+        if (prev_ >= 0 && prev_ != dev_) (void)cudaSetDevice(prev_);
+    }
+    ra_status enter_for(const void *ptr) {
+        cudaPointerAttributes attr;
+        RA_CUDA_CHECK(cudaPointerGetAttributes(&attr, ptr));
+        if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+            return RA_OK;  // host memory: leave the current device alone
+        RA_CUDA_CHECK(cudaGetDevice(&prev_));
+        dev_ = attr.device;
+        if (prev_ != dev_) RA_CUDA_CHECK(cudaSetDevice(dev_));
+        return RA_OK;
+    }
+
+  private:
+    int prev_, dev_;
+};
+
 /* Grant a kernel more than 48 KiB of dynamic shared memory when it asks. */
 template <typename K>
 static inline ra_status ra_set_smem(K kernel, size_t smem) {

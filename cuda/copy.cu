@@ -66,6 +66,8 @@ extern "C" ra_status ra_cuda_copy(const ra_copy_params *p, void *stream) {
     }
     if (total == 0) return RA_OK;
     cudaStream_t s = (cudaStream_t)stream;
+    RaDeviceGuard guard;
+    RA_CHECK(guard.enter_for(p->dst));
     switch (p->src_dtype) {
     case RA_FLOAT32: return launch_to<float>(p, total, s);
     case RA_FLOAT64: return launch_to<double>(p, total, s);

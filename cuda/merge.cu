@@ -98,6 +98,8 @@ extern "C" ra_status ra_cuda_merge(const ra_merge_params *p, void *stream) {
     const int64_t rows = p->batch * p->seqlen * p->heads;
     if (rows == 0) return RA_OK;
     cudaStream_t s = (cudaStream_t)stream;
+    RaDeviceGuard guard;
+    RA_CHECK(guard.enter_for(p->out));
     // one warp per (b, s, h) row of D elements
     if (p->lse_dtype == RA_FLOAT64) {
         merge_kernel<double><<<row_blocks(rows), 256, 0, s>>>(*p);
@@ -117,6 +119,8 @@ extern "C" ra_status ra_cuda_fill_state(
     const int64_t rows = batch * seqlen * heads;
     if (rows == 0) return RA_OK;
     cudaStream_t s = (cudaStream_t)stream;
+    RaDeviceGuard guard;
+    RA_CHECK(guard.enter_for(out));
     // out: (B, S, H, D) acc dtype; lse: (B, H, S) acc dtype
     if (acc_dtype == RA_FLOAT64) {
         fill_state_kernel<double><<<row_blocks(rows), 256, 0, s>>>(

@@ -11,8 +11,10 @@ Python layer.  Arrays in: NumPy, JAX, CuPy, PyTorch, or anything with
 """
 
 from . import _C
-from ._C import Buffer, CommError
+from ._C import Buffer, Comm, CommError
 from .attention import attention, attention_backward, merge
+from .comm import init
+from .launch import LaunchError, launch
 from .dilated import (DilatedAttention, dilated_attention,
                       dilated_attention_backward)
 from .ring import ring_attention, ring_attention_backward
@@ -63,11 +65,11 @@ def cpu_info():
 
 
 __all__ = [
-    "Buffer", "CommError", "attention", "attention_backward", "merge",
+    "Buffer", "Comm", "CommError", "attention", "attention_backward", "merge",
     "shard_indices", "shard", "unshard", "memory_stats",
     "reset_peak_memory_stats", "cuda_available", "cuda_info", "cpu_info",
     "from_dlpack", "empty", "zeros", "ring_attention",
     "ring_attention_backward", "dilated_attention",
     "dilated_attention_backward", "DilatedAttention", "ring_dilated_attention",
-    "ring_dilated_attention_backward",
+    "ring_dilated_attention_backward", "init", "launch", "LaunchError",
 ]
