@@ -14,6 +14,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import queue
 import secrets
 import signal
 import socket
@@ -378,30 +379,35 @@ def main_launch(argv):
         "RINGATTN_TOKEN": secrets.token_hex(16),
     })
     procs = []
+    exits = queue.Queue()       # (rank, code) in the order ranks ended
     first_bad = 0
     try:
         for rank in range(opts.nprocs):
             env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
             procs.append(subprocess.Popen(cmd, env=env))
+            threading.Thread(target=lambda r=rank, p=procs[-1]:
+                             exits.put((r, p.wait())), daemon=True).start()
         deadline = (time.monotonic() + opts.timeout
                     if opts.timeout is not None else None)
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [c for c in codes if c not in (None, 0)]
-            if bad:
-                first_bad = _exit_code(bad[0])
-                rank = codes.index(bad[0])
-                print(f"ringattn launch: rank {rank} exited with code "
-                      f"{bad[0]}; stopping the other ranks", file=sys.stderr)
+        finished = 0
+        while finished < opts.nprocs:
+            wait = 0.5 if deadline is None else min(
+                0.5, max(0.0, deadline - time.monotonic()))
+            try:
+                rank, code = exits.get(timeout=wait)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    print(f"ringattn launch: timed out after {opts.timeout} "
+                          f"s; stopping the ranks", file=sys.stderr)
+                    first_bad = 124
+                    break
+                continue
+            finished += 1
+            if code != 0:
+                first_bad = _exit_code(code)
+                print(f"ringattn launch: rank {rank} exited with code {code}; "
+                      f"stopping the other ranks", file=sys.stderr)
                 break
-            if all(c == 0 for c in codes):
-                return 0
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"ringattn launch: timed out after {opts.timeout} s; "
-                      f"stopping the ranks", file=sys.stderr)
-                first_bad = 124
-                break
-            time.sleep(0.05)
     except KeyboardInterrupt:
         first_bad = 130
     finally:
