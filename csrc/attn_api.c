@@ -19,9 +19,6 @@
 #include "copy.h"
 #include "cuda_rt.h"
 #include "module.h"
-#ifdef RA_WITH_CUDA
-#include "attn_cuda.h"
-#endif
 
 /* ---- strided copy between buffers (Buffer.copy_, astype, staging) ------ */
 
@@ -59,18 +56,7 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
     p.dst_dtype = dst->dtype;
     ra_status st;
     if (dst->device_type == RA_DEV_CUDA) {
-#ifdef RA_WITH_CUDA
-        void *stream = NULL;
-        st = ra_cuda_compute_stream(dst->device_id, &stream);
-        if (st == RA_OK) {
-            Py_BEGIN_ALLOW_THREADS
-            st = ra_cuda_copy(&p, stream);
-            Py_END_ALLOW_THREADS
-        }
-#else
-        ra_set_error(RA_ERR_UNSUPPORTED, "ringattn was built without CUDA");
-        st = RA_ERR_UNSUPPORTED;
-#endif
+        st = ra_cuda_run(dst->device_id, RA_CUDA_COPY, &p);
     } else {
         Py_BEGIN_ALLOW_THREADS
         st = ra_cpu_copy(&p);
@@ -306,21 +292,13 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
                     scale, causal, pos, accumulate, num_threads);
     ra_status st = RA_OK;
     if (d.device_type == RA_DEV_CUDA) {
-#ifdef RA_WITH_CUDA
-        void *stream = NULL;
         if (dilated) {
             ra_set_error(RA_ERR_UNSUPPORTED,
                          "dilated attention runs on the CPU only for now");
             st = RA_ERR_UNSUPPORTED;
-        } else if ((st = ra_cuda_compute_stream(d.device_id, &stream)) ==
-                   RA_OK) {
-            Py_BEGIN_ALLOW_THREADS
-            st = ra_cuda_attn_fwd(&p, stream);
-            Py_END_ALLOW_THREADS
+        } else {
+            st = ra_cuda_run(d.device_id, RA_CUDA_FWD, &p);
         }
-#else
-        st = cuda_unavailable();
-#endif
     } else {
         Py_BEGIN_ALLOW_THREADS
         st = dilated ? ra_cpu_dilated_fwd(&p, &cfg) : ra_cpu_attn_fwd(&p);
@@ -346,6 +324,83 @@ static PyObject *mod_dilated_fwd(PyObject *m, PyObject *args, PyObject *kwds) {
     return fwd_common(args, kwds, 1);
 }
 
+/* init_state(out, lse): out := 0, lse := -inf -- an empty running state
+ * ("no key seen yet") for accumulate=True calls.  out (B, S, H, D) and lse
+ * (B, H, S), both float32 (or both float64), on the CPU or a CUDA device. */
+static PyObject *mod_init_state(PyObject *m, PyObject *args) {
+    PyObject *oo, *lo;
+    tensor_arg t[2];
+    memset(t, 0, sizeof t);
+    PyObject *result = NULL;
+    (void)m;
+    if (!PyArg_ParseTuple(args, "OO:init_state", &oo, &lo)) return NULL;
+    if (load_output(&t[0], oo, "out", 4, BSHD) < 0) goto done;
+    qkv_dims d;
+    d.B = t[0].buf->shape[0];
+    d.Sq = t[0].buf->shape[1];
+    d.H = t[0].buf->shape[2];
+    d.D = t[0].buf->shape[3];
+    d.Sk = 0;
+    d.Hkv = d.H;
+    d.dtype = t[0].buf->dtype;
+    d.device_type = t[0].buf->device_type;
+    d.device_id = t[0].buf->device_id;
+    if (d.dtype != RA_FLOAT32 && d.dtype != RA_FLOAT64) {
+        PyErr_Format(PyExc_TypeError,
+                     "out: expected a float32 or float64 running state, got %s",
+                     ra_dtype_name(d.dtype));
+        goto done;
+    }
+    if (check_writable(&t[0]) < 0) goto done;
+    if (load_bhs(&t[1], lo, "lse", &d, 1) < 0) goto done;
+    ra_state_params sp;
+    ra_buffer *o = t[0].buf, *l = t[1].buf;
+    sp.out = o->data;
+    sp.lse = l->data;
+    sp.acc = d.dtype;
+    sp.batch = d.B;
+    sp.seqlen = d.Sq;
+    sp.heads = d.H;
+    sp.head_dim = d.D;
+    sp.out_batch_stride = o->strides[0];
+    sp.out_seq_stride = o->strides[1];
+    sp.out_head_stride = o->strides[2];
+    sp.lse_batch_stride = l->strides[0];
+    sp.lse_head_stride = l->strides[1];
+    sp.lse_seq_stride = l->strides[2];
+    ra_status st = RA_OK;
+    if (d.device_type == RA_DEV_CUDA) {
+        st = ra_cuda_run(d.device_id, RA_CUDA_STATE, &sp);
+    } else {
+        const size_t es = ra_dtype_size(d.dtype);
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t b = 0; b < d.B; b++)
+            for (int64_t i = 0; i < d.Sq; i++)
+                for (int64_t h = 0; h < d.H; h++) {
+                    char *row = (char *)sp.out +
+                                (b * sp.out_batch_stride + i * sp.out_seq_stride +
+                                 h * sp.out_head_stride) * (int64_t)es;
+                    memset(row, 0, (size_t)d.D * es);
+                    int64_t li = b * sp.lse_batch_stride +
+                                 h * sp.lse_head_stride + i * sp.lse_seq_stride;
+                    if (d.dtype == RA_FLOAT64)
+                        ((double *)sp.lse)[li] = -INFINITY;
+                    else
+                        ((float *)sp.lse)[li] = -INFINITY;
+                }
+        Py_END_ALLOW_THREADS
+    }
+    if (st != RA_OK) {
+        ra_raise(st);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release_args(t, 2);
+    return result;
+}
+
 static PyObject *mod_simd_level(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
@@ -369,6 +424,8 @@ static PyMethodDef attn_functions[] = {
      "dilated_fwd(q, k, v, segment_lengths, dilation_rates, *, causal=False, "
      "scale=None, out=None, lse=None, accumulate=False, q_pos_offset=None, "
      "k_pos_offset=0, num_threads=0) -> (out, lse)"},
+    {"init_state", mod_init_state, METH_VARARGS,
+     "init_state(out, lse): out := 0, lse := -inf (an empty running state)"},
     {"cpu_simd_level", mod_simd_level, METH_NOARGS,
      "SIMD level the CPU kernels dispatched to"},
     {"cpu_num_threads", mod_num_threads, METH_NOARGS,

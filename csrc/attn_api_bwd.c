@@ -12,9 +12,6 @@
 #include "attn_cpu.h"
 #include "cuda_rt.h"
 #include "module.h"
-#ifdef RA_WITH_CUDA
-#include "attn_cuda.h"
-#endif
 
 static void fill_bwd_params(ra_attn_bwd_params *p, const qkv_dims *d,
                             tensor_arg *t, double scale, int causal,
@@ -101,17 +98,7 @@ static ra_status run_preprocess(const ra_attn_bwd_params *p, int device_type,
                                 int device_id) {
     ra_status st = RA_OK;
     if (device_type == RA_DEV_CUDA) {
-#ifdef RA_WITH_CUDA
-        void *stream = NULL;
-        if ((st = ra_cuda_compute_stream(device_id, &stream)) == RA_OK) {
-            Py_BEGIN_ALLOW_THREADS
-            st = ra_cuda_attn_bwd_preprocess(p, stream);
-            Py_END_ALLOW_THREADS
-        }
-#else
-        (void)device_id;
-        st = cuda_unavailable();
-#endif
+        st = ra_cuda_run(device_id, RA_CUDA_BWD_PRE, p);
     } else {
         Py_BEGIN_ALLOW_THREADS
         st = ra_cpu_attn_bwd_preprocess(p);
@@ -264,21 +251,13 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         }
     }
     if (d.device_type == RA_DEV_CUDA) {
-#ifdef RA_WITH_CUDA
-        void *stream = NULL;
         if (dilated) {
             ra_set_error(RA_ERR_UNSUPPORTED,
                          "dilated attention runs on the CPU only for now");
             st = RA_ERR_UNSUPPORTED;
-        } else if ((st = ra_cuda_compute_stream(d.device_id, &stream)) ==
-                   RA_OK) {
-            Py_BEGIN_ALLOW_THREADS
-            st = ra_cuda_attn_bwd(&p, stream);
-            Py_END_ALLOW_THREADS
+        } else {
+            st = ra_cuda_run(d.device_id, RA_CUDA_BWD, &p);
         }
-#else
-        st = cuda_unavailable();
-#endif
     } else {
         Py_BEGIN_ALLOW_THREADS
         st = dilated ? ra_cpu_dilated_bwd(&p, &cfg) : ra_cpu_attn_bwd(&p);
@@ -456,16 +435,7 @@ static PyObject *mod_merge(PyObject *m, PyObject *args, PyObject *kwds) {
     p.num_threads = num_threads;
     ra_status st;
     if (d.device_type == RA_DEV_CUDA) {
-#ifdef RA_WITH_CUDA
-        void *stream = NULL;
-        if ((st = ra_cuda_compute_stream(d.device_id, &stream)) == RA_OK) {
-            Py_BEGIN_ALLOW_THREADS
-            st = ra_cuda_merge(&p, stream);
-            Py_END_ALLOW_THREADS
-        }
-#else
-        st = cuda_unavailable();
-#endif
+        st = ra_cuda_run(d.device_id, RA_CUDA_MERGE, &p);
     } else {
         Py_BEGIN_ALLOW_THREADS
         st = ra_cpu_merge(&p);

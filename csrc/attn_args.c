@@ -8,7 +8,11 @@
 
 #include "attn_args.h"
 #include "copy.h"
+#include "cuda_rt.h"
 #include "module.h"
+#ifdef RA_WITH_CUDA
+#include "attn_cuda.h"
+#endif
 
 ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
 
@@ -311,4 +315,55 @@ int load_bhs(tensor_arg *a, PyObject *obj, const char *name, const qkv_dims *d,
     }
     if (writable && check_writable(a) < 0) return -1;
     return 0;
+}
+
+ra_status ra_cuda_run(int device, ra_cuda_op op, const void *params) {
+#ifdef RA_WITH_CUDA
+    void *stream = NULL;
+    int prev = -1;
+    ra_status st = ra_cuda_compute_stream(device, &stream);
+    if (st != RA_OK) return st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ra_cuda_enter_device(device, &prev);
+    if (st == RA_OK) {
+        switch (op) {
+        case RA_CUDA_FWD:
+            st = ra_cuda_attn_fwd((const ra_attn_fwd_params *)params, stream);
+            break;
+        case RA_CUDA_BWD_PRE:
+            st = ra_cuda_attn_bwd_preprocess((const ra_attn_bwd_params *)params,
+                                             stream);
+            break;
+        case RA_CUDA_BWD:
+            st = ra_cuda_attn_bwd((const ra_attn_bwd_params *)params, stream);
+            break;
+        case RA_CUDA_MERGE:
+            st = ra_cuda_merge((const ra_merge_params *)params, stream);
+            break;
+        case RA_CUDA_COPY:
+            st = ra_cuda_copy((const ra_copy_params *)params, stream);
+            break;
+        case RA_CUDA_STATE: {
+            const ra_state_params *s = (const ra_state_params *)params;
+            st = ra_cuda_fill_state(s->out, s->lse, s->acc, s->batch, s->seqlen,
+                                    s->heads, s->head_dim, s->out_batch_stride,
+                                    s->out_seq_stride, s->out_head_stride,
+                                    s->lse_batch_stride, s->lse_head_stride,
+                                    s->lse_seq_stride, stream);
+            break;
+        }
+        default:
+            ra_set_error(RA_ERR_INTERNAL, "unknown CUDA operation %d", (int)op);
+            st = RA_ERR_INTERNAL;
+        }
+        ra_cuda_leave_device(device, prev);
+    }
+    Py_END_ALLOW_THREADS
+    return st;
+#else
+    (void)device;
+    (void)op;
+    (void)params;
+    return cuda_unavailable();
+#endif
 }

@@ -56,4 +56,27 @@ int load_bhs(tensor_arg *a, PyObject *obj, const char *name, const qkv_dims *d,
 int ra_parse_dilated(PyObject *segs, PyObject *rates, ra_dilated_config *cfg);
 ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
 
+/* The CUDA launchers the entry points dispatch to. */
+typedef enum {
+    RA_CUDA_FWD,      /* ra_attn_fwd_params */
+    RA_CUDA_BWD_PRE,  /* ra_attn_bwd_params */
+    RA_CUDA_BWD,      /* ra_attn_bwd_params */
+    RA_CUDA_MERGE,    /* ra_merge_params */
+    RA_CUDA_COPY,     /* ra_copy_params */
+    RA_CUDA_STATE     /* ra_state_params */
+} ra_cuda_op;
+
+/* (out, lse) := (0, -inf) over (B, S, H, D) / (B, H, S) */
+typedef struct ra_state_params {
+    void *out, *lse;
+    ra_dtype acc;
+    int64_t batch, seqlen, heads, head_dim;
+    int64_t out_batch_stride, out_seq_stride, out_head_stride;
+    int64_t lse_batch_stride, lse_head_stride, lse_seq_stride;
+} ra_state_params;
+
+/* Run one launcher on `device`'s compute stream with the GIL released, the
+ * device made current around it.  Without CUDA: RA_ERR_UNSUPPORTED. */
+ra_status ra_cuda_run(int device, ra_cuda_op op, const void *params);
+
 #endif

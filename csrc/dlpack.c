@@ -403,8 +403,12 @@ ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
     b->ndim = t->ndim;
     b->readonly = readonly;
     {
-        int64_t stride = 1;
-        for (int i = t->ndim - 1; i >= 0; i--) {
+        /* shape and strides must describe a span whose byte extent fits in
+         * int64; anything else is refused rather than mis-read */
+        int64_t stride = 1, numel = 1, span = 0;
+        const int64_t es = (int64_t)(t->dtype.bits / 8);
+        int ok = 1;
+        for (int i = t->ndim - 1; i >= 0 && ok; i--) {
             if (t->shape[i] < 0) {
                 PyErr_Format(PyExc_BufferError, "%s: negative size in shape",
                              name);
@@ -413,7 +417,25 @@ ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
             }
             b->shape[i] = t->shape[i];
             b->strides[i] = t->strides != NULL ? t->strides[i] : stride;
-            stride *= t->shape[i] > 0 ? t->shape[i] : 1;
+            ok = ra_mul_ok(numel, t->shape[i], &numel);
+            if (ok && t->shape[i] > 1) {
+                int64_t st = b->strides[i] < 0 ? -b->strides[i] : b->strides[i];
+                int64_t ext;
+                ok = st >= 0 && ra_mul_ok(st, t->shape[i] - 1, &ext) &&
+                     !__builtin_add_overflow(span, ext, &span);
+            }
+            if (ok && t->shape[i] > 0 && !ra_mul_ok(stride, t->shape[i], &stride))
+                stride = INT64_MAX; /* only a compact-stride default */
+        }
+        int64_t bytes;
+        if (ok) ok = ra_mul_ok(numel, es, &bytes) && ra_mul_ok(span + 1, es, &bytes);
+        if (!ok) {
+            PyErr_Format(PyExc_BufferError,
+                         "%s: the DLPack shape/strides describe more than "
+                         "2**63 bytes",
+                         name);
+            Py_DECREF(b);
+            goto fail;
         }
     }
     PyObject *owner =

@@ -120,11 +120,12 @@ def _default_threads(comm):
     return 0
 
 
-def _fill(buf, value):
-    if buf.device[0] == "cpu":
-        buf.numpy().fill(value)
-    else:
-        raise NotImplementedError("device running state is set by the GPU ring")
+def empty_state(B, n, H, D, acc, dev):
+    """A running state (out, lse) = (0, -inf): no key seen yet."""
+    out = _C.empty((B, n, H, D), acc, *dev)
+    lse = _C.empty((B, H, n), acc, *dev)
+    _C.init_state(out, lse)
+    return out, lse
 
 
 def _pairs(plan, q_rank, k_rank, causal):
@@ -148,11 +149,10 @@ class _KVBlocks:
     elements, so one allocation of the largest shard serves every step.
     """
 
-    def __init__(self, m, B, Hkv, D, max_len, dtype, device):
+    def __init__(self, m, B, Hkv, D, max_len, dtype, device, count=2):
         self.m, self.B, self.Hkv, self.D = m, B, Hkv, D
         size = max(1, m * B * max_len * Hkv * D)
-        self.flat = [_C.empty((size,), dtype, *device),
-                     _C.empty((size,), dtype, *device)]
+        self.flat = [_C.empty((size,), dtype, *device) for _ in range(count)]
 
     def view(self, i, length):
         numel = self.m * self.B * length * self.Hkv * self.D
@@ -221,13 +221,12 @@ def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
     Hkv = kb.shape[2]
     dev = _device(qb)
     acc = "float64" if qb.dtype == "float64" else "float32"
-    out = _C.zeros((B, n_r, H, D), acc, *dev)
-    lse = _C.empty((B, H, n_r), acc, *dev)
-    _fill(lse, -math.inf)
-    blocks = _KVBlocks(2, B, Hkv, D, max(plan.lengths), qb.dtype, dev)
-    cur = blocks.view(0, n_r)
-    blocks.part(cur, 0).copy_(kb)
-    blocks.part(cur, 1).copy_(vb)
+    out, lse = empty_state(B, n_r, H, D, acc, dev)
+    if p > 1:
+        blocks = _KVBlocks(2, B, Hkv, D, max(plan.lengths), qb.dtype, dev)
+        cur = blocks.view(0, n_r)
+        blocks.part(cur, 0).copy_(kb)
+        blocks.part(cur, 1).copy_(vb)
     cur_i = 0
     compute_s = wait_s = 0.0
     sent = 0
@@ -241,7 +240,10 @@ def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
                                       step=step, timeout=timeout)
             sent += cur.nbytes
         t0 = time.perf_counter()
-        k_blk, v_blk = blocks.part(cur, 0), blocks.part(cur, 1)
+        if p > 1:
+            k_blk, v_blk = blocks.part(cur, 0), blocks.part(cur, 1)
+        else:
+            k_blk, v_blk = kb, vb
         for (q_off, q_start, q_stride, q_len), (k_off, k_start, k_stride,
                                                 k_len) in _pairs(
                 plan, r, src_rank, causal):
@@ -318,11 +320,13 @@ def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan, causal, scale,
     delta = _C.attn_bwd_preprocess(doutb, outb, num_threads=threads)
     dq = _C.zeros((B, n_r, H, D), acc, *dev)
     max_len = max(plan.lengths)
-    kv = _KVBlocks(2, B, Hkv, D, max_len, qb.dtype, dev)
-    dkv = _KVBlocks(2, B, Hkv, D, max_len, acc, dev)
-    kv_cur, kv_i = kv.view(0, n_r), 0
-    kv.part(kv_cur, 0).copy_(kb)
-    kv.part(kv_cur, 1).copy_(vb)
+    count = 2 if p > 1 else 1
+    dkv = _KVBlocks(2, B, Hkv, D, max_len, acc, dev, count)
+    if p > 1:
+        kv = _KVBlocks(2, B, Hkv, D, max_len, qb.dtype, dev)
+        kv_cur, kv_i = kv.view(0, n_r), 0
+        kv.part(kv_cur, 0).copy_(kb)
+        kv.part(kv_cur, 1).copy_(vb)
     dkv_cur, dkv_i = dkv.view(0, n_r), 0
     dkv_cur.zero_()
     dkv_req = None
@@ -337,7 +341,10 @@ def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan, causal, scale,
             kv_nxt = kv.view(1 - kv_i, plan.lengths[(r - step - 1) % p])
             kv_req = comm.sendrecv_start(kv_cur, (r + 1) % p, kv_nxt,
                                          (r - 1) % p, step=step, timeout=timeout)
-        k_blk, v_blk = kv.part(kv_cur, 0), kv.part(kv_cur, 1)
+        if p > 1:
+            k_blk, v_blk = kv.part(kv_cur, 0), kv.part(kv_cur, 1)
+        else:
+            k_blk, v_blk = kb, vb
         dk_blk, dv_blk = dkv.part(dkv_cur, 0), dkv.part(dkv_cur, 1)
         for (q_off, q_start, q_stride, q_len), (k_off, k_start, k_stride,
                                                 k_len) in _pairs(

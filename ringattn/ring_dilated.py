@@ -27,7 +27,7 @@ from . import _C
 from .dilated import check_config
 from .interop import from_buffer, kind_of, to_buffer
 from .ring import (_check_comm, _check_layout, _default_threads, _describe,
-                   _device, _fill, agree)
+                   _device, agree, empty_state)
 
 __all__ = ["ring_dilated_attention", "ring_dilated_attention_backward"]
 
@@ -204,9 +204,7 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
     Hkv = kb.shape[2]
     dev = _device(qb)
     acc = "float64" if qb.dtype == "float64" else "float32"
-    out = _C.zeros((B, n_r, H, D), acc, *dev)
-    lse = _C.empty((B, H, n_r), acc, *dev)
-    _fill(lse, -math.inf)
+    out, lse = empty_state(B, n_r, H, D, acc, dev)
     causal = bool(causal)
     u = comm.rank
 
