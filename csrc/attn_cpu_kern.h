@@ -27,7 +27,7 @@
 #include "attn_params.h"
 
 #define RA_CPU_BK 64   /* keys per block; a multiple of every vector width */
-#define RA_CPU_BQ 64   /* query rows per forward work item */
+#define RA_CPU_BQ 128  /* query rows per forward work item */
 #define RA_CPU_BQB 64  /* query rows per backward inner step */
 
 #define RA_LOG2E 1.4426950408889634

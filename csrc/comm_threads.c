@@ -257,10 +257,20 @@ static ra_status threads_start(ra_comm *c, ra_req *q) {
         s->copying--;
         r->copying--;
     }
+    /* finish each request once: a finished request may be freed by its
+     * waiter at once (with two ranks, the peer's request can sit in both
+     * jobs) */
+    ra_req *touched[4];
+    int ntouched = 0;
     for (int i = 0; i < njobs; i++) {
-        maybe_finish(jobs[i].from);
-        maybe_finish(jobs[i].to);
+        ra_req *pair[2] = {jobs[i].from, jobs[i].to};
+        for (int k = 0; k < 2; k++) {
+            int seen = 0;
+            for (int j = 0; j < ntouched; j++) seen |= touched[j] == pair[k];
+            if (!seen) touched[ntouched++] = pair[k];
+        }
     }
+    for (int i = 0; i < ntouched; i++) maybe_finish(touched[i]);
     /* a mismatch found while posting fails q (already reported in q) */
     pthread_mutex_unlock(&g->mu);
     return RA_OK;
