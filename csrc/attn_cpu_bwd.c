@@ -31,7 +31,7 @@ ra_status ra_cpu_attn_bwd_preprocess(const ra_attn_bwd_params *p) {
     const int64_t B = p->batch, Sq = p->seqlen_q, H = p->heads, D = p->head_dim;
     const ra_dtype acc = ra_acc_dtype(p->dtype), od = p->out_dtype;
     const int64_t n_rows = B * H * Sq;
-    const int nt = ra_cpu_num_threads(p->num_threads);
+    const int nt = ra_cpu_threads_for(p->num_threads, 4.0 * (double)n_rows * (double)D);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < n_rows; r++) {
         const int64_t i = r % Sq, bh = r / Sq, b = bh / H, h = bh % H;
@@ -66,7 +66,8 @@ ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
     RA_CHECK(ra_cpu_check_bwd(p));
     const int64_t B = p->batch, Sq = p->seqlen_q, Sk = p->seqlen_k;
     const int64_t H = p->heads, Hkv = p->heads_kv, D = p->head_dim;
-    const int nt = ra_cpu_num_threads(p->num_threads);
+    const int nt = ra_cpu_threads_for(
+        p->num_threads, 10.0 * (double)B * (double)H * (double)Sq * (double)Sk * (double)D);
     const ra_dtype gd = p->grad_dtype, acc = ra_acc_dtype(p->dtype);
     if (B == 0 || H == 0) return RA_OK;
     if (Sq == 0 || Sk == 0) {

@@ -98,7 +98,9 @@ ra_status ra_cpu_dilated_fwd(const ra_attn_fwd_params *p,
     const int64_t Dp = ra_cpu_cdiv(D, kn->vw) * kn->vw, BK = RA_CPU_BK;
     const int64_t group = H / Hkv;
     const size_t rs = (size_t)kn->real_size;
-    const int nt = ra_cpu_num_threads(p->num_threads);
+    const int nt = ra_cpu_threads_for(
+        p->num_threads, 4.0 * cfg->n_branches * (double)B * (double)H * (double)Sq *
+                            (double)(Sk < 4096 ? Sk : 4096) * (double)D);
     const int own_state = p->out_dtype != acc;
     int64_t wmax = 1;
     for (int i = 0; i < cfg->n_branches; i++)
@@ -255,7 +257,9 @@ ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
     const int64_t Dp = ra_cpu_cdiv(D, kn->vw) * kn->vw, BK = RA_CPU_BK;
     const int64_t group = H / Hkv;
     const size_t rs = (size_t)kn->real_size, as = ra_dtype_size(acc);
-    const int nt = ra_cpu_num_threads(p->num_threads);
+    const int nt = ra_cpu_threads_for(
+        p->num_threads, 10.0 * cfg->n_branches * (double)B * (double)H * (double)Sq *
+                            (double)(Sk < 4096 ? Sk : 4096) * (double)D);
     const int own = gd != acc;
     int64_t wmax = 1;
     for (int i = 0; i < cfg->n_branches; i++)

@@ -106,7 +106,8 @@ ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
     const size_t rs = (size_t)kn->real_size;
     /* per (batch, kv head): kt = nkb blocks of (D, BK); vr = (nkb*BK, Dp) */
     const int64_t kt_elems = nkb * D * BK, per_head = nkb * BK * (D + Dp);
-    const int nt = ra_cpu_num_threads(p->num_threads);
+    const int nt = ra_cpu_threads_for(
+        p->num_threads, 4.0 * (double)B * (double)H * (double)Sq * (double)Sk * (double)D);
     const size_t scr_each = (kn->fwd_scratch(Dp) + 63) & ~(size_t)63;
     size_t kv_bytes = ra_cpu_bytes(B, Hkv, per_head, (int64_t)rs);
     size_t scr_bytes = scr_each * (size_t)nt;

@@ -32,7 +32,7 @@ ra_status ra_cpu_merge(const ra_merge_params *p) {
         return RA_ERR_VALUE;
     }
     const int64_t n_rows = B * S * H;
-    const int nt = ra_cpu_num_threads(p->num_threads);
+    const int nt = ra_cpu_threads_for(p->num_threads, 8.0 * (double)n_rows * (double)D);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < n_rows; r++) {
         const int64_t h = r % H, s = (r / H) % S, b = r / (H * S);

@@ -154,8 +154,7 @@ ra_status ra_cpu_copy(const ra_copy_params *p) {
     const int last = p->ndim - 1;
     const size_t ssz = ra_dtype_size(p->src_dtype);
     const size_t dsz = ra_dtype_size(p->dst_dtype);
-    int nthreads = ra_cpu_num_threads(p->num_threads);
-    if (rows * n < (1 << 16)) nthreads = 1;
+    int nthreads = ra_cpu_threads_for(p->num_threads, 4.0 * (double)(rows * n));
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         int64_t rem = r, soff = 0, doff = 0;

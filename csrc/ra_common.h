@@ -119,6 +119,10 @@ static inline int ra_mul_ok(int64_t a, int64_t b, int64_t *out) {
 /* Thread count for CPU kernels: RINGATTN_NUM_THREADS, else OpenMP's default.
  * `requested` > 0 overrides both. */
 int ra_cpu_num_threads(int requested);
+/* Threads for a call of about `work` flops: ra_cpu_num_threads(requested),
+ * fewer for small calls so that waking a team never costs more than the
+ * work it shares (and oversubscribed ranks do not spin on tiny blocks). */
+int ra_cpu_threads_for(int requested, double work);
 
 /* Monotonic clock in seconds. */
 double ra_now(void);

@@ -52,6 +52,15 @@ int ra_cpu_num_threads(int requested) {
 #endif
 }
 
+int ra_cpu_threads_for(int requested, double work) {
+    int nt = ra_cpu_num_threads(requested);
+    /* ~4 MFLOP per thread: well above the cost of starting a team */
+    double cap = work / 4.0e6;
+    if (cap < 1.0) return 1;
+    if (cap < (double)nt) nt = (int)cap;
+    return nt < 1 ? 1 : nt;
+}
+
 double ra_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

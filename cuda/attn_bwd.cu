@@ -4,13 +4,20 @@
  * ra_cuda_attn_bwd_preprocess: delta_i = sum_d dout_i[d] * out_i[d] in the
  *   acc dtype, (B, H, S_q) with lse's strides.  One warp per (b, s, h) row,
  *   256 threads per block, grid-stride.
- * ra_cuda_attn_bwd: checks what the kernels rely on and runs the generic
- *   deterministic kernels of attn_bwd_simt.cu (dk/dv pass, then dq pass;
- *   every output element is written by exactly one thread, so no dq
- *   conversion pass is needed and the bits are the same on every run).
+ * ra_cuda_attn_bwd: checks what the kernels rely on and runs either the
+ *   tensor-core kernels (float16/bfloat16, head_dim 64 or 128, 16-byte
+ *   aligned rows; attn_bwd_tc_dkdv.cu then attn_bwd_tc_dq.cu) or the
+ *   generic kernels of attn_bwd_simt.cu (every dtype, head_dim 1..256).
+ *   Both are a dk/dv pass then a dq pass; every output element is written
+ *   by exactly one thread, so no dq conversion pass is needed and the bits
+ *   are the same on every run.  RINGATTN_CUDA_GENERIC=1 forces the generic
+ *   kernels (for tests that compare the two).
  *
  * q, out, dout, dq: (B, S_q, H, D); k, v, dk, dv: (B, S_k, H_kv, D).
  */
+#include <stdlib.h>
+#include <string.h>
+
 #include "attn_kernels.cuh"
 
 namespace {
@@ -92,6 +99,40 @@ ra_status check_bwd(const ra_attn_bwd_params *p) {
     return RA_OK;
 }
 
+bool force_generic(void) {
+    const char *env = getenv("RINGATTN_CUDA_GENERIC");
+    return env != NULL && strcmp(env, "1") == 0;
+}
+
+bool aligned(const void *ptr, unsigned bytes) {
+    return ((uintptr_t)ptr % bytes) == 0;
+}
+
+/* What the tensor-core kernels rely on (check_bwd has passed): 16-bit
+ * inputs, head_dim 64/128, q/k/v/dout rows that cp.async can move in
+ * 16-byte chunks, and grads stored two elements at a time. */
+bool tc_supported(const ra_attn_bwd_params &p) {
+    if (p.dtype != RA_FLOAT16 && p.dtype != RA_BFLOAT16) return false;
+    if (p.head_dim != 64 && p.head_dim != 128) return false;
+    if (p.grad_dtype != p.dtype && p.grad_dtype != RA_FLOAT32) return false;
+    if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.dout, 16))
+        return false;
+    const int64_t s8[] = {p.q_batch_stride,    p.q_seq_stride,    p.q_head_stride,
+                          p.k_batch_stride,    p.k_seq_stride,    p.k_head_stride,
+                          p.v_batch_stride,    p.v_seq_stride,    p.v_head_stride,
+                          p.dout_batch_stride, p.dout_seq_stride, p.dout_head_stride};
+    for (int64_t x : s8)
+        if (x % 8 != 0) return false;
+    const unsigned gb = p.grad_dtype == RA_FLOAT32 ? 8 : 4;
+    if (!aligned(p.dq, gb) || !aligned(p.dk, gb) || !aligned(p.dv, gb)) return false;
+    const int64_t s2[] = {p.dq_batch_stride, p.dq_seq_stride, p.dq_head_stride,
+                          p.dk_batch_stride, p.dk_seq_stride, p.dk_head_stride,
+                          p.dv_batch_stride, p.dv_seq_stride, p.dv_head_stride};
+    for (int64_t x : s2)
+        if (x % 2 != 0) return false;
+    return true;
+}
+
 }  // namespace
 
 extern "C" ra_status ra_cuda_attn_bwd_preprocess(const ra_attn_bwd_params *p, void *stream) {
@@ -113,5 +154,10 @@ extern "C" ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream)
     if (p->batch == 0 || p->heads == 0) return RA_OK;
     RaDeviceGuard guard;
     RA_CHECK(guard.enter_for(p->q));
-    return ra_bwd_simt(*p, (cudaStream_t)stream);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (!force_generic() && tc_supported(*p)) {
+        RA_CHECK(ra_bwd_tc_dkdv(*p, s));
+        return ra_bwd_tc_dq(*p, s);
+    }
+    return ra_bwd_simt(*p, s);
 }

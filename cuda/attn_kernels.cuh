@@ -19,6 +19,12 @@ ra_status ra_bwd_simt(const ra_attn_bwd_params &p, cudaStream_t s);
 bool ra_fwd_tc_supported(const ra_attn_fwd_params &p);
 ra_status ra_fwd_tc(const ra_attn_fwd_params &p, cudaStream_t s);
 
+/* Tensor-core backward, float16/bfloat16, head_dim 64 or 128 (eligibility
+ * in attn_bwd.cu): the dk/dv pass (attn_bwd_tc_dkdv.cu) and the dq pass
+ * (attn_bwd_tc_dq.cu), each deterministic and run in that order. */
+ra_status ra_bwd_tc_dkdv(const ra_attn_bwd_params &p, cudaStream_t s);
+ra_status ra_bwd_tc_dq(const ra_attn_bwd_params &p, cudaStream_t s);
+
 /* Number of blocks for `units` work items of `per_block` each, or an error
  * when the grid would not fit a 1-D launch. */
 static inline ra_status ra_grid_1d(int64_t units, int64_t per_block,

@@ -87,6 +87,64 @@ __device__ __forceinline__ int swz(int row, int col) {
     return row * D + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
+/* cp.async a ROWS x D tile of 16-bit elements into a swizzled shared tile:
+ * global rows row0 .. row0 + ROWS - 1 of a (seq, D) matrix `g` with row
+ * stride `ld` (elements); rows >= limit are zero-filled.  THREADS threads
+ * (threadIdx.x < THREADS) each issue ROWS * D / 8 / THREADS 16-byte copies. */
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void cp_async_tile(T *smem, const T *g, int64_t ld,
+                                              int64_t row0, int64_t limit) {
+    constexpr int kChunks = D / 8;  // 16-byte chunks per row
+    static_assert((ROWS * kChunks) % THREADS == 0, "tile must split evenly over threads");
+#pragma unroll
+    for (int it = 0; it < ROWS * kChunks / THREADS; it++) {
+        const int idx = threadIdx.x + it * THREADS;
+        const int r = idx / kChunks, c = idx % kChunks;
+        const int64_t row = row0 + r;
+        const bool ok = row < limit;
+        const T *src = ok ? g + row * ld + c * 8 : g;
+        cp_async16(smem + swz<D>(r, c * 8), src, ok);
+    }
+}
+
+/* Fragment loads from swizzled tiles of D columns (one warp, all lanes):
+ *   frag_a      A of the 16 x 16 block at (row0, col0) of a row-major tile
+ *   frag_b_nk   B of two n-tiles (n0 .. n0 + 15, k0 .. k0 + 15) from a tile
+ *               stored [n][k] (n = tile row): b[0], b[1] for n0 .. n0 + 7,
+ *               b[2], b[3] for n0 + 8 .. n0 + 15
+ *   frag_b_kn   the same from a tile stored [k][n] (k = tile row), through
+ *               ldmatrix.trans */
+template <int D>
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const void *tile, int row0, int col0) {
+    const int lane = threadIdx.x % 32;
+    // lanes 0-15: rows 0-15 at col0; lanes 16-31: rows 0-15 at col0 + 8
+    ldmatrix_x4(a, (const uint16_t *)tile + swz<D>(row0 + (lane % 16), col0 + (lane / 16) * 8));
+}
+template <int D>
+__device__ __forceinline__ void frag_b_nk(uint32_t (&b)[4], const void *tile, int n0, int k0) {
+    const int lane = threadIdx.x % 32;
+    // matrices: (n 0-7, k lo), (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi)
+    ldmatrix_x4(b, (const uint16_t *)tile +
+                       swz<D>(n0 + (lane % 8) + (lane / 16) * 8, k0 + ((lane / 8) % 2) * 8));
+}
+template <int D>
+__device__ __forceinline__ void frag_b_kn(uint32_t (&b)[4], const void *tile, int k0, int n0) {
+    const int lane = threadIdx.x % 32;
+    // matrices (transposed): (k lo, n 0-7), (k hi, n 0-7), (k lo, n 8-15), (k hi, n 8-15)
+    ldmatrix_x4_trans(b, (const uint16_t *)tile +
+                             swz<D>(k0 + (lane % 8) + ((lane / 8) % 2) * 8, n0 + (lane / 16) * 8));
+}
+
+/* The C fragments of two adjacent n-tiles (16 columns) as one 16-bit A
+ * fragment whose k runs over those 16 columns. */
+template <typename T>
+__device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+    a[0] = pack2<T>(c0[0], c0[1]);
+    a[1] = pack2<T>(c0[2], c0[3]);
+    a[2] = pack2<T>(c1[0], c1[1]);
+    a[3] = pack2<T>(c1[2], c1[3]);
+}
+
 }  // namespace ra
 
 #endif /* RA_MMA_CUH */

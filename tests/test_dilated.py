@@ -15,15 +15,19 @@ import numpy as np
 import pytest
 
 import ringattn as ra
-from ringattn.testing import (assert_close, np_dtype, random_qkv,
-                              ref_attention, ref_attention_backward,
+from ringattn.testing import (assert_close, dilated_bias, np_dtype,
+                              random_qkv, ref_attention,
+                              ref_attention_backward,
                               ref_dilated_attention,
                               ref_dilated_attention_backward)
 
 LAUNCH_TIMEOUT = 60
 
 
-def mismatches(actual, expected, dtype, names=("out", "lse", "dq", "dk", "dv")):
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def mismatches(actual, expected, dtype, names=NAMES):
     bad = []
     for name, a, e in zip(names, actual, expected):
         try:
@@ -46,7 +50,6 @@ def run_dilated(q, k, v, dout, segs, rates, causal, ref_out=False):
                                           rates, causal=causal)
     r_out, r_lse = ref_dilated_attention(q, k, v, segs, rates, causal=causal)
     if ref_out:
-        from ringattn.testing import dilated_bias
         bias = dilated_bias(q.shape[1], segs, rates, q.shape[2])
         r_grads = ref_attention_backward(dout, q, k, v, causal=causal,
                                          bias=bias, out=out)

@@ -25,7 +25,8 @@ LAUNCH_TIMEOUT = 60
 
 # ---- per-rank bodies (module level, so they pickle for backend="host") ----
 
-def ring_fwd_bwd(comm, q, k, v, dout, layout, causal, pass_seq_len):
+def ring_fwd_bwd(comm, q, k, v, dout, layout, causal, pass_seq_len,
+                 num_threads=None):
     """This rank's (out, lse, dq, dk, dv) for its shard of the full arrays."""
     r, p = comm.rank, comm.size
     n = q.shape[1]
@@ -33,18 +34,25 @@ def ring_fwd_bwd(comm, q, k, v, dout, layout, causal, pass_seq_len):
     qs, ks, vs, ds = (ra.shard(x, r, p, layout) for x in (q, k, v, dout))
     out, lse = ra.ring_attention(qs, ks, vs, comm, causal=causal,
                                  layout=layout, seq_len=seq_len,
-                                 return_lse=True)
+                                 return_lse=True, num_threads=num_threads)
     dq, dk, dv = ra.ring_attention_backward(ds, qs, ks, vs, out, lse, comm,
                                             causal=causal, layout=layout,
-                                            seq_len=seq_len)
+                                            seq_len=seq_len,
+                                            num_threads=num_threads)
     return out, lse, dq, dk, dv
 
 
 def run_ring(q, k, v, dout, p, layout, causal, backend="threads",
              pass_seq_len=False):
-    """Gathered (out, lse, dq, dk, dv) of a p-rank ring over the full arrays."""
+    """Gathered (out, lse, dq, dk, dv) of a p-rank ring over the full arrays.
+
+    host ranks are processes on this machine: one kernel thread each, so
+    p ranks do not oversubscribe the cores.
+    """
+    num_threads = 1 if backend == "host" else None
     results = ra.launch(ring_fwd_bwd, p,
-                        args=(q, k, v, dout, layout, causal, pass_seq_len),
+                        args=(q, k, v, dout, layout, causal, pass_seq_len,
+                              num_threads),
                         backend=backend, timeout=LAUNCH_TIMEOUT)
     gathered = []
     for i in range(5):
@@ -157,6 +165,39 @@ def test_ring_p1_equals_attention(rng):
     assert err <= 1e-6 * float(np.max(np.abs(local))), f"max error {err:.3e}"
 
 
+def strided_ring(comm, big, layout):
+    """Ring over views into one array (strided, last dim contiguous) with an
+    explicit scale; returns (out, progress calls)."""
+    idx = ra.shard_indices(big.shape[1], comm.size, layout)[comm.rank]
+    rows = big[:, idx]
+    q, k, v = rows[:, :, :4, :8], rows[:, :, 4:6, 8:16], rows[:, :, 4:6, 16:]
+    calls = []
+    out = ra.ring_attention(q, k, v, comm, causal=True, scale=0.2,
+                            layout=layout,
+                            progress=lambda step, steps: calls.append(
+                                (step, steps)))
+    return out, calls
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ring_strided_inputs_scale_and_progress(rng, layout):
+    """Strided views and scale=0.2 give the reference; progress(step, p) is
+    called once per ring step."""
+    big = rng.standard_normal((2, 37, 6, 24))
+    results = ra.launch(strided_ring, 3, args=(big, layout),
+                        backend="threads", timeout=LAUNCH_TIMEOUT)
+    out = ra.unshard([res[0] for res in results], layout)
+    pos = np.arange(37)
+    ref, _ = ref_attention(big[:, :, :4, :8], big[:, :, 4:6, 8:16],
+                           big[:, :, 4:6, 16:], causal=True, scale=0.2,
+                           q_pos=pos, k_pos=pos)
+    calls = [res[1] for res in results]
+    bad = mismatches([out], [ref], "float64")
+    assert not bad and calls == [[(1, 3), (2, 3), (3, 3)]] * 3, \
+        "\n".join(bad) + f"\nprogress calls {calls}"
+
+
 # ---- real processes (host backend) ----------------------------------------
 
 HOST_CASES = [
@@ -252,8 +293,8 @@ def test_mismatch_surfaces_through_launch(backend):
         ra.launch(mismatched_uncaught, 3, args=("causal",), backend=backend,
                   timeout=LAUNCH_TIMEOUT)
     text = str(info.value)
-    assert "ValueError" in text and "causal: expected the same value" in text, \
-        text
+    expected = "causal: expected the same value"
+    assert "ValueError" in text and expected in text, text
 
 
 @pytest.mark.timeout(60)

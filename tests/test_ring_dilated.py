@@ -34,23 +34,29 @@ LAUNCH_TIMEOUT = 60
 
 # ---- per-rank bodies (module level, so they pickle for backend="host") ----
 
-def dilated_fwd_bwd(comm, q, k, v, dout, segs, rates, layout, causal):
+def dilated_fwd_bwd(comm, q, k, v, dout, segs, rates, layout, causal,
+                    num_threads=None):
     """This rank's (out, lse, dq, dk, dv) for its shard of the full arrays."""
     r, p = comm.rank, comm.size
     qs, ks, vs, ds = (ra.shard(x, r, p, layout) for x in (q, k, v, dout))
     out, lse = ra.ring_dilated_attention(qs, ks, vs, comm, segs, rates,
                                          causal=causal, layout=layout,
-                                         return_lse=True)
+                                         return_lse=True,
+                                         num_threads=num_threads)
     grads = ra.ring_dilated_attention_backward(ds, qs, ks, vs, out, lse, comm,
                                                segs, rates, causal=causal,
-                                               layout=layout)
+                                               layout=layout,
+                                               num_threads=num_threads)
     return (out, lse) + tuple(grads)
 
 
 def run_ring(q, k, v, dout, segs, rates, p, layout, causal,
              backend="threads"):
+    # host ranks are processes on this machine: one kernel thread each
+    num_threads = 1 if backend == "host" else None
     results = ra.launch(dilated_fwd_bwd, p,
-                        args=(q, k, v, dout, segs, rates, layout, causal),
+                        args=(q, k, v, dout, segs, rates, layout, causal,
+                              num_threads),
                         backend=backend, timeout=LAUNCH_TIMEOUT)
     return [ra.unshard([res[i] for res in results], layout,
                        axis=2 if i == 1 else 1) for i in range(5)]

@@ -7,6 +7,8 @@
  * For each dtype, head_dim, shape and causal flag: forward (out, lse),
  * backward (dq, dk, dv) and an accumulate continuation over two key chunks
  * (running state from ra_cuda_fill_state, positions continued by offsets).
+ * Then the backward alone (run_bwd_case) on a grid of awkward cases, against
+ * the reference, the generic kernels and a second run of itself.
  * Prints one line per case and exits non-zero on any failure.
  */
 #include <cmath>
@@ -70,7 +72,8 @@ static std::vector<double> down(const Dev &d, size_t n, ra_dtype t) {
 static void reference(int B, int Sq, int Sk, int H, int Hk, int D, bool causal, long qoff, long koff,
                       const std::vector<double> &q, const std::vector<double> &k, const std::vector<double> &v,
                       const std::vector<double> &dout, std::vector<double> &out, std::vector<double> &lse,
-                      std::vector<double> &dq, std::vector<double> &dk, std::vector<double> &dv) {
+                      std::vector<double> &dq, std::vector<double> &dk, std::vector<double> &dv,
+                      long qstr = 1, long kstr = 1) {
     const double sc = 1.0 / std::sqrt((double)D);
     out.assign((size_t)B * Sq * H * D, 0); lse.assign((size_t)B * H * Sq, -INFINITY);
     dq.assign(out.size(), 0); dk.assign((size_t)B * Sk * Hk * D, 0); dv.assign(dk.size(), 0);
@@ -82,7 +85,7 @@ static void reference(int B, int Sq, int Sk, int H, int Hk, int D, bool causal, 
         for (int j = 0; j < Sk; j++) {
             const double *kj = &k[(((size_t)b * Sk + j) * Hk + hk) * D];
             double d = 0; for (int x = 0; x < D; x++) d += qi[x] * kj[x];
-            s[j] = (!causal || koff + j <= qoff + i) ? d * sc : -INFINITY;
+            s[j] = (!causal || koff + j * kstr <= qoff + i * qstr) ? d * sc : -INFINITY;
             m = std::max(m, s[j]);
         }
         if (m == -INFINITY) continue;
@@ -206,6 +209,139 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
     return ok;
 }
 
+/* ---- backward alone, through ra_cuda_attn_bwd: the tensor-core path for
+ * float16/bfloat16 with D 64/128 (the generic path otherwise), checked
+ * against the float64 reference, against the generic path
+ * (RINGATTN_CUDA_GENERIC=1) and against itself (same bits twice).
+ * out and lse are the reference's, so the forward plays no part. */
+struct BwdCase {
+    int B, Sq, Sk, H, Hk, D;
+    bool causal;
+    long qoff, qstr, koff, kstr;  // affine positions
+    int pad;                      // extra elements per sequence row of every BSHD tensor
+    bool grad_f32, accumulate;
+};
+
+/* (B, S, Hh, D) logical values <-> a buffer with seq stride Hh * D + pad;
+ * `fill` goes into the pad positions */
+static std::vector<double> to_strided(const std::vector<double> &x, int B, int S, int Hh, int D, int pad,
+                                      double fill) {
+    const size_t row = (size_t)Hh * D + pad;
+    std::vector<double> y((size_t)B * S * row, fill);
+    for (size_t bs = 0; bs < (size_t)B * S; bs++)
+        for (size_t e = 0; e < (size_t)Hh * D; e++) y[bs * row + e] = x[bs * Hh * D + e];
+    return y;
+}
+static std::vector<double> from_strided(const std::vector<double> &y, int B, int S, int Hh, int D, int pad) {
+    const size_t row = (size_t)Hh * D + pad;
+    std::vector<double> x((size_t)B * S * Hh * D);
+    for (size_t bs = 0; bs < (size_t)B * S; bs++)
+        for (size_t e = 0; e < (size_t)Hh * D; e++) x[bs * Hh * D + e] = y[bs * row + e];
+    return x;
+}
+
+static bool run_bwd_case(ra_dtype t, const BwdCase &c) {
+    const int B = c.B, Sq = c.Sq, Sk = c.Sk, H = c.H, Hk = c.Hk, D = c.D;
+    std::mt19937_64 rng(B * 977 + Sq * 31 + Sk * 17 + H * 5 + D + c.causal + 7 * c.pad);
+    std::normal_distribution<double> nd;
+    auto rnd = [&](size_t n) { std::vector<double> x(n); for (auto &e : x) e = nd(rng); return x; };
+    const size_t nq = (size_t)B * Sq * H * D, nk = (size_t)B * Sk * Hk * D, nl = (size_t)B * H * Sq;
+    auto q = decode(encode(rnd(nq), t).data(), nq, t), k = decode(encode(rnd(nk), t).data(), nk, t);
+    auto v = decode(encode(rnd(nk), t).data(), nk, t), g = decode(encode(rnd(nq), t).data(), nq, t);
+    std::vector<double> ro, rl, rdq, rdk, rdv;
+    reference(B, Sq, Sk, H, Hk, D, c.causal, c.qoff, c.koff, q, k, v, g, ro, rl, rdq, rdk, rdv, c.qstr, c.kstr);
+    const ra_dtype acc = ra_acc_dtype(t);
+    const ra_dtype gt = c.grad_f32 || c.accumulate ? acc : t;
+    const double tol = t == RA_BFLOAT16 ? 4e-2 : t == RA_FLOAT16 ? 1e-2 : t == RA_FLOAT32 ? 2e-4 : 2e-9;
+
+    // strided device copies; the pad of inputs holds a value that must not leak in
+    const int64_t qrow = (int64_t)H * D + c.pad, krow = (int64_t)Hk * D + c.pad;
+    const size_t nqs = (size_t)B * Sq * qrow, nks = (size_t)B * Sk * krow;
+    Dev dq_(nqs * esize(t)), dk_(nks * esize(t)), dv_(nks * esize(t)), dg(nqs * esize(t)), dout(nqs * esize(t));
+    Dev dl(nl * esize(acc)), ddelta(nl * esize(acc));
+    up(dq_, encode(to_strided(q, B, Sq, H, D, c.pad, 3.0), t));
+    up(dk_, encode(to_strided(k, B, Sk, Hk, D, c.pad, 3.0), t));
+    up(dv_, encode(to_strided(v, B, Sk, Hk, D, c.pad, 3.0), t));
+    up(dg, encode(to_strided(g, B, Sq, H, D, c.pad, 3.0), t));
+    up(dout, encode(to_strided(ro, B, Sq, H, D, c.pad, 3.0), t));
+    up(dl, encode(rl, acc));
+
+    // accumulate: grads start from random values (pad included) that must be added to / kept
+    const auto q_init = rnd(nqs), k_init = rnd(nks), v_init = rnd(nks);
+
+    ra_attn_bwd_params bp; memset(&bp, 0, sizeof bp);
+    bp.q = dq_.p; bp.k = dk_.p; bp.v = dv_.p; bp.out = dout.p; bp.dout = dg.p; bp.lse = dl.p;
+    bp.delta = ddelta.p;
+    bp.dtype = bp.out_dtype = t; bp.grad_dtype = gt;
+    bp.batch = B; bp.seqlen_q = Sq; bp.seqlen_k = Sk; bp.heads = H; bp.heads_kv = Hk; bp.head_dim = D;
+    // BSHD with padded sequence rows; lse, delta (B, H, S_q) contiguous
+    bp.q_batch_stride = bp.out_batch_stride = bp.dout_batch_stride = bp.dq_batch_stride = (int64_t)Sq * qrow;
+    bp.q_seq_stride = bp.out_seq_stride = bp.dout_seq_stride = bp.dq_seq_stride = qrow;
+    bp.q_head_stride = bp.out_head_stride = bp.dout_head_stride = bp.dq_head_stride = D;
+    bp.k_batch_stride = bp.v_batch_stride = bp.dk_batch_stride = bp.dv_batch_stride = (int64_t)Sk * krow;
+    bp.k_seq_stride = bp.v_seq_stride = bp.dk_seq_stride = bp.dv_seq_stride = krow;
+    bp.k_head_stride = bp.v_head_stride = bp.dk_head_stride = bp.dv_head_stride = D;
+    bp.lse_batch_stride = (int64_t)H * Sq; bp.lse_head_stride = Sq; bp.lse_seq_stride = 1;
+    bp.scale = 1.0 / std::sqrt((double)D); bp.causal = c.causal;
+    bp.q_pos_offset = c.qoff; bp.q_pos_stride = c.qstr; bp.k_pos_offset = c.koff; bp.k_pos_stride = c.kstr;
+    bp.accumulate = c.accumulate; bp.deterministic = 1;
+
+    // one backward into fresh grads (NaN-filled unless accumulating); returns the raw buffers
+    struct Grads { std::vector<double> dq, dk, dv; };
+    auto run = [&](bool generic) {
+        Dev gq(nqs * esize(gt)), gk(nks * esize(gt)), gv(nks * esize(gt));
+        if (c.accumulate) {
+            up(gq, encode(q_init, gt)); up(gk, encode(k_init, gt)); up(gv, encode(v_init, gt));
+        } else {
+            CK(cudaMemset(gq.p, 0xff, gq.n)); CK(cudaMemset(gk.p, 0xff, gk.n)); CK(cudaMemset(gv.p, 0xff, gv.n));
+        }
+        ra_attn_bwd_params r = bp;
+        r.dq = gq.p; r.dk = gk.p; r.dv = gv.p;
+        if (generic) setenv("RINGATTN_CUDA_GENERIC", "1", 1); else unsetenv("RINGATTN_CUDA_GENERIC");
+        RK(ra_cuda_attn_bwd_preprocess(&r, 0));
+        RK(ra_cuda_attn_bwd(&r, 0));
+        CK(cudaDeviceSynchronize());
+        unsetenv("RINGATTN_CUDA_GENERIC");
+        return Grads{down(gq, nqs, gt), down(gk, nks, gt), down(gv, nks, gt)};
+    };
+    const Grads fast = run(false), again = run(false), generic = run(true);
+
+    bool ok = true;
+    if (c.accumulate) {
+        // whole buffers: init + grad on the logical elements, init untouched in the pad
+        auto want = [&](const std::vector<double> &init, const std::vector<double> &ref, int S, int Hh) {
+            auto w = to_strided(ref, B, S, Hh, D, c.pad, 0.0);
+            for (size_t i = 0; i < w.size(); i++) w[i] += init[i];
+            return w;
+        };
+        ok = cmp("dq(acc)", fast.dq, want(q_init, rdq, Sq, H), tol) &&
+             cmp("dk(acc)", fast.dk, want(k_init, rdk, Sk, Hk), tol) &&
+             cmp("dv(acc)", fast.dv, want(v_init, rdv, Sk, Hk), tol);
+    } else {
+        ok = cmp("dq", from_strided(fast.dq, B, Sq, H, D, c.pad), rdq, tol) &&
+             cmp("dk", from_strided(fast.dk, B, Sk, Hk, D, c.pad), rdk, tol) &&
+             cmp("dv", from_strided(fast.dv, B, Sk, Hk, D, c.pad), rdv, tol);
+    }
+    // logical elements only: the pad of non-accumulated grads stays NaN
+    ok = ok &&
+         cmp("dq vs generic", from_strided(fast.dq, B, Sq, H, D, c.pad),
+             from_strided(generic.dq, B, Sq, H, D, c.pad), tol) &&
+         cmp("dk vs generic", from_strided(fast.dk, B, Sk, Hk, D, c.pad),
+             from_strided(generic.dk, B, Sk, Hk, D, c.pad), tol) &&
+         cmp("dv vs generic", from_strided(fast.dv, B, Sk, Hk, D, c.pad),
+             from_strided(generic.dv, B, Sk, Hk, D, c.pad), tol);
+    if (ok && (memcmp(fast.dq.data(), again.dq.data(), fast.dq.size() * sizeof(double)) != 0 ||
+               memcmp(fast.dk.data(), again.dk.data(), fast.dk.size() * sizeof(double)) != 0 ||
+               memcmp(fast.dv.data(), again.dv.data(), fast.dv.size() * sizeof(double)) != 0)) {
+        printf("    two runs differ in their bits\n");
+        ok = false;
+    }
+    printf("%-4s bwd %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d pos=(%ld+%ld i, %ld+%ld j) pad=%d "
+           "grad=%s acc=%d\n", ok ? "ok" : "FAIL", ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)c.causal,
+           c.qoff, c.qstr, c.koff, c.kstr, c.pad, ra_dtype_name(gt), (int)c.accumulate);
+    return ok;
+}
+
 int main(int argc, char **argv) {
     // "quick": a small grid for compute-sanitizer runs
     const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
@@ -223,6 +359,35 @@ int main(int argc, char **argv) {
                     fails += !run_case(t, s[0], s[1], s[2], s[3], s[4], D, c);
                     n++;
                 }
+    // backward alone: odd sizes, GQA, S_q != S_k, empty query rows (causal with
+    // S_q > S_k), keys no query sees, affine positions, padded strides, float32
+    // grads and accumulate
+    const BwdCase bwd_cases[] = {
+        //  B   Sq   Sk  H Hk  D  causal qoff qstr koff kstr pad f32  acc
+        {2,   7,   7, 2, 2, 0, true,   0, 1, 0, 1, 0, false, false},
+        {1, 113, 113, 4, 2, 0, true,   0, 1, 0, 1, 0, false, false},
+        {1, 113, 113, 4, 2, 0, false,  0, 1, 0, 1, 0, false, false},
+        {2,  65, 200, 3, 1, 0, true, 135, 1, 0, 1, 0, false, false},
+        {1, 200,  65, 2, 2, 0, true,-135, 1, 0, 1, 0, true,  false},
+        {1, 130, 257, 2, 1, 0, true,   0, 1, 0, 1, 8, false, false},
+        {1,  97, 150, 4, 1, 0, true,  40, 1, 0, 1, 8, true,  true},
+        {1,  97, 150, 4, 1, 0, false,  0, 1, 0, 1, 0, true,  true},
+        {1,  90,  70, 2, 1, 0, true,   5, 2, 0, 3, 0, false, false},
+        {1, 300, 260, 2, 2, 0, false,  0, 1, 0, 1, 0, false, false},
+        {1,  64, 128, 8, 1, 0, true,  64, 1, 0, 1, 0, false, false},
+        {1, 128,  64, 2, 1, 0, true, -64, 1, 0, 1, 0, false, true},
+    };
+    const ra_dtype bwd_dts[] = {RA_BFLOAT16, RA_FLOAT16, RA_FLOAT32};
+    for (ra_dtype t : bwd_dts)
+        for (int D : {64, 128, 59})
+            for (size_t ci = 0; ci < sizeof bwd_cases / sizeof bwd_cases[0]; ci++) {
+                if (quick && (ci % 3 != 1 || t == RA_FLOAT32 || D == 59)) continue;
+                if (D == 59 && t != RA_FLOAT32) continue;  // the generic path, once, as a control
+                BwdCase c = bwd_cases[ci];
+                c.D = D;
+                fails += !run_bwd_case(t, c);
+                n++;
+            }
     printf("%d of %d cases failed\n", fails, n);
     return fails ? 1 : 0;
 }

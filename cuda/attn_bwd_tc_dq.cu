@@ -1,0 +1,224 @@
+/*
+ * attn_bwd_tc_dq.cu -- the tensor-core backward's second pass: dq for
+ * float16 and bfloat16 with head_dim 64 or 128 (mma.sync m16n8k16, sm_80
+ * and newer).  The first pass (dk, dv) is attn_bwd_tc_dkdv.cu; this one
+ * recomputes P rather than sharing it, so neither pass needs atomics or a
+ * float32 scratch buffer.
+ *
+ * With P_ij = exp(scale * q_i . k_j - lse_i) for visible pairs (0 otherwise
+ * and for rows whose final lse is -inf), dP_ij = dout_i . v_j and
+ * dS_ij = P_ij (dP_ij - delta_i):   dq_i = scale * sum_j dS_ij k_j.
+ *
+ * Shapes: q, dout, dq (B, S_q, H, D); k, v (B, S_k, H_kv, D); lse, delta
+ * (B, H, S_q) float32.  dq is float16/bfloat16 or float32 (float32 when
+ * p.accumulate, which adds into it).
+ *
+ * Algorithm: a block of 4 warps owns 64 query rows of one (b, h), 16 per
+ * warp; its Q and dout rows stay in shared memory and each thread keeps the
+ * lse and delta of its two rows in registers.  Key tiles of 64 (K and V)
+ * stream through shared memory, double buffered with cp.async; tiles wholly
+ * in the causal future of the block's last query are never loaded.  Per tile
+ * each warp computes
+ *   S  = Q K^T        (16 x 64)   K as [n][k]
+ *   dP = dout V^T     (16 x 64)   V as [n][k]
+ *   P  = exp2(S * scale * log2e - lse2), masked on non-full tiles
+ *   dS = P (dP - delta)
+ *   dQ += dS K        (16 x D)    dS from registers, K as [k][n]
+ * with dQ float32 in registers, written (times scale) once at the end by
+ * its one owner thread: deterministic.
+ *
+ * Launch: grid B * H * ceil(S_q / 64) (1-D, heaviest causal blocks first),
+ * 128 threads, dynamic shared memory (2 * 64 + 4 * 64) * D * 2 bytes
+ * (Q, dout, 2 x K, 2 x V).
+ */
+#include "attn_bwd_tc.cuh"
+
+namespace {
+
+using namespace ra::bwd_tc;
+
+constexpr int kBlockM = kWarps * 16;  // query rows per block, 16 per warp
+constexpr int kBlockN = 64;           // keys per streamed tile
+
+template <int D>
+constexpr size_t dq_smem_bytes() {
+    return (size_t)(2 * kBlockM + 4 * kBlockN) * D * 2;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
+    constexpr int kNT = kBlockN / 8;  // n-tiles of S, dP (keys)
+    constexpr int kDT = D / 8;        // n-tiles of dQ
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *sq = reinterpret_cast<T *>(smem_raw);  // kBlockM x D, owned queries
+    T *sdo = sq + kBlockM * D;                // kBlockM x D
+    T *sk = sdo + kBlockM * D;                // 2 x kBlockN x D, streamed keys
+    T *sv = sk + 2 * kBlockN * D;             // 2 x kBlockN x D
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    // blockIdx.x = (b * H + h) * n_qblocks + (n_qblocks - 1 - qb)
+    const int64_t qb = n_qblocks - 1 - (int64_t)blockIdx.x % n_qblocks;
+    const int64_t bh = (int64_t)blockIdx.x / n_qblocks;
+    const int64_t h = bh % p.heads, b = bh / p.heads;
+    const int64_t hk = h / (p.heads / p.heads_kv);
+    const int64_t q0 = qb * kBlockM;
+
+    const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
+    const T *dog = (const T *)p.dout + b * p.dout_batch_stride + h * p.dout_head_stride;
+    const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
+    const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
+
+    // keys at or past kend are invisible to every query of the block
+    const int64_t q_last = (q0 + kBlockM < p.seqlen_q ? q0 + kBlockM : p.seqlen_q) - 1;
+    const int64_t kend = p.causal
+        ? ra::causal_key_end(q_last, p.q_pos_offset, p.q_pos_stride,
+                             p.k_pos_offset, p.k_pos_stride, p.seqlen_k)
+        : p.seqlen_k;
+    const int n_tiles = (int)((kend + kBlockN - 1) / kBlockN);
+    const int64_t qpos_first = p.q_pos_offset + q0 * p.q_pos_stride;
+
+    // this thread's two rows (g and g + 8 of the warp's 16)
+    const int64_t row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+    const int64_t qpos_a = p.q_pos_offset + row_a * p.q_pos_stride;
+    const int64_t qpos_b = p.q_pos_offset + row_b * p.q_pos_stride;
+    const int64_t stat_off = b * p.lse_batch_stride + h * p.lse_head_stride;
+    float lse2_a, lse2_b, delta_a, delta_b;
+    row_stats(p, stat_off, row_a, &lse2_a, &delta_a);
+    row_stats(p, stat_off, row_b, &lse2_b, &delta_b);
+    const float sl2 = (float)p.scale * kLog2e;
+
+    float dq[kDT][4];
+#pragma unroll
+    for (int i = 0; i < kDT; i++) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+
+    if (n_tiles > 0) {
+        // group 0: the owned Q, dout rows and the first key tile
+        ra::cp_async_tile<T, D, kBlockM, kThreads>(sq, qg, p.q_seq_stride, q0, p.seqlen_q);
+        ra::cp_async_tile<T, D, kBlockM, kThreads>(sdo, dog, p.dout_seq_stride, q0, p.seqlen_q);
+        ra::cp_async_tile<T, D, kBlockN, kThreads>(sk, kg, p.k_seq_stride, 0, kend);
+        ra::cp_async_tile<T, D, kBlockN, kThreads>(sv, vg, p.v_seq_stride, 0, kend);
+        ra::cp_async_commit();
+    }
+
+    for (int it = 0; it < n_tiles; it++) {
+        const int buf = it & 1;
+        if (it + 1 < n_tiles) {
+            // buffer buf ^ 1 was released by the __syncthreads ending it - 1
+            const int64_t kn = (int64_t)(it + 1) * kBlockN;
+            ra::cp_async_tile<T, D, kBlockN, kThreads>(sk + (buf ^ 1) * kBlockN * D, kg,
+                                                       p.k_seq_stride, kn, kend);
+            ra::cp_async_tile<T, D, kBlockN, kThreads>(sv + (buf ^ 1) * kBlockN * D, vg,
+                                                       p.v_seq_stride, kn, kend);
+            ra::cp_async_commit();
+            ra::cp_async_wait<1>();
+        } else {
+            ra::cp_async_wait<0>();
+        }
+        __syncthreads();  // tile `it` (and Q, dout) visible to every warp
+
+        const T *kt = sk + buf * kBlockN * D;
+        const T *vt = sv + buf * kBlockN * D;
+        const int64_t k0 = (int64_t)it * kBlockN;
+
+        // S = Q K^T and dP = dout V^T: the warp's 16 rows x 64 keys
+        float s[kNT][4], dp[kNT][4];
+#pragma unroll
+        for (int i = 0; i < kNT; i++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[i][e] = dp[i][e] = 0.f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t aq[4], ao[4];
+            ra::frag_a<D>(aq, sq, warp * 16, kk * 16);
+            ra::frag_a<D>(ao, sdo, warp * 16, kk * 16);
+#pragma unroll
+            for (int n2 = 0; n2 < kNT / 2; n2++) {
+                uint32_t bk[4], bv[4];
+                ra::frag_b_nk<D>(bk, kt, n2 * 16, kk * 16);
+                ra::mma_16816<T>(s[2 * n2], aq, bk[0], bk[1]);
+                ra::mma_16816<T>(s[2 * n2 + 1], aq, bk[2], bk[3]);
+                ra::frag_b_nk<D>(bv, vt, n2 * 16, kk * 16);
+                ra::mma_16816<T>(dp[2 * n2], ao, bv[0], bv[1]);
+                ra::mma_16816<T>(dp[2 * n2 + 1], ao, bv[2], bv[3]);
+            }
+        }
+
+        // P and dS = P (dP - delta); element (i, e) of the fragment is row
+        // g (e < 2) or g + 8, key k0 + 8i + 2t + (e & 1)
+        const bool full = k0 + kBlockN <= kend &&
+            (!p.causal || p.k_pos_offset + (k0 + kBlockN - 1) * p.k_pos_stride <= qpos_first);
+#pragma unroll
+        for (int i = 0; i < kNT; i++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float pa = exp2f(s[i][e] * sl2 - lse2_a);
+                float pb = exp2f(s[i][2 + e] * sl2 - lse2_b);
+                if (!full) {
+                    const int64_t key = k0 + i * 8 + 2 * t + e;
+                    const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
+                    const bool in = key < kend;
+                    if (!in || (p.causal && kpos > qpos_a)) pa = 0.f;
+                    if (!in || (p.causal && kpos > qpos_b)) pb = 0.f;
+                }
+                dp[i][e] = pa * (dp[i][e] - delta_a);
+                dp[i][2 + e] = pb * (dp[i][2 + e] - delta_b);
+            }
+        }
+
+        // dQ += dS K: k runs over the tile's 64 keys
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; kk++) {
+            uint32_t a[4];
+            ra::a_from_c<T>(a, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+            for (int d2 = 0; d2 < kDT / 2; d2++) {
+                uint32_t bk[4];
+                ra::frag_b_kn<D>(bk, kt, kk * 16, d2 * 16);
+                ra::mma_16816<T>(dq[2 * d2], a, bk[0], bk[1]);
+                ra::mma_16816<T>(dq[2 * d2 + 1], a, bk[2], bk[3]);
+            }
+        }
+        __syncthreads();  // every warp done with buffer buf before it is refilled
+    }
+
+    // epilogue: rows g, g + 8 of the warp's queries, columns 8i + 2t, + 1
+    const float scale = (float)p.scale;
+    const bool f32 = p.grad_dtype == RA_FLOAT32;
+    const bool acc = p.accumulate != 0;
+    const int64_t dq_a = b * p.dq_batch_stride + row_a * p.dq_seq_stride + h * p.dq_head_stride;
+    const int64_t dq_b = dq_a + 8 * p.dq_seq_stride;
+#pragma unroll
+    for (int i = 0; i < kDT; i++) {
+        const int d = i * 8 + 2 * t;
+        if (row_a < p.seqlen_q)
+            store_grad2<T>(p.dq, dq_a + d, acc, f32, dq[i][0] * scale, dq[i][1] * scale);
+        if (row_b < p.seqlen_q)
+            store_grad2<T>(p.dq, dq_b + d, acc, f32, dq[i][2] * scale, dq[i][3] * scale);
+    }
+}
+
+template <typename T, int D>
+ra_status launch(const ra_attn_bwd_params &p, cudaStream_t s) {
+    const size_t smem = dq_smem_bytes<D>();
+    RA_CHECK(ra_set_smem(dq_tc_kernel<T, D>, smem));
+    const int64_t n_qblocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    int64_t blocks = 0;
+    RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
+    // grid: B * H * ceil(S_q / 64) blocks of 128 threads;
+    // q, dout, dq (B, S_q, H, D), k, v (B, S_k, H_kv, D)
+    dq_tc_kernel<T, D><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
+    RA_CUDA_CHECK_LAUNCH("dq_tc_kernel");
+    return RA_OK;
+}
+
+}  // namespace
+
+ra_status ra_bwd_tc_dq(const ra_attn_bwd_params &p, cudaStream_t s) {
+    if (p.seqlen_q <= 0) return RA_OK;
+    if (p.dtype == RA_FLOAT16)
+        return p.head_dim == 64 ? launch<ra::half_t, 64>(p, s) : launch<ra::half_t, 128>(p, s);
+    return p.head_dim == 64 ? launch<ra::bf16_t, 64>(p, s) : launch<ra::bf16_t, 128>(p, s);
+}
