@@ -18,6 +18,7 @@ Shapes (local shard of n_r tokens): q, out, dout (B, n_r, H, D); k, v
 """
 
 import math
+import os
 import pickle
 import time
 
@@ -114,9 +115,20 @@ def _check_comm(comm):
 
 
 def _default_threads(comm):
-    """Kernel threads per rank: threads-backend ranks share the cores."""
+    """Kernel threads per rank: ranks on one machine share its cores.
+
+    threads backend: the cores are split over the ranks of this process;
+    host backend: over LOCAL_WORLD_SIZE ranks (set by ``ra.launch`` and
+    ``ringattn launch``).  0 (the kernels' default) otherwise, or when
+    RINGATTN_NUM_THREADS is set.
+    """
+    if os.environ.get("RINGATTN_NUM_THREADS"):
+        return 0
     if getattr(comm, "backend", "") == "threads" and comm.size > 1:
         return max(1, _C.cpu_num_threads() // comm.size)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 1:
+        return max(1, _C.cpu_num_threads() // int(local))
     return 0
 
 
@@ -222,11 +234,12 @@ def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
     dev = _device(qb)
     acc = "float64" if qb.dtype == "float64" else "float32"
     out, lse = empty_state(B, n_r, H, D, acc, dev)
-    if p > 1:
-        blocks = _KVBlocks(2, B, Hkv, D, max(plan.lengths), qb.dtype, dev)
-        cur = blocks.view(0, n_r)
-        blocks.part(cur, 0).copy_(kb)
-        blocks.part(cur, 1).copy_(vb)
+    # the same double-buffered path for every p, so per-rank memory is the
+    # same function of the shard length whatever the world size
+    blocks = _KVBlocks(2, B, Hkv, D, max(plan.lengths), qb.dtype, dev)
+    cur = blocks.view(0, n_r)
+    blocks.part(cur, 0).copy_(kb)
+    blocks.part(cur, 1).copy_(vb)
     cur_i = 0
     compute_s = wait_s = 0.0
     sent = 0
@@ -240,10 +253,7 @@ def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
                                       step=step, timeout=timeout)
             sent += cur.nbytes
         t0 = time.perf_counter()
-        if p > 1:
-            k_blk, v_blk = blocks.part(cur, 0), blocks.part(cur, 1)
-        else:
-            k_blk, v_blk = kb, vb
+        k_blk, v_blk = blocks.part(cur, 0), blocks.part(cur, 1)
         for (q_off, q_start, q_stride, q_len), (k_off, k_start, k_stride,
                                                 k_len) in _pairs(
                 plan, r, src_rank, causal):
@@ -320,13 +330,11 @@ def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan, causal, scale,
     delta = _C.attn_bwd_preprocess(doutb, outb, num_threads=threads)
     dq = _C.zeros((B, n_r, H, D), acc, *dev)
     max_len = max(plan.lengths)
-    count = 2 if p > 1 else 1
-    dkv = _KVBlocks(2, B, Hkv, D, max_len, acc, dev, count)
-    if p > 1:
-        kv = _KVBlocks(2, B, Hkv, D, max_len, qb.dtype, dev)
-        kv_cur, kv_i = kv.view(0, n_r), 0
-        kv.part(kv_cur, 0).copy_(kb)
-        kv.part(kv_cur, 1).copy_(vb)
+    dkv = _KVBlocks(2, B, Hkv, D, max_len, acc, dev)
+    kv = _KVBlocks(2, B, Hkv, D, max_len, qb.dtype, dev)
+    kv_cur, kv_i = kv.view(0, n_r), 0
+    kv.part(kv_cur, 0).copy_(kb)
+    kv.part(kv_cur, 1).copy_(vb)
     dkv_cur, dkv_i = dkv.view(0, n_r), 0
     dkv_cur.zero_()
     dkv_req = None
@@ -341,10 +349,7 @@ def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan, causal, scale,
             kv_nxt = kv.view(1 - kv_i, plan.lengths[(r - step - 1) % p])
             kv_req = comm.sendrecv_start(kv_cur, (r + 1) % p, kv_nxt,
                                          (r - 1) % p, step=step, timeout=timeout)
-        if p > 1:
-            k_blk, v_blk = kv.part(kv_cur, 0), kv.part(kv_cur, 1)
-        else:
-            k_blk, v_blk = kb, vb
+        k_blk, v_blk = kv.part(kv_cur, 0), kv.part(kv_cur, 1)
         dk_blk, dv_blk = dkv.part(dkv_cur, 0), dkv.part(dkv_cur, 1)
         for (q_off, q_start, q_stride, q_len), (k_off, k_start, k_stride,
                                                 k_len) in _pairs(
@@ -366,14 +371,13 @@ def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan, causal, scale,
             kv_req.wait()
             kv_i = 1 - kv_i
             kv_cur = kv_nxt
-        if p > 1:
-            # dk/dv move on with their block; after the last step they reach
-            # their owner, and ours arrives from the previous rank
-            home_len = plan.lengths[(r - step - 1) % p]
-            dkv_nxt = dkv.view(1 - dkv_i, home_len)
-            dkv_req = comm.sendrecv_start(dkv_cur, (r + 1) % p, dkv_nxt,
-                                          (r - 1) % p, step=step,
-                                          timeout=timeout)
+        # dk/dv move on with their block; after the last step they reach
+        # their owner, and ours arrives from the previous rank (p = 1: a
+        # copy to ourselves)
+        home_len = plan.lengths[(r - step - 1) % p]
+        dkv_nxt = dkv.view(1 - dkv_i, home_len)
+        dkv_req = comm.sendrecv_start(dkv_cur, (r + 1) % p, dkv_nxt,
+                                      (r - 1) % p, step=step, timeout=timeout)
         if progress is not None:
             progress(step + 1, p)
     if dkv_req is not None:

@@ -72,11 +72,6 @@ def test_ring_peak_per_rank_halves_when_ranks_double(peaks):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=True, reason=(
-    "p = 1 attends k/v in place and keeps one float32 dk/dv block, while "
-    "p > 1 double-buffers k/v (input dtype) and dk/dv (float32): six "
-    "more (n/p, H_kv, D) blocks per rank, so peak(p) * p ~ 1.6 peak(1) "
-    "for H_kv = H"))
 def test_ring_peak_per_rank_is_single_rank_peak_over_p(peaks):
     """peak(p) ~ peak(1) / p within 25% for p = 2, 4."""
     ratios = scaled(peaks, 1)

@@ -65,7 +65,9 @@ for tool in memcheck racecheck; do
 done
 RINGATTN_CUDA_CACHING=0 stage sanitizer_synccheck \
     $SAN --tool synccheck --error-exitcode 9 python "$LOG/sanitize_case.py"
-for tool in memcheck racecheck; do
+# the quick grid covers the tensor-core backward (bf16/fp16, D 64/128, causal,
+# GQA, empty rows, accumulate); synccheck/initcheck for its barriers and reads
+for tool in memcheck racecheck synccheck initcheck; do
     stage "sanitizer_selftest_$tool" $SAN --tool $tool --error-exitcode 9 "$SELF/selftest" quick
 done
 
