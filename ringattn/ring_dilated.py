@@ -227,20 +227,30 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
                  for x in local_blocks]
         _forward_blocks(local_blocks, views, qb, out, lse, causal, scale, threads)
 
+    # rounds are pipelined: the rows of round i+1 travel while round i's
+    # rows are computed (requests complete in order on every rank)
     sent = 0
-    for d, dst, send, src, recv in _rounds(plan, comm, segs, rates, H, Hkv,
-                                           causal):
-        send_buf = _pack(send, kb, vb, B, D, qb.dtype, dev) if send else None
-        total = sum(_block_numel(x, B, D) for x in recv)
-        recv_buf = _C.empty((total,), qb.dtype, *dev) if recv else None
-        req = _exchange(comm, send_buf, dst, recv_buf, src, d, timeout)
-        if req is not None:
-            req.wait()
-        if send_buf is not None:
-            sent += send_buf.nbytes
-        if recv:
-            _forward_blocks(recv, _views(recv_buf, recv, B, D), qb, out, lse,
-                            causal, scale, threads)
+    pending = None
+    for item in _rounds(plan, comm, segs, rates, H, Hkv, causal) + [None]:
+        d = None if item is None else item[0]
+        if d is not None:
+            _, dst, send, src, recv = item
+            send_buf = _pack(send, kb, vb, B, D, qb.dtype, dev) if send else None
+            total = sum(_block_numel(x, B, D) for x in recv)
+            recv_buf = _C.empty((total,), qb.dtype, *dev) if recv else None
+            req = _exchange(comm, send_buf, dst, recv_buf, src, d, timeout)
+            if send_buf is not None:
+                sent += send_buf.nbytes
+        if pending is not None:
+            p_req, p_recv, p_buf, _ = pending
+            if p_req is not None:
+                p_req.wait()
+            if p_recv:
+                _forward_blocks(p_recv, _views(p_buf, p_recv, B, D), qb, out,
+                                lse, causal, scale, threads)
+            pending = None
+        if d is not None:
+            pending = (req, recv, recv_buf, send_buf)
     if profile is not None:
         profile.update(bytes_sent=sent)
     out_final = out if out.dtype == qb.dtype else out.astype(qb.dtype)
