@@ -216,22 +216,9 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     double scale;
     if (parse_scale(scale_o, d.D, &scale) < 0) goto done;
     int64_t pos[4];
-    if (dilated) {
-        pos[0] = qoff_o == Py_None ? 0 : PyLong_AsLongLong(qoff_o);
-        if (pos[0] == -1 && PyErr_Occurred()) goto done;
-        pos[1] = 1;
-        pos[2] = koff;
-        pos[3] = 1;
-        if (qoff_o == Py_None && koff == 0 && d.Sq != d.Sk) {
-            PyErr_Format(PyExc_ValueError,
-                         "k: dilated attention expects the sequence length of "
-                         "q (%lld), got %lld",
-                         (long long)d.Sq, (long long)d.Sk);
-            goto done;
-        }
-    } else if (parse_positions(qoff_o, qstride, koff, kstride, &d, pos) < 0) {
+    if ((dilated ? parse_dilated_positions(qoff_o, koff, &d, pos)
+                 : parse_positions(qoff_o, qstride, koff, kstride, &d, pos)) < 0)
         goto done;
-    }
     ra_dtype acc = ra_acc_dtype(d.dtype);
     int64_t lse_shape[3] = {d.B, d.H, d.Sq};
     if (accumulate && (out_o == Py_None || lse_o == Py_None)) {
@@ -292,13 +279,7 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
                     scale, causal, pos, accumulate, num_threads);
     ra_status st = RA_OK;
     if (d.device_type == RA_DEV_CUDA) {
-        if (dilated) {
-            ra_set_error(RA_ERR_UNSUPPORTED,
-                         "dilated attention runs on the CPU only for now");
-            st = RA_ERR_UNSUPPORTED;
-        } else {
-            st = ra_cuda_run(d.device_id, RA_CUDA_FWD, &p);
-        }
+        st = ra_cuda_run(d.device_id, RA_CUDA_FWD, &p);
     } else {
         Py_BEGIN_ALLOW_THREADS
         st = dilated ? ra_cpu_dilated_fwd(&p, &cfg) : ra_cpu_attn_fwd(&p);

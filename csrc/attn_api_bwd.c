@@ -79,19 +79,7 @@ static int match_strides(tensor_arg *a, ra_buffer *like) {
     int same = 1;
     for (int i = 0; i < 3; i++)
         if (b->shape[i] > 1 && b->strides[i] != like->strides[i]) same = 0;
-    if (same) return 0;
-    ra_buffer *c = ra_buffer_empty(3, b->shape, b->dtype, b->device_type,
-                                   b->device_id, 0);
-    if (c == NULL) return -1;
-    ra_status st = ra_buffer_copy_into(c, b);
-    if (st != RA_OK) {
-        Py_DECREF(c);
-        ra_raise(st);
-        return -1;
-    }
-    Py_DECREF(b);
-    a->buf = c;
-    return 0;
+    return same ? 0 : replace_with_copy(a);
 }
 
 static ra_status run_preprocess(const ra_attn_bwd_params *p, int device_type,
@@ -181,15 +169,9 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     double scale;
     if (parse_scale(scale_o, d.D, &scale) < 0) goto done;
     int64_t pos[4];
-    if (dilated) {
-        pos[0] = qoff_o == Py_None ? 0 : PyLong_AsLongLong(qoff_o);
-        if (pos[0] == -1 && PyErr_Occurred()) goto done;
-        pos[1] = 1;
-        pos[2] = koff;
-        pos[3] = 1;
-    } else if (parse_positions(qoff_o, qstride, koff, kstride, &d, pos) < 0) {
+    if ((dilated ? parse_dilated_positions(qoff_o, koff, &d, pos)
+                 : parse_positions(qoff_o, qstride, koff, kstride, &d, pos)) < 0)
         goto done;
-    }
     ra_dtype acc = ra_acc_dtype(d.dtype);
     int64_t bhs[3] = {d.B, d.H, d.Sq};
     if (deltao != Py_None) {
@@ -251,13 +233,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         }
     }
     if (d.device_type == RA_DEV_CUDA) {
-        if (dilated) {
-            ra_set_error(RA_ERR_UNSUPPORTED,
-                         "dilated attention runs on the CPU only for now");
-            st = RA_ERR_UNSUPPORTED;
-        } else {
-            st = ra_cuda_run(d.device_id, RA_CUDA_BWD, &p);
-        }
+        st = ra_cuda_run(d.device_id, RA_CUDA_BWD, &p);
     } else {
         Py_BEGIN_ALLOW_THREADS
         st = dilated ? ra_cpu_dilated_bwd(&p, &cfg) : ra_cpu_attn_bwd(&p);

@@ -77,7 +77,11 @@ copy:
                      name);
         return -1;
     }
-    {
+    return replace_with_copy(a);
+}
+
+int replace_with_copy(tensor_arg *a) {
+    ra_buffer *b = a->buf;
     ra_buffer *c = ra_buffer_empty(b->ndim, b->shape, b->dtype, b->device_type,
                                    b->device_id, 0);
     if (c == NULL) return -1;
@@ -90,7 +94,6 @@ copy:
     Py_DECREF(b);
     a->buf = c;
     return 0;
-}
 }
 
 int load_tensor(tensor_arg *a, PyObject *obj, const char *name,
@@ -276,6 +279,29 @@ int parse_positions(PyObject *qoff, long long qstride, long long koff,
 }
 
 /* Allocate an output like `shape` on the inputs' device. */
+int parse_dilated_positions(PyObject *qoff, long long koff, const qkv_dims *d,
+                            int64_t out[4]) {
+    if (d->device_type == RA_DEV_CUDA) {
+        PyErr_SetString(PyExc_NotImplementedError,
+                        "q: dilated attention runs on the CPU only for now; "
+                        "got CUDA arrays");
+        return -1;
+    }
+    out[0] = (qoff == NULL || qoff == Py_None) ? 0 : PyLong_AsLongLong(qoff);
+    if (out[0] == -1 && PyErr_Occurred()) return -1;
+    out[1] = 1;
+    out[2] = koff;
+    out[3] = 1;
+    if ((qoff == NULL || qoff == Py_None) && koff == 0 && d->Sq != d->Sk) {
+        PyErr_Format(PyExc_ValueError,
+                     "k: dilated attention expects the sequence length of q "
+                     "(%lld), got %lld",
+                     (long long)d->Sq, (long long)d->Sk);
+        return -1;
+    }
+    return 0;
+}
+
 ra_buffer *alloc_out(int ndim, const int64_t *shape, ra_dtype t,
                             const qkv_dims *d, int zero) {
     return ra_buffer_empty(ndim, shape, t, d->device_type, d->device_id, zero);

@@ -32,6 +32,8 @@ int load_tensor(tensor_arg *a, PyObject *obj, const char *name, int ndim,
                 const char *dims_doc);  /* copies a strided last dim */
 int load_output(tensor_arg *a, PyObject *obj, const char *name, int ndim,
                 const char *dims_doc);  /* refuses a strided last dim */
+/* swap a->buf for a compact (row-major) copy of itself; -1 on error */
+int replace_with_copy(tensor_arg *a);
 int check_same_dtype(tensor_arg *ref, tensor_arg *a);
 int check_same_device(tensor_arg *ref, tensor_arg *a);
 int check_dim(tensor_arg *a, int dim, const char *what, int64_t want,
@@ -45,6 +47,11 @@ int check_qkv(tensor_arg *q, tensor_arg *k, tensor_arg *v, qkv_dims *d);
 int parse_scale(PyObject *obj, int64_t D, double *scale);
 int parse_positions(PyObject *qoff, long long qstride, long long koff,
                     long long kstride, const qkv_dims *d, int64_t out[4]);
+/* positions of a dilated call (stride 1; q offset 0 by default; S_q must
+ * equal S_k unless offsets are given) -- and dilated attention runs on the
+ * CPU only: a CUDA input is refused here, before any work.  -1 on error. */
+int parse_dilated_positions(PyObject *qoff, long long koff, const qkv_dims *d,
+                            int64_t out[4]);
 ra_buffer *alloc_out(int ndim, const int64_t *shape, ra_dtype t,
                      const qkv_dims *d, int zero);
 ra_status cuda_unavailable(void);
