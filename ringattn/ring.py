@@ -17,7 +17,6 @@ Shapes (local shard of n_r tokens): q, out, dout (B, n_r, H, D); k, v
 (B, n_r, H_kv, D); lse (B, H, n_r) float32 (float64 for float64 inputs).
 """
 
-import math
 import os
 import pickle
 import time
@@ -114,6 +113,34 @@ def _check_comm(comm):
                 f"got {type(comm).__name__}")
 
 
+def shard_buffers(comm, layout, named):
+    """Check the communicator, the layout and this rank's shard arrays.
+
+    named: [(name, array)] with q, k, v first.  Returns their Buffers.  All
+    must be 4-d (batch, seq, heads, head_dim) and k, v as long as q.
+    """
+    _check_comm(comm)
+    _check_layout(layout)
+    bufs = [to_buffer(x, name) for name, x in named]
+    for (name, _), b in zip(named, bufs):
+        if b.ndim != 4:
+            raise ValueError(f"{name}: expected 4 dimensions (batch, seq, heads, "
+                             f"head_dim), got {b.ndim}")
+    qb, kb, vb = bufs[:3]
+    if kb.shape[1] != qb.shape[1] or vb.shape[1] != qb.shape[1]:
+        raise ValueError(
+            f"k: expected this rank's shard length {qb.shape[1]} (from q), "
+            f"got {kb.shape[1]} (k) and {vb.shape[1]} (v)")
+    return bufs
+
+
+def as_result(buf, like, kind):
+    """`buf` cast to `like`'s dtype, as an array of `kind`."""
+    if buf.dtype != like.dtype:
+        buf = buf.astype(like.dtype)
+    return from_buffer(buf, kind)
+
+
 def _default_threads(comm):
     """Kernel threads per rank: ranks on one machine share its cores.
 
@@ -201,26 +228,14 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
     {"compute_s", "wait_s", "steps", "bytes_sent"} (time in kernels, time
     blocked waiting for transfers, ring steps, bytes this rank sent).
     """
-    _check_comm(comm)
-    _check_layout(layout)
     kind = kind_of(q)
-    qb, kb, vb = to_buffer(q, "q"), to_buffer(k, "k"), to_buffer(v, "v")
-    if qb.ndim != 4 or kb.ndim != 4 or vb.ndim != 4:
-        bad = next(nm for nm, b in (("q", qb), ("k", kb), ("v", vb)) if b.ndim != 4)
-        got = {"q": qb, "k": kb, "v": vb}[bad].ndim
-        raise ValueError(
-            f"{bad}: expected 4 dimensions (batch, seq, heads, head_dim), got {got}")
-    if kb.shape[1] != qb.shape[1] or vb.shape[1] != qb.shape[1]:
-        raise ValueError(
-            f"k: expected this rank's shard length {qb.shape[1]} (from q), "
-            f"got {kb.shape[1]} (k) and {vb.shape[1]} (v)")
+    qb, kb, vb = shard_buffers(comm, layout, [("q", q), ("k", k), ("v", v)])
     plan = agree(comm, _describe("fwd", qb, kb, causal, scale, layout, seq_len),
                  layout, seq_len)
     threads = _default_threads(comm) if num_threads is None else num_threads
     out, lse = _ring_forward(qb, kb, vb, comm, plan, bool(causal), scale,
                              progress, threads, timeout, profile)
-    out_final = out if out.dtype == qb.dtype else out.astype(qb.dtype)
-    out_final = from_buffer(out_final, kind)
+    out_final = as_result(out, qb, kind)
     if return_lse:
         return out_final, from_buffer(lse, kind)
     return out_final
@@ -292,31 +307,18 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
     (dq, dk, dv) in the inputs' dtypes; dk/dv are this rank's keys'
     gradients summed over every rank's queries.
     """
-    _check_comm(comm)
-    _check_layout(layout)
     kind = kind_of(q)
-    qb, kb, vb = to_buffer(q, "q"), to_buffer(k, "k"), to_buffer(v, "v")
-    doutb, outb, lseb = (to_buffer(dout, "dout"), to_buffer(out, "out"),
-                         to_buffer(lse, "lse"))
-    for name, b in (("q", qb), ("k", kb), ("v", vb), ("dout", doutb),
-                    ("out", outb)):
-        if b.ndim != 4:
-            raise ValueError(f"{name}: expected 4 dimensions (batch, seq, heads, "
-                             f"head_dim), got {b.ndim}")
-    if kb.shape[1] != qb.shape[1] or vb.shape[1] != qb.shape[1]:
-        raise ValueError(
-            f"k: expected this rank's shard length {qb.shape[1]} (from q), "
-            f"got {kb.shape[1]} (k) and {vb.shape[1]} (v)")
+    qb, kb, vb, doutb, outb = shard_buffers(
+        comm, layout, [("q", q), ("k", k), ("v", v), ("dout", dout),
+                       ("out", out)])
+    lseb = to_buffer(lse, "lse")
     plan = agree(comm, _describe("bwd", qb, kb, causal, scale, layout, seq_len),
                  layout, seq_len)
     threads = _default_threads(comm) if num_threads is None else num_threads
     dq, dk, dv = _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan,
                                 bool(causal), scale, progress, threads, timeout)
-    res = []
-    for g, like in ((dq, qb), (dk, kb), (dv, vb)):
-        g = g if g.dtype == like.dtype else g.astype(like.dtype)
-        res.append(from_buffer(g, kind))
-    return tuple(res)
+    return tuple(as_result(g, like, kind)
+                 for g, like in ((dq, qb), (dk, kb), (dv, vb)))
 
 
 def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan, causal, scale,

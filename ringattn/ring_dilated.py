@@ -26,8 +26,8 @@ import numpy as np
 from . import _C
 from .dilated import check_config
 from .interop import from_buffer, kind_of, to_buffer
-from .ring import (_check_comm, _check_layout, _default_threads, _describe,
-                   _device, agree, empty_state)
+from .ring import (_default_threads, _describe, _device, agree, as_result,
+                   empty_state, shard_buffers)
 
 __all__ = ["ring_dilated_attention", "ring_dilated_attention_backward"]
 
@@ -149,26 +149,17 @@ def _exchange(comm, send, dst, recv, src, tag, timeout):
                                step=tag, timeout=timeout)
 
 
-def _prepare(q, k, v, comm, segment_lengths, dilation_rates, causal, scale,
-             layout, seq_len, op, extra_bufs=()):
-    _check_comm(comm)
-    _check_layout(layout)
+def _prepare(comm, named, segment_lengths, dilation_rates, causal, scale,
+             layout, seq_len, op):
     segs, rates = check_config(segment_lengths, dilation_rates)
-    qb, kb, vb = to_buffer(q, "q"), to_buffer(k, "k"), to_buffer(v, "v")
-    for name, b in (("q", qb), ("k", kb), ("v", vb)) + tuple(extra_bufs):
-        if b.ndim != 4:
-            raise ValueError(f"{name}: expected 4 dimensions (batch, seq, heads, "
-                             f"head_dim), got {b.ndim}")
-    if kb.shape[1] != qb.shape[1] or vb.shape[1] != qb.shape[1]:
-        raise ValueError(
-            f"k: expected this rank's shard length {qb.shape[1]} (from q), "
-            f"got {kb.shape[1]} (k) and {vb.shape[1]} (v)")
+    bufs = shard_buffers(comm, layout, named)
+    qb, kb = bufs[0], bufs[1]
     if qb.device[0] != "cpu":
         raise NotImplementedError("dilated attention runs on the CPU for now")
     plan = agree(comm, _describe(op, qb, kb, causal, scale, layout, seq_len,
                                  extra=(tuple(segs), tuple(rates))),
                  layout, seq_len)
-    return segs, rates, qb, kb, vb, plan
+    return segs, rates, bufs, plan
 
 
 def _rounds(plan, comm, segs, rates, H, Hkv, causal):
@@ -195,9 +186,9 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
     (and lse (B, H, n_r) with return_lse=True).  profile: a dict filled with
     {"bytes_sent", "rounds"}.
     """
-    segs, rates, qb, kb, vb, plan = _prepare(
-        q, k, v, comm, segment_lengths, dilation_rates, causal, scale, layout,
-        seq_len, "dilated_fwd")
+    segs, rates, (qb, kb, vb), plan = _prepare(
+        comm, [("q", q), ("k", k), ("v", v)], segment_lengths, dilation_rates,
+        causal, scale, layout, seq_len, "dilated_fwd")
     kind = kind_of(q)
     threads = _default_threads(comm) if num_threads is None else num_threads
     B, n_r, H, D = qb.shape
@@ -253,8 +244,7 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
             pending = (req, recv, recv_buf, send_buf)
     if profile is not None:
         profile.update(bytes_sent=sent)
-    out_final = out if out.dtype == qb.dtype else out.astype(qb.dtype)
-    out_final = from_buffer(out_final, kind)
+    out_final = as_result(out, qb, kind)
     if return_lse:
         return out_final, from_buffer(lse, kind)
     return out_final
@@ -298,11 +288,11 @@ def ring_dilated_attention_backward(dout, q, k, v, out, lse, comm,
                                     num_threads=None, timeout=None):
     """Gradients of ``ring_dilated_attention`` for this rank's shard:
     (dq, dk, dv) in the inputs' dtypes."""
-    doutb, outb, lseb = (to_buffer(dout, "dout"), to_buffer(out, "out"),
-                         to_buffer(lse, "lse"))
-    segs, rates, qb, kb, vb, plan = _prepare(
-        q, k, v, comm, segment_lengths, dilation_rates, causal, scale, layout,
-        seq_len, "dilated_bwd", extra_bufs=(("dout", doutb), ("out", outb)))
+    segs, rates, (qb, kb, vb, doutb, outb), plan = _prepare(
+        comm, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)],
+        segment_lengths, dilation_rates, causal, scale, layout, seq_len,
+        "dilated_bwd")
+    lseb = to_buffer(lse, "lse")
     kind = kind_of(q)
     threads = _default_threads(comm) if num_threads is None else num_threads
     B, n_r, H, D = qb.shape
@@ -368,8 +358,5 @@ def ring_dilated_attention_backward(dout, q, k, v, out, lse, comm,
                 dk_np[:, idx, blk["g"], :] += part[0]
                 dv_np[:, idx, blk["g"], :] += part[1]
                 pos += part.size
-    res = []
-    for g, like in ((dq, qb), (dk, kb), (dv, vb)):
-        g = g if g.dtype == like.dtype else g.astype(like.dtype)
-        res.append(from_buffer(g, kind))
-    return tuple(res)
+    return tuple(as_result(g, like, kind)
+                 for g, like in ((dq, qb), (dk, kb), (dv, vb)))
