@@ -123,6 +123,14 @@ static ra_buffer *parse_buffer(CommObject *self, PyObject *obj,
                      vt->name, b->device_type, b->device_id);
         goto fail;
     }
+    if (vt->device_type == RA_DEV_CUDA &&
+        b->device_id != self->comm->device_id) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be on CUDA device %d (this communicator's), "
+                     "got device %d", name, self->comm->device_id,
+                     b->device_id);
+        goto fail;
+    }
     if (!ra_buffer_is_contiguous(b)) {
         PyErr_Format(PyExc_ValueError,
                      "%s must be contiguous (row-major); copy it first "
@@ -520,6 +528,12 @@ static PyObject *comm_get_backend(CommObject *self, void *x) {
     (void)x;
     return PyUnicode_FromString(self->comm->vt->name);
 }
+static PyObject *comm_get_device(CommObject *self, void *x) {
+    (void)x;
+    if (self->comm->vt->device_type == RA_DEV_CUDA)
+        return Py_BuildValue("(si)", "cuda", self->comm->device_id);
+    return Py_BuildValue("(si)", "cpu", 0);
+}
 static PyObject *comm_get_closed(CommObject *self, void *x) {
     (void)x;
     return PyBool_FromLong(atomic_load(&self->comm->closed));
@@ -608,6 +622,9 @@ static PyGetSetDef comm_getset[] = {
     {"size", (getter)comm_get_size, NULL, "number of ranks", NULL},
     {"backend", (getter)comm_get_backend, NULL,
      "'host', 'threads' or 'nccl'", NULL},
+    {"device", (getter)comm_get_device, NULL,
+     "memory it moves: ('cuda', index) for nccl, ('cpu', 0) otherwise",
+     NULL},
     {"closed", (getter)comm_get_closed, NULL, "True after close()", NULL},
     {"failed", (getter)comm_get_failed, NULL,
      "True after an error or abort()", NULL},
@@ -762,6 +779,100 @@ static PyObject *py_host_comm(PyObject *m, PyObject *args, PyObject *kw) {
     return comm_wrap(c, NULL);
 }
 
+static PyObject *py_nccl_comm(PyObject *m, PyObject *args, PyObject *kw) {
+    (void)m;
+    static char *kwlist[] = {"rank", "world_size", "device", "unique_id",
+                             "master_addr", "master_port", "token",
+                             "timeout", "library", NULL};
+    ra_nccl_options o;
+    memset(&o, 0, sizeof o);
+    PyObject *id_obj = Py_None, *tobj = Py_None;
+    const char *addr = "127.0.0.1", *token = "", *library = NULL;
+    Py_buffer id_view = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iii|OsisOz:nccl_comm", kwlist,
+                                     &o.rank, &o.size, &o.device, &id_obj,
+                                     &addr, &o.master_port, &token, &tobj,
+                                     &library))
+        return NULL;
+    if (parse_timeout(tobj, &o.timeout) < 0) return NULL;
+    if (o.size < 1) {
+        PyErr_Format(PyExc_ValueError, "world_size must be >= 1, got %d",
+                     o.size);
+        return NULL;
+    }
+    if (o.rank < 0 || o.rank >= o.size) {
+        PyErr_Format(PyExc_ValueError, "rank must be in [0, %d), got %d",
+                     o.size, o.rank);
+        return NULL;
+    }
+    if (o.device < 0) {
+        PyErr_Format(PyExc_ValueError, "device must be a CUDA device index "
+                     ">= 0, got %d", o.device);
+        return NULL;
+    }
+    if (id_obj != Py_None) {
+        if (PyObject_GetBuffer(id_obj, &id_view, PyBUF_SIMPLE) < 0)
+            return NULL;
+        if (id_view.len != RA_NCCL_ID_BYTES) {
+            PyErr_Format(PyExc_ValueError, "unique_id must be %d bytes "
+                         "(ra.nccl_unique_id()), got %zd bytes",
+                         RA_NCCL_ID_BYTES, id_view.len);
+            PyBuffer_Release(&id_view);
+            return NULL;
+        }
+        o.unique_id = (const unsigned char *)id_view.buf;
+    } else if (o.size > 1 && o.master_port <= 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "nccl_comm needs unique_id, or master_port for the "
+                        "host rendezvous, when world_size > 1");
+        return NULL;
+    }
+    o.master_addr = addr;
+    o.token = token;
+    o.library = library;
+    ra_comm *c = NULL;
+    ra_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ra_nccl_comm_create(&o, &c);
+    Py_END_ALLOW_THREADS
+    if (id_obj != Py_None) PyBuffer_Release(&id_view);
+    if (st != RA_OK) return ra_raise(st);
+    return comm_wrap(c, NULL);
+}
+
+static PyObject *py_nccl_unique_id(PyObject *m, PyObject *args,
+                                   PyObject *kw) {
+    (void)m;
+    static char *kwlist[] = {"library", NULL};
+    const char *library = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|z:nccl_unique_id", kwlist,
+                                     &library))
+        return NULL;
+    unsigned char id[RA_NCCL_ID_BYTES];
+    ra_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ra_nccl_unique_id(library, id);
+    Py_END_ALLOW_THREADS
+    if (st != RA_OK) return ra_raise(st);
+    return PyBytes_FromStringAndSize((const char *)id, RA_NCCL_ID_BYTES);
+}
+
+static PyObject *py_nccl_version(PyObject *m, PyObject *args, PyObject *kw) {
+    (void)m;
+    static char *kwlist[] = {"library", NULL};
+    const char *library = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|z:nccl_version", kwlist,
+                                     &library))
+        return NULL;
+    int major = 0, minor = 0, patch = 0;
+    ra_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ra_nccl_version(library, &major, &minor, &patch);
+    Py_END_ALLOW_THREADS
+    if (st != RA_OK) return ra_raise(st);
+    return Py_BuildValue("(iii)", major, minor, patch);
+}
+
 static PyMethodDef comm_module_functions[] = {
     {"host_comm", (PyCFunction)(void (*)(void))py_host_comm,
      METH_VARARGS | METH_KEYWORDS,
@@ -770,6 +881,25 @@ static PyMethodDef comm_module_functions[] = {
      "0 serves the rendezvous on (master_addr, master_port); every "
      "connection proves `token`.  Blocks until all ranks joined or the "
      "timeout passed (CommError)."},
+    {"nccl_comm", (PyCFunction)(void (*)(void))py_nccl_comm,
+     METH_VARARGS | METH_KEYWORDS,
+     "nccl_comm(rank, world_size, device, unique_id=None, "
+     "master_addr='127.0.0.1', master_port=0, token='', timeout=None, "
+     "library=None)\n--\n\nJoin an NCCL ('nccl') communicator on CUDA "
+     "device `device`.  unique_id: 128 bytes from nccl_unique_id() shared "
+     "by all ranks; None: rank 0 makes one and hands it out over a host "
+     "rendezvous on (master_addr, master_port) proving `token` (kept for "
+     "barrier/allgather).  library: a libnccl.so.2 path tried after "
+     "RINGATTN_NCCL_LIBRARY and libnccl.so.2.  Blocks until all ranks "
+     "joined or the timeout passed (CommError)."},
+    {"nccl_unique_id", (PyCFunction)(void (*)(void))py_nccl_unique_id,
+     METH_VARARGS | METH_KEYWORDS,
+     "nccl_unique_id(library=None)\n--\n\nA fresh 128-byte NCCL unique id "
+     "(bytes) for nccl_comm."},
+    {"nccl_version", (PyCFunction)(void (*)(void))py_nccl_version,
+     METH_VARARGS | METH_KEYWORDS,
+     "nccl_version(library=None)\n--\n\n(major, minor, patch) of the NCCL "
+     "library ringattn loads; raises if it cannot load."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -46,9 +46,12 @@ typedef enum ra_xfer_kind {
 } ra_xfer_kind;
 
 /* One sendrecv: either side may be absent (peer < 0).  Pointers are host
- * memory for host/threads, device memory of `device_id` for nccl, where the
- * transfer is ordered on `stream` (a cudaStream_t, NULL = the
- * communicator's own stream). */
+ * memory for host/threads, device memory of `device_id` for nccl.  nccl:
+ * the transfer runs on the communicator's own stream after the work queued
+ * so far on `stream` (a cudaStream_t; NULL = ringattn's compute stream of
+ * the device), and waiting orders `stream` after the transfer.  Host
+ * pointers (device_type RA_DEV_CPU) on nccl are staged through device
+ * memory; comm_core.c's generic collectives use that. */
 typedef struct ra_xfer {
     int kind;                 /* ra_xfer_kind */
     int64_t step;             /* ring step, checked against the peer's */
@@ -216,6 +219,27 @@ int ra_tgroup_size(const ra_tgroup *g);
 /* Each rank may be taken once. */
 ra_status ra_tgroup_comm(ra_tgroup *g, int rank, ra_comm **out);
 void ra_tgroup_abort(ra_tgroup *g, const char *reason);
+
+/* comm_nccl.c: NCCL, loaded with dlopen at first use.  Without CUDA in the
+ * build every function returns RA_ERR_UNSUPPORTED. */
+#define RA_NCCL_ID_BYTES 128
+typedef struct ra_nccl_options {
+    int rank, size;
+    int device;                       /* CUDA device of this rank */
+    const unsigned char *unique_id;   /* RA_NCCL_ID_BYTES, or NULL: rank 0
+                                       * makes one and hands it out over a
+                                       * host communicator (size > 1) */
+    const char *master_addr;          /* host rendezvous (unique_id NULL) */
+    int master_port;
+    const char *token;
+    const char *library;              /* last libnccl path to try, or NULL */
+    double timeout;                   /* <= 0: RINGATTN_TIMEOUT */
+} ra_nccl_options;
+ra_status ra_nccl_comm_create(const ra_nccl_options *o, ra_comm **out);
+ra_status ra_nccl_unique_id(const char *library,
+                            unsigned char out[RA_NCCL_ID_BYTES]);
+ra_status ra_nccl_version(const char *library, int *major, int *minor,
+                          int *patch);
 
 /* comm_auth.c */
 void ra_sha256(const void *data, size_t n, unsigned char out[32]);

@@ -13,7 +13,7 @@ Python layer.  Arrays in: NumPy, JAX, CuPy, PyTorch, or anything with
 from . import _C
 from ._C import Buffer, Comm, CommError
 from .attention import attention, attention_backward, merge
-from .comm import ThreadsGroup, init
+from .comm import ThreadsGroup, init, nccl_unique_id, nccl_version
 from .launch import LaunchError, launch
 from .dilated import (DilatedAttention, dilated_attention,
                       dilated_attention_backward)
@@ -72,4 +72,5 @@ __all__ = [
     "ring_attention_backward", "dilated_attention",
     "dilated_attention_backward", "DilatedAttention", "ring_dilated_attention",
     "ring_dilated_attention_backward", "init", "launch", "LaunchError", "ThreadsGroup",
+    "nccl_unique_id", "nccl_version",
 ]

@@ -7,16 +7,22 @@ cover the rest.  Backends:
 
 * ``host``: TCP between CPU ranks (processes, possibly on several machines);
 * ``threads``: ranks that are threads of one process (``ThreadsGroup``);
-* ``nccl``: GPUs (not built yet; ``auto`` picks ``host`` for now).
+* ``nccl``: GPUs: one NCCL communicator per rank on its own CUDA stream
+  (NCCL is loaded at first use; ``auto`` picks it when a CUDA ``device`` is
+  asked for and CUDA is available).
 """
 
+import glob
 import hashlib
 import os
+import site
+import sys
 
 from . import _C
 from ._C import Comm, CommError, ThreadsGroup
 
-__all__ = ["init", "Comm", "CommError", "ThreadsGroup", "default_timeout"]
+__all__ = ["init", "Comm", "CommError", "ThreadsGroup", "default_timeout",
+           "nccl_unique_id", "nccl_version"]
 
 BACKENDS = ("auto", "host", "threads", "nccl")
 
@@ -82,8 +88,141 @@ def _check_timeout(timeout):
     return value
 
 
+def _pip_nccl_library():
+    """libnccl.so.2 of the NVIDIA pip wheel (nvidia-nccl-cu*), or None."""
+    roots = list(sys.path)
+    try:
+        roots += site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:      # some virtualenvs lack these
+        pass
+    for root in roots:
+        if not root or not os.path.isdir(os.path.join(root, "nvidia")):
+            continue
+        hits = sorted(glob.glob(os.path.join(root, "nvidia", "nccl*", "lib",
+                                             "libnccl.so*")))
+        if hits:
+            return hits[0]
+    return None
+
+
+def nccl_version():
+    """(major, minor, patch) of the NCCL ringattn would load, or None.
+
+    Never raises: None when ringattn was built without CUDA or no NCCL
+    library can be opened (``RINGATTN_NCCL_LIBRARY``, ``libnccl.so.2``, the
+    NVIDIA pip wheel, in that order).
+    """
+    try:
+        return tuple(_C.nccl_version(library=_pip_nccl_library()))
+    except Exception:
+        return None
+
+
+def nccl_unique_id():
+    """A fresh NCCL unique id (128 bytes) to pass to every rank's
+    ``init(backend="nccl", unique_id=...)``."""
+    return _C.nccl_unique_id(library=_pip_nccl_library())
+
+
+def _cuda_device_index(device):
+    """None | int | 'cuda' | 'cuda:N' | ('cuda', N) -> CUDA index or None
+    ('cpu' -> -1)."""
+    if device is None:
+        return None
+    if isinstance(device, bool):
+        raise TypeError("device must be 'cpu', 'cuda', 'cuda:N', ('cuda', N) "
+                        "or an int")
+    if isinstance(device, int):
+        index = device
+    elif isinstance(device, tuple) and len(device) == 2:
+        if device[0] == "cpu":
+            return -1
+        if device[0] != "cuda":
+            raise ValueError(f"device: expected 'cpu' or 'cuda', got "
+                             f"{device!r}")
+        index = device[1]
+    elif isinstance(device, str):
+        kind, _, idx = device.partition(":")
+        if kind == "cpu":
+            return -1
+        if kind != "cuda":
+            raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', "
+                             f"got {device!r}")
+        try:
+            index = int(idx) if idx else 0
+        except ValueError:
+            raise ValueError(f"device: bad index in {device!r}") from None
+    else:
+        raise TypeError(f"device must be 'cpu', 'cuda', 'cuda:N', "
+                        f"('cuda', N) or an int, got {type(device).__name__}")
+    if not isinstance(index, int) or index < 0:
+        raise ValueError(f"device: expected a CUDA index >= 0, got {index!r}")
+    return index
+
+
+def _default_cuda_device(rank):
+    """This rank's GPU: LOCAL_RANK (else rank) modulo the visible devices."""
+    count = _C.cuda_device_count()
+    local = _env_int("LOCAL_RANK")
+    index = local if local is not None else rank
+    return index % count if count > 0 else 0
+
+
+def _init_nccl(rank, world_size, device, unique_id, master_addr,
+               master_port, token, timeout):
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE")
+    if world_size is None:
+        world_size = 1
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got "
+                         f"{world_size!r}")
+    if rank is None:
+        rank = _env_int("RANK")
+    if rank is None:
+        if world_size != 1:
+            raise ValueError(f"rank is required when world_size is "
+                             f"{world_size} (pass rank= or set RANK)")
+        rank = 0
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    index = _cuda_device_index(device)
+    if index == -1:
+        raise ValueError("backend 'nccl' moves CUDA memory: device must be a "
+                         "CUDA device, got 'cpu'")
+    if index is None:
+        index = _default_cuda_device(rank)
+    library = _pip_nccl_library()
+    if unique_id is None and os.environ.get("NCCL_COMM_ID"):
+        # NCCL derives the id from NCCL_COMM_ID: every rank gets the same
+        unique_id = _C.nccl_unique_id(library=library)
+    if unique_id is not None or world_size == 1:
+        return _C.nccl_comm(rank, world_size, index, unique_id=unique_id,
+                            timeout=timeout, library=library)
+    # launcher environment: rank 0's id travels over a host rendezvous
+    if master_addr is None:
+        master_addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = _rendezvous_port(master_port)
+    if port is None:
+        raise ValueError("backend 'nccl' with world_size > 1 needs "
+                         "unique_id=ra.nccl_unique_id() shared by the ranks, "
+                         "NCCL_COMM_ID, or a rendezvous: master_port= / "
+                         "RINGATTN_MASTER_PORT / MASTER_PORT")
+    if not 0 < port < 65536:
+        raise ValueError(f"master_port must be in 1..65535, got {port}")
+    if token is None:
+        token = os.environ.get("RINGATTN_TOKEN") or _derived_token(
+            master_addr, port, world_size)
+    if not isinstance(token, str) or not token:
+        raise ValueError("token must be a non-empty string")
+    return _C.nccl_comm(rank, world_size, index, master_addr=master_addr,
+                        master_port=port, token=token, timeout=timeout,
+                        library=library)
+
+
 def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
-         master_port=None, token=None, timeout=None, **kw):
+         master_port=None, token=None, timeout=None, device=None,
+         unique_id=None, **kw):
     """Create this rank's communicator.
 
     Arguments left as None come from the launcher's environment (set by
@@ -106,8 +245,23 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
       jobs out by accident, not an attacker who can read the environment;
       set ``RINGATTN_TOKEN`` for that.
 
-    backend: ``"auto"`` (``"host"`` for now), ``"host"``, ``"threads"``
-    (pass ``group=ThreadsGroup(...)``; ranks are threads of this process).
+    backend: ``"auto"`` (``"nccl"`` when ``device`` names a CUDA device and
+    CUDA is available, else ``"host"``), ``"host"``, ``"threads"`` (pass
+    ``group=ThreadsGroup(...)``; ranks are threads of this process),
+    ``"nccl"`` (GPUs).
+
+    nccl: ``device`` is this rank's GPU (``"cuda:N"``, ``("cuda", N)`` or
+    ``N``; default ``LOCAL_RANK`` modulo the visible devices).  The ranks
+    meet through, in order: ``unique_id`` (128 bytes from
+    ``ra.nccl_unique_id()`` on one rank, shared by every rank),
+    ``NCCL_COMM_ID``, or the host rendezvous above (rank 0 makes the id; the
+    host connection stays for ``barrier``/``allgather``).  NCCL is loaded at
+    first use: ``RINGATTN_NCCL_LIBRARY``, ``libnccl.so.2``, then the NVIDIA
+    pip wheel.  ``sendrecv`` moves CUDA memory on the communicator's own
+    stream ordered after ringattn's compute stream; ``Request.wait()``
+    orders the compute stream after the transfer without blocking the host.
+    A transfer not done within the timeout aborts the communicator; the next
+    call raises ``CommError``.
     timeout: default deadline in seconds of every wait of the communicator
     (default ``RINGATTN_TIMEOUT`` or 300).  ``init`` blocks until all ranks
     joined or the timeout passed (``CommError``).
@@ -122,8 +276,24 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, "
                          f"got {backend!r}")
     timeout = _check_timeout(timeout)
+    wants_cuda = _cuda_device_index(device) not in (None, -1)
     if backend == "auto":
-        backend = "threads" if group is not None else "host"
+        if group is not None:
+            backend = "threads"
+        elif wants_cuda:
+            available, reason = _C.cuda_available()
+            if not available:
+                raise ValueError(f"device {device!r} needs CUDA, which is not "
+                                 f"available: {reason}")
+            backend = "nccl"
+        else:
+            backend = "host"
+    if backend != "nccl" and unique_id is not None:
+        raise ValueError(f"unique_id is for backend 'nccl', got backend "
+                         f"{backend!r}")
+    if backend != "nccl" and wants_cuda:
+        raise ValueError(f"backend {backend!r} moves host memory: device "
+                         f"must be 'cpu' or None, got {device!r}")
 
     if backend == "threads":
         if group is None:
@@ -142,8 +312,8 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
         return group.comm(rank)
 
     if backend == "nccl":
-        raise ValueError("backend 'nccl' is not available in this build; "
-                         "use 'host' or 'threads'")
+        return _init_nccl(rank, world_size, device, unique_id, master_addr,
+                          master_port, token, timeout)
 
     if world_size is None:
         world_size = _env_int("WORLD_SIZE")

@@ -61,9 +61,9 @@ def free_port(host="127.0.0.1"):
 def _check_launch_args(nprocs, backend, timeout):
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
-    if backend not in ("auto", "host", "threads"):
-        raise ValueError(f"backend must be 'auto', 'host' or 'threads', got "
-                         f"{backend!r}")
+    if backend not in ("auto", "host", "threads", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'host', 'threads' or "
+                         f"'nccl', got {backend!r}")
     if timeout is None:
         return default_timeout() + TIMEOUT_MARGIN
     if not float(timeout) > 0:
@@ -110,8 +110,29 @@ def _describe(f):
 
 # ---- processes ------------------------------------------------------------
 
-def _rank_main(fn, rank, nprocs, port, token, args, conn, comm_timeout):
-    """Body of one spawned rank: run fn, send ('ok', result) or the error."""
+def _check_gpus(nprocs):
+    """nccl: one rank per visible GPU (several per GPU only where NCCL allows
+    it: NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL >= 2.30)."""
+    from . import _C
+
+    available, reason = _C.cuda_available()
+    if not available:
+        raise ValueError(f"backend 'nccl' needs a CUDA device: {reason}")
+    count = _C.cuda_device_count()
+    if (nprocs > count and
+            os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "") != "1"):
+        raise ValueError(
+            f"backend 'nccl' runs one rank per GPU: nprocs={nprocs} but "
+            f"{count} GPU(s) are visible (CUDA_VISIBLE_DEVICES); set "
+            f"NCCL_MULTI_RANK_GPU_ENABLE=1 to share GPUs (NCCL >= 2.30)")
+
+
+def _rank_main(fn, rank, nprocs, port, token, args, conn, comm_timeout,
+               backend="host"):
+    """Body of one spawned rank: run fn, send ('ok', result) or the error.
+
+    nccl: the rank's GPU is LOCAL_RANK modulo the visible devices.
+    """
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
@@ -119,7 +140,7 @@ def _rank_main(fn, rank, nprocs, port, token, args, conn, comm_timeout):
     })
     try:
         try:
-            comm = init("host", rank, nprocs, master_addr="127.0.0.1",
+            comm = init(backend, rank, nprocs, master_addr="127.0.0.1",
                         master_port=port, token=token, timeout=comm_timeout)
             try:
                 result = fn(comm, *args)
@@ -141,7 +162,7 @@ def _rank_main(fn, rank, nprocs, port, token, args, conn, comm_timeout):
         conn.close()
 
 
-def _launch_processes(fn, nprocs, args, timeout):
+def _launch_processes(fn, nprocs, args, timeout, backend="host"):
     try:
         pickle.dumps((fn, args))
     except Exception as e:
@@ -161,7 +182,7 @@ def _launch_processes(fn, nprocs, args, timeout):
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_rank_main, name=f"ringattn-rank-{rank}",
                             args=(fn, rank, nprocs, port, token, args,
-                                  send_end, comm_timeout))
+                                  send_end, comm_timeout, backend))
             p.start()
             send_end.close()
             procs.append(p)
@@ -312,11 +333,15 @@ def _launch_threads(fn, nprocs, args, timeout):
 def launch(fn, nprocs, args=(), backend="auto", timeout=None):
     """Run ``fn(comm, *args)`` on ``nprocs`` ranks; return results by rank.
 
-    backend: ``"host"`` (``"auto"`` on CPU): processes started with the
-    spawn context, joined by a TCP communicator on loopback (free port,
-    fresh random token; the environment ``ra.init()`` reads is set too);
-    ``fn``, ``args`` and the results must pickle.  ``"threads"``: threads of
-    this process sharing a ``ThreadsGroup`` (notebooks, closures).
+    backend: ``"host"`` (``"auto"``): processes started with the spawn
+    context, joined by a TCP communicator on loopback (free port, fresh
+    random token; the environment ``ra.init()`` reads is set too); ``fn``,
+    ``args`` and the results must pickle.  ``"threads"``: threads of this
+    process sharing a ``ThreadsGroup`` (notebooks, closures).  ``"nccl"``:
+    processes as for ``host``, one per visible GPU (rank r uses device
+    ``r % device_count``, ``comm.device`` says which), joined by NCCL after
+    a host rendezvous that hands out the unique id; several ranks per GPU
+    only with ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (NCCL >= 2.30).
 
     timeout: seconds for the whole launch (default ``RINGATTN_TIMEOUT`` +
     60).  Every communicator wait also has the ``RINGATTN_TIMEOUT``
@@ -329,6 +354,9 @@ def launch(fn, nprocs, args=(), backend="auto", timeout=None):
     args = tuple(args)
     if backend == "threads":
         return _launch_threads(fn, nprocs, args, timeout)
+    if backend == "nccl":
+        _check_gpus(nprocs)
+        return _launch_processes(fn, nprocs, args, timeout, "nccl")
     return _launch_processes(fn, nprocs, args, timeout)
 
 

@@ -9,8 +9,11 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
+import ringattn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ringattn.__file__)))  # where ringattn is imported from
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples")
 
 
 def _run(code_or_path, is_code=False):

@@ -13,11 +13,13 @@ import time
 import numpy as np
 import pytest
 
+import ringattn
+
 from ringattn import _C
 from ringattn.launch import LaunchError, launch, main_launch
 
 CommError = _C.CommError
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ringattn.__file__)))  # where ringattn is imported from
 
 
 def no_children_left():

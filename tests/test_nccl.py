@@ -1,0 +1,348 @@
+"""The 'nccl' backend: NCCL communicators moving CUDA memory.
+
+Every test carries the ``gpu`` marker and skips unless ringattn has a usable
+CUDA device, an NCCL library loads (``ra.nccl_version()``) and PyTorch with
+CUDA or CuPy is importable (to move arrays between host and device).
+
+* world size 1 runs in this process: the whole ring path (agreement, the
+  double-buffered loop, dk/dv sent to self) on one GPU;
+* 2-4 ranks run as processes (``ra.launch(..., backend="nccl")``), one per
+  GPU, or several on one GPU where NCCL allows it (NCCL >= 2.30 with
+  NCCL_MULTI_RANK_GPU_ENABLE=1);
+* failures: a peer that never answers becomes CommError naming rank, peer,
+  op and step within the timeout; a killed rank ends ``launch`` with
+  LaunchError naming it, leaving no process behind.
+
+Tolerance (results vs the float64 reference on the host):
+max |got - ref| <= tol * max(1, max |ref|), tol 1e-4 for float32 and 1e-9
+for float64 (the GPU kernels' accuracy, as in test_cuda.py).
+"""
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import ringattn as ra
+from ringattn.launch import LaunchError
+from ringattn.testing import (random_qkv, ref_attention,
+                              ref_attention_backward)
+
+pytestmark = pytest.mark.gpu
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+TOL = {"float32": 1e-4, "float64": 1e-9}
+LAUNCH_TIMEOUT = 120
+
+
+def _array_lib():
+    """'torch' or 'cupy' (whichever can reach the GPU), or None."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return "torch"
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return "cupy"
+    except Exception:  # noqa: BLE001 - ImportError or a CuPy without driver
+        pass
+    return None
+
+
+def _skip_reason():
+    if not ra.cuda_available():
+        return f"no CUDA device: {ra.cuda_info()['reason']}"
+    if ra.nccl_version() is None:
+        return "NCCL cannot be loaded (RINGATTN_NCCL_LIBRARY / libnccl.so.2)"
+    if _array_lib() is None:
+        return "needs PyTorch with CUDA or CuPy"
+    return None
+
+
+if _skip_reason() is not None:
+    pytest.skip(_skip_reason(), allow_module_level=True)
+
+
+# ---- host <-> device (module level: spawned ranks use them too) ------------
+
+def to_device(a, device):
+    a = np.ascontiguousarray(a)
+    if _array_lib() == "torch":
+        import torch
+
+        return torch.from_numpy(a).to(f"cuda:{device}")
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.asarray(a)
+
+
+def to_host(x):
+    if _array_lib() == "torch":
+        return x.detach().cpu().numpy()
+    import cupy
+
+    return cupy.asnumpy(x)
+
+
+def synchronize(device):
+    if _array_lib() == "torch":
+        import torch
+
+        torch.cuda.synchronize(device)
+    else:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.deviceSynchronize()
+
+
+def assert_gpu_close(name, got, ref, dtype):
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape} != {ref.shape}"
+    assert not np.isnan(got).any(), f"{name}: NaN in the result"
+    fin = np.isfinite(ref)
+    np.testing.assert_array_equal(got[~fin], ref[~fin],
+                                  err_msg=f"{name}: non-finite entries")
+    err = np.abs(got[fin] - ref[fin]).max(initial=0.0)
+    bound = TOL[dtype] * max(1.0, np.abs(ref[fin]).max(initial=0.0))
+    assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e} [{dtype}]"
+
+
+def reference(q, k, v, dout, causal):
+    pos = np.arange(q.shape[1])
+    out, lse = ref_attention(q, k, v, causal=causal, q_pos=pos, k_pos=pos)
+    grads = ref_attention_backward(dout, q, k, v, causal=causal, q_pos=pos,
+                                   k_pos=pos)
+    return (out, lse) + tuple(grads)
+
+
+def problem(seed, n, dtype):
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 2, n, n, 4, 2, 32, dtype)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    return q, k, v, dout
+
+
+# ---- rank bodies ------------------------------------------------------------
+
+def ring_rank(comm, q, k, v, dout, layout, causal):
+    """This rank's (out, lse, dq, dk, dv) as NumPy, computed on its GPU."""
+    r, p = comm.rank, comm.size
+    dev = comm.device[1]
+    qs, ks, vs, ds = (to_device(ra.shard(x, r, p, layout), dev)
+                      for x in (q, k, v, dout))
+    out, lse = ra.ring_attention(qs, ks, vs, comm, causal=causal,
+                                 layout=layout, return_lse=True)
+    dq, dk, dv = ra.ring_attention_backward(ds, qs, ks, vs, out, lse, comm,
+                                            causal=causal, layout=layout)
+    res = tuple(to_host(x) for x in (out, lse, dq, dk, dv))
+    comm.barrier()          # raises if the communicator failed meanwhile
+    return res
+
+
+def run_ring(p, q, k, v, dout, layout, causal):
+    results = ra.launch(ring_rank, p, args=(q, k, v, dout, layout, causal),
+                        backend="nccl", timeout=LAUNCH_TIMEOUT)
+    gathered = []
+    for i in range(5):
+        axis = 2 if i == 1 else 1               # lse is (B, H, n_r)
+        gathered.append(ra.unshard([res[i] for res in results], layout,
+                                   axis=axis))
+    return gathered
+
+
+def stall_peer(comm):
+    """After one good exchange rank 1 stops answering: rank 0's next
+    transfer becomes CommError (at start, wait, or the next call)."""
+    dev = comm.device[1]
+    send = to_device(np.ones(1 << 16, np.float32), dev)
+    recv = to_device(np.zeros(1 << 16, np.float32), dev)
+    peer = 1 - comm.rank
+    comm.sendrecv(send, peer, recv, peer, step=0)   # connects the pair
+    synchronize(dev)
+    if comm.rank != 0:
+        time.sleep(10)
+        return None
+    start = time.monotonic()
+    try:
+        req = comm.sendrecv_start(send, 1, recv, 1, step=7, timeout=3)
+        req.wait()                      # orders the GPU; returns at once
+        synchronize(dev)                # held until the watchdog aborts
+        comm.barrier()
+    except ra.CommError as e:
+        return str(e), time.monotonic() - start, comm.failed
+    return "no error", time.monotonic() - start, comm.failed
+
+
+def die_in_ring(comm, q, k, v, dout):
+    for it in range(4):
+        if it == 1 and comm.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ring_rank(comm, q, k, v, dout, "zigzag", True)
+    return "finished"
+
+
+def explicit_id_rank(host, uid):
+    """An NCCL communicator from an explicit unique id (no host connection
+    inside): ring exchange, then barrier/allgather staged through NCCL."""
+    count = ra.cuda_info()["devices"]
+    comm = ra.init(backend="nccl", rank=host.rank, world_size=host.size,
+                   unique_id=uid, device=host.rank % count)
+    try:
+        dev = comm.device[1]
+        p, r = comm.size, comm.rank
+        send = to_device(np.full(1000, r, np.float64), dev)
+        recv = to_device(np.zeros(1000), dev)
+        comm.sendrecv(send, (r + 1) % p, recv, (r - 1) % p, step=0)
+        got = to_host(recv)
+        comm.barrier()
+        gathered = comm.allgather(f"rank{r}".encode())
+        return float(got[0]), float(got[-1]), gathered, comm.stats()
+    finally:
+        comm.close()
+
+
+def _multi_rank_ok(p, monkeypatch):
+    """Can p ranks run here?  Sets NCCL_MULTI_RANK_GPU_ENABLE when sharing."""
+    if ra.cuda_info()["devices"] >= p:
+        return True
+    version = ra.nccl_version()
+    if version is None or version < (2, 30, 0):
+        return False
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    return True
+
+
+# ---- world size 1: in this process ------------------------------------------
+
+@pytest.fixture
+def comm1():
+    comm = ra.init(backend="nccl", rank=0, world_size=1, device=0)
+    yield comm
+    comm.close()
+
+
+def test_version_and_unique_id():
+    version = ra.nccl_version()
+    assert isinstance(version, tuple) and version >= (2, 14, 0)
+    a, b = ra.nccl_unique_id(), ra.nccl_unique_id()
+    assert isinstance(a, bytes) and len(a) == 128 and a != b
+
+
+def test_world_size_1_comm_basics(comm1):
+    assert (comm1.backend, comm1.rank, comm1.size) == ("nccl", 0, 1)
+    assert comm1.device == ("cuda", 0)
+    with pytest.raises(TypeError, match="pickle"):
+        pickle.dumps(comm1)
+    x = to_device(np.arange(4099, dtype=np.float32), 0)
+    y = to_device(np.zeros(4099, np.float32), 0)
+    req = comm1.sendrecv_start(x, 0, y, 0, step=0)
+    req.wait()
+    np.testing.assert_array_equal(to_host(y), np.arange(4099,
+                                                       dtype=np.float32))
+    assert req.done
+    comm1.barrier()
+    assert comm1.allgather(b"me") == [b"me"]
+    assert comm1.stats()["messages"] == 1
+
+
+def test_host_memory_is_refused(comm1):
+    with pytest.raises(ValueError, match="CUDA device"):
+        comm1.sendrecv(np.zeros(4), 0, np.zeros(4), 0)
+
+
+def test_auto_picks_nccl_for_a_cuda_device():
+    with ra.init(rank=0, world_size=1, device="cuda:0") as comm:
+        assert comm.backend == "nccl"
+    with ra.init(rank=0, world_size=1) as comm:
+        assert comm.backend == "host"
+
+
+def test_abort_then_every_call_raises(comm1):
+    x = to_device(np.ones(8, np.float32), 0)
+    comm1.abort("stop here")
+    assert comm1.failed
+    with pytest.raises(ra.CommError, match="stop here"):
+        comm1.sendrecv(x, 0, x, 0)
+    with pytest.raises(ra.CommError):
+        comm1.barrier()
+    comm1.close()
+    with pytest.raises(ra.CommError, match="closed"):
+        comm1.sendrecv(x, 0, x, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_world_size_1_ring_matches_reference(comm1, layout, causal, dtype):
+    q, k, v, dout = problem(1, 100, dtype)
+    got = ring_rank(comm1, q, k, v, dout, layout, causal)
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got,
+                          reference(q, k, v, dout, causal)):
+        assert_gpu_close(name, g, e, dtype)
+
+
+# ---- several ranks: processes ----------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_ring_matches_reference(p, layout, causal, monkeypatch):
+    if not _multi_rank_ok(p, monkeypatch):
+        pytest.skip(f"{p} ranks need {p} GPUs or NCCL >= 2.30 (multi-rank "
+                    f"per GPU)")
+    q, k, v, dout = problem(p, 131, "float32")
+    got = run_ring(p, q, k, v, dout, layout, causal)
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got,
+                          reference(q, k, v, dout, causal)):
+        assert_gpu_close(name, g, e, "float32")
+
+
+def test_explicit_unique_id_and_staged_collectives(monkeypatch):
+    if not _multi_rank_ok(2, monkeypatch):
+        pytest.skip("2 ranks need 2 GPUs or NCCL >= 2.30")
+    uid = ra.nccl_unique_id()      # this process hosts NCCL's root
+    res = ra.launch(explicit_id_rank, 2, args=(uid,), backend="host",
+                    timeout=LAUNCH_TIMEOUT)
+    for r, (first, last, gathered, stats) in enumerate(res):
+        assert first == last == (r - 1) % 2
+        assert gathered == [b"rank0", b"rank1"]
+        assert stats["bytes_sent"] >= 8000
+
+
+def test_silent_peer_becomes_comm_error(monkeypatch):
+    if not _multi_rank_ok(2, monkeypatch):
+        pytest.skip("2 ranks need 2 GPUs or NCCL >= 2.30")
+    monkeypatch.setenv("RINGATTN_TIMEOUT", "20")
+    res = ra.launch(stall_peer, 2, backend="nccl", timeout=LAUNCH_TIMEOUT)
+    message, waited, failed = res[0]
+    assert failed
+    for part in ("rank 0", "rank 1", "sendrecv", "step 7", "timed out"):
+        assert part in message, message
+    assert waited < 15, f"the watchdog took {waited:.1f} s for a 3 s timeout"
+
+
+def test_killed_rank_ends_launch(monkeypatch):
+    if not _multi_rank_ok(3, monkeypatch):
+        pytest.skip("3 ranks need 3 GPUs or NCCL >= 2.30")
+    monkeypatch.setenv("RINGATTN_TIMEOUT", "20")
+    q, k, v, dout = problem(5, 96, "float32")
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        ra.launch(die_in_ring, 3, args=(q, k, v, dout), backend="nccl",
+                  timeout=LAUNCH_TIMEOUT)
+    assert info.value.rank == 1
+    assert "SIGKILL" in str(info.value)
+    assert time.monotonic() - start < 60
+    assert mp.active_children() == []
