@@ -432,15 +432,47 @@ def main_launch(argv):
                 continue
             finished += 1
             if code != 0:
-                first_bad = _exit_code(code)
-                print(f"ringattn launch: rank {rank} exited with code {code}; "
-                      f"stopping the other ranks", file=sys.stderr)
+                first_bad = _root_cause(rank, code, exits,
+                                        opts.nprocs - finished)
                 break
     except KeyboardInterrupt:
         first_bad = 130
     finally:
         _stop_popen(procs)
     return first_bad
+
+
+def _root_cause(rank, code, exits, running, grace=2.0):
+    """Exit code to report once `rank` failed with `code`.
+
+    A rank that dies takes its peers down with it: they fail with a
+    CommError a moment later, usually as an uncaught exception (exit code
+    1), and may even finish first when the dying rank is slow to tear down.
+    So collect the exits of the next `grace` seconds and prefer a failure
+    that is not the generic code 1 (a specific exit code or a signal);
+    among equals the first observed wins.
+    """
+    failures = [(rank, code)]
+    end = time.monotonic() + grace
+    while running > 0:
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            r, c = exits.get(timeout=left)
+        except queue.Empty:
+            break
+        running -= 1
+        if c != 0:
+            failures.append((r, c))
+    specific = [f for f in failures if f[1] != 1]
+    root_rank, root_code = (specific or failures)[0]
+    others = ", ".join(f"rank {r} ({c})" for r, c in failures
+                       if r != root_rank)
+    print(f"ringattn launch: rank {root_rank} exited with code {root_code}"
+          + (f"; also failed: {others}" if others else "")
+          + "; stopping the other ranks", file=sys.stderr)
+    return _exit_code(root_code)
 
 
 def _exit_code(code):

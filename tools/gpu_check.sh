@@ -72,5 +72,20 @@ for tool in memcheck racecheck synccheck initcheck; do
 done
 
 stage bench python -c "import ringattn.bench_gpu as b; open('$LOG/bench_table.txt','w').write(b.run())"
+# ---------------------------------------------------------------------------
+# NCCL backend (comm_nccl.c): world size 1 through the whole ring path, then,
+# where NCCL >= 2.30 lets several ranks share the one GPU
+# (NCCL_MULTI_RANK_GPU_ENABLE=1), 2-4 ranks forward+backward vs the float64
+# reference for every layout and causal, a silent peer and a killed rank.
+# (Kept before the summary below so that it runs.)
+stage nccl_version python -c "import ringattn as ra; print(ra.nccl_version())"
+stage nccl_world1 bash -c "cd /tmp && python -m pytest -q -m gpu -p no:cacheprovider '$PWD/tests/test_nccl.py' -k 'not test_ring_matches_reference and not explicit_unique_id and not silent_peer and not killed_rank'"
+if python -c "import ringattn as ra, sys; v = ra.nccl_version(); sys.exit(0 if v is not None and v >= (2, 30, 0) else 1)"; then
+    NCCL_MULTI_RANK_GPU_ENABLE=1 stage nccl_multirank bash -c "cd /tmp && python -m pytest -q -m gpu -p no:cacheprovider '$PWD/tests/test_nccl.py' -k 'test_ring_matches_reference or explicit_unique_id or silent_peer or killed_rank'"
+else
+    echo "=== nccl_multirank: skipped (NCCL < 2.30 cannot put several ranks on one GPU)" | tee "$LOG/nccl_multirank.log"
+fi
+# ---------------------------------------------------------------------------
+
 echo "logs in $LOG; overall status $status"
 exit $status
