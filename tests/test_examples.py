@@ -20,7 +20,9 @@ def _run(code_or_path, is_code=False):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-c", code_or_path] if is_code else [sys.executable, code_or_path]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    # cwd: where ringattn is imported from (`-c` puts the cwd on sys.path)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                         timeout=240, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout
 

@@ -228,8 +228,9 @@ def run_cli(args):
     if os.path.exists(os.path.join(ROOT, "ringattn", "__main__.py")):
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        # run where ringattn is imported from, so `-m` finds the same one
         proc = subprocess.run([sys.executable, "-m", "ringattn", "launch"] +
-                              args, env=env, timeout=60)
+                              args, env=env, timeout=60, cwd=ROOT)
         return proc.returncode
     return main_launch(args)
 
