@@ -74,12 +74,26 @@ class BuildExt(build_ext):
         jobs = int(os.environ.get("RINGATTN_BUILD_JOBS", os.cpu_count() or 1))
         self.parallel = max(1, jobs)
         enabled, home = cuda_wanted()
+        # a build directory reused under another configuration (CUDA on/off,
+        # other archs or flags) must not keep objects or a library made for
+        # the old one: rebuild everything when the configuration changed
+        config = repr((enabled, home, os.environ.get("RINGATTN_CUDA_ARCHS"),
+                       os.environ.get("RINGATTN_NVCC_FLAGS")))
+        marker = os.path.join(self.build_temp, "ringattn-build-config")
+        os.makedirs(self.build_temp, exist_ok=True)
+        previous = open(marker).read() if os.path.exists(marker) else None
+        if previous != config:
+            self.force = True
+            shutil.rmtree(os.path.join(self.build_temp, "cuda"),
+                          ignore_errors=True)
         for ext in self.extensions:
             if enabled:
                 self.add_cuda(ext, home, jobs)
         print(f"ringattn: CUDA part {'ON (' + home + ')' if enabled else 'OFF'}",
               file=sys.stderr)
         super().build_extensions()
+        with open(marker, "w") as f:
+            f.write(config)
 
     def add_cuda(self, ext, home, jobs):
         nvcc = os.path.join(home, "bin", "nvcc")
