@@ -246,11 +246,12 @@ def run_ring(args):
             wait = max(x["wait"] for x in res)
             comp = max(x["compute"] for x in res)
             xfer = max(x["xfer"] for x in res)
-            hidden = 1.0 - min(1.0, wait / xfer) if xfer > 0 else 1.0
+            hidden = (f"{1.0 - min(1.0, wait / xfer):.0%}" if p > 1 and xfer > 0
+                      else "n/a")
             mib = max(x["bytes"] for x in res) / 2 ** 20
             lines.append(f"| {p} | {'yes' if causal else 'no'} | {single:.3f} | "
                          f"{t:.3f} | {t / single:.2f} | {comp:.3f} | {wait:.3f} "
-                         f"| {xfer:.3f} | {hidden:.0%} | {mib:.1f} |")
+                         f"| {xfer:.3f} | {hidden} | {mib:.1f} |")
             print(lines[-1], flush=True)
     print()
     print("\n".join(lines))

@@ -108,8 +108,10 @@ def run(args):
             # the dense ring sends p-1 blocks of k and v of n/p tokens
             den_b = (p - 1) * 2 * B * (n // p) * H * D * 4
             den_s, note = "not run", " (computed)"
+        ratio = (f"{den_b / dil_b:.1f}x" if dil_b else
+                 "no traffic (every segment inside a shard)")
         lines.append(f"| {n} | {dil_s:.2f} | {den_s} | {dil_b / 2**20:.1f} | "
-                     f"{den_b / 2**20:.1f}{note} | {den_b / max(dil_b, 1):.1f}x |")
+                     f"{den_b / 2**20:.1f}{note} | {ratio} |")
         print(lines[-1], flush=True)
     print()
     print("\n".join(lines))

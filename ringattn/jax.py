@@ -1,0 +1,121 @@
+"""JAX autodiff for ringattn (``import ringattn.jax``; imports JAX lazily).
+
+Each function is a ``jax.custom_vjp`` whose forward and backward call the
+ringattn kernels through host callbacks, so it works under ``jax.jit`` and
+``jax.grad``.  On the CPU the arrays cross zero-copy; device arrays are
+staged through the host (correct, not fast: on a GPU call ``ra.attention`` on
+the device arrays directly).  The ring variants use ordered ``io_callback``
+so every rank issues its communication in program order.
+
+Shapes as ``ringattn.attention``: q (B, S_q, H, D); k, v (B, S_k, H_kv, D).
+"""
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import io_callback
+
+from .attention import attention as _attention_fwd
+from .attention import attention_backward as _attention_bwd
+from . import dilated as _dilated
+from . import ring as _ring
+from . import ring_dilated as _ring_dilated
+
+__all__ = ["attention", "dilated_attention", "ring_attention",
+           "ring_dilated_attention"]
+
+
+def _sds(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _lse_sds(q):
+    B, S, H, _ = q.shape
+    dt = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    return jax.ShapeDtypeStruct((B, H, S), dt)
+
+
+def _host(arrays):
+    return [np.asarray(a) for a in arrays]
+
+
+def _make(forward, backward, ordered):
+    """custom_vjp over (q, k, v) from host functions:
+    forward(q, k, v) -> (out, lse); backward(dout, q, k, v, out, lse) ->
+    (dq, dk, dv)."""
+    def call(fn, shapes, *args):
+        host = lambda *a: tuple(np.asarray(x) for x in fn(*_host(a)))
+        if ordered:
+            return io_callback(host, shapes, *args, ordered=True)
+        return jax.pure_callback(host, shapes, *args,
+                                 vmap_method="sequential")
+
+    @jax.custom_vjp
+    def f(q, k, v):
+        return call(forward, (_sds(q), _lse_sds(q)), q, k, v)[0]
+
+    def f_fwd(q, k, v):
+        out, lse = call(forward, (_sds(q), _lse_sds(q)), q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def f_bwd(res, dout):
+        q, k, v, out, lse = res
+        return tuple(call(backward, (_sds(q), _sds(k), _sds(v)), dout, q, k,
+                          v, out, lse))
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def attention(q, k, v, *, causal=False, scale=None):
+    """Differentiable ``ringattn.attention`` for JAX arrays."""
+    f = _make(
+        lambda q, k, v: _attention_fwd(q, k, v, causal=causal,
+                                             scale=scale, return_lse=True),
+        lambda do, q, k, v, o, l: _attention_bwd(
+            do, q, k, v, o, l, causal=causal, scale=scale),
+        ordered=False)
+    return f(q, k, v)
+
+
+def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
+                      causal=False, scale=None):
+    """Differentiable ``ringattn.dilated_attention`` for JAX arrays."""
+    segs, rates = _dilated.check_config(segment_lengths, dilation_rates)
+    f = _make(
+        lambda q, k, v: _dilated.dilated_attention(
+            q, k, v, segs, rates, causal=causal, scale=scale, return_lse=True),
+        lambda do, q, k, v, o, l: _dilated.dilated_attention_backward(
+            do, q, k, v, o, l, segs, rates, causal=causal, scale=scale),
+        ordered=False)
+    return f(q, k, v)
+
+
+def ring_attention(q, k, v, comm, *, causal=False, scale=None,
+                   layout="contiguous", seq_len=None):
+    """Differentiable ``ringattn.ring_attention`` on this rank's shard."""
+    kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len)
+    f = _make(
+        lambda q, k, v: _ring.ring_attention(q, k, v, comm, return_lse=True,
+                                             **kw),
+        lambda do, q, k, v, o, l: _ring.ring_attention_backward(
+            do, q, k, v, o, l, comm, **kw),
+        ordered=True)
+    return f(q, k, v)
+
+
+def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
+                           causal=False, scale=None, layout="contiguous",
+                           seq_len=None):
+    """Differentiable ``ringattn.ring_dilated_attention`` on this rank's
+    shard."""
+    segs, rates = _dilated.check_config(segment_lengths, dilation_rates)
+    kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len)
+    f = _make(
+        lambda q, k, v: _ring_dilated.ring_dilated_attention(
+            q, k, v, comm, segs, rates, return_lse=True, **kw),
+        lambda do, q, k, v, o, l: _ring_dilated.ring_dilated_attention_backward(
+            do, q, k, v, o, l, comm, segs, rates, **kw),
+        ordered=True)
+    return f(q, k, v)
