@@ -1,45 +1,23 @@
 /*
- * comm.c -- the Python face of the communicators: ringattn._C.Comm,
- * ringattn._C.Request, ringattn._C.ThreadsGroup and _C.host_comm().
+ * comm.c -- the Python face of the communicators: ringattn._C.Comm, and
+ * ra_comm_exec, which adds it, Request (comm_request.c) and the
+ * constructors (comm_create.c) to the module.
  *
  * This file checks arguments (turning any array-like into a Buffer, with
  * errors naming the argument), releases the GIL around everything that can
  * block, and dispatches to the backend through ra_comm's vtable.  The
  * transports know nothing of Python (comm_core.c, comm_host.c,
- * comm_threads.c).
+ * comm_threads.c, comm_nccl.c).
  */
-#include "module.h"
+#include "comm_py.h"
 #include "buffer.h"
-#include "comm.h"
 
 #include <math.h>
 #include <string.h>
 
-/* wait in slices so that Ctrl-C reaches a rank stuck in a long wait */
-#define WAIT_SLICE 0.25
-
-typedef struct CommObject {
-    PyObject_HEAD
-    ra_comm *comm;
-    PyObject *group;          /* ThreadsGroup keeping a threads comm's group */
-} CommObject;
-
-typedef struct RequestObject {
-    PyObject_HEAD
-    PyObject *comm;           /* CommObject */
-    PyObject *send;           /* Buffers kept alive while in flight */
-    PyObject *recv;
-    ra_req *req;
-} RequestObject;
-
-typedef struct GroupObject {
-    PyObject_HEAD
-    ra_tgroup *group;
-} GroupObject;
-
 /* ---- helpers ----------------------------------------------------------- */
 
-static PyObject *refuse_pickle(PyObject *self, PyObject *unused) {
+PyObject *ra_refuse_pickle(PyObject *self, PyObject *unused) {
     (void)unused;
     PyErr_Format(PyExc_TypeError,
                  "cannot pickle '%s': it wraps live connections; create it "
@@ -48,8 +26,7 @@ static PyObject *refuse_pickle(PyObject *self, PyObject *unused) {
     return NULL;
 }
 
-/* None -> -1 (backend default); else a positive finite float. */
-static int parse_timeout(PyObject *obj, double *out) {
+int ra_parse_timeout(PyObject *obj, double *out) {
     *out = -1;
     if (obj == NULL || obj == Py_None) return 0;
     double t = PyFloat_AsDouble(obj);
@@ -148,138 +125,9 @@ fail:
     return NULL;
 }
 
-/* ---- Request ----------------------------------------------------------- */
-
-/* Wait with the GIL released, in slices, honouring signals.  The request's
- * own deadline (or `timeout`) bounds it. */
-static int request_wait_impl(RequestObject *self, double timeout) {
-    ra_req *r = self->req;
-    double until = r->deadline, msg_timeout = r->timeout;
-    if (timeout > 0 && ra_now() + timeout < until) {
-        until = ra_now() + timeout;
-        msg_timeout = timeout;
-    }
-    int done = ra_comm_test(r);
-    while (!done && ra_now() < until) {
-        double slice = ra_now() + WAIT_SLICE;
-        if (slice > until) slice = until;
-        Py_BEGIN_ALLOW_THREADS
-        done = ra_req_wait_done(r, slice);
-        Py_END_ALLOW_THREADS
-        if (!done && PyErr_CheckSignals() < 0) {
-            /* the ring cannot resume half-way: fail the communicator */
-            ra_comm_abort(r->comm, "interrupted while waiting");
-            Py_BEGIN_ALLOW_THREADS
-            ra_comm_wait(r, -1);
-            Py_END_ALLOW_THREADS
-            return -1;
-        }
-    }
-    ra_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ra_comm_wait_until(r, until, msg_timeout);
-    Py_END_ALLOW_THREADS
-    if (st != RA_OK) {
-        ra_raise(st);
-        return -1;
-    }
-    Py_CLEAR(self->send);
-    Py_CLEAR(self->recv);
-    return 0;
-}
-
-static PyObject *request_wait(RequestObject *self, PyObject *args,
-                              PyObject *kw) {
-    static char *kwlist[] = {"timeout", NULL};
-    PyObject *tobj = Py_None;
-    double timeout;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:wait", kwlist, &tobj))
-        return NULL;
-    if (parse_timeout(tobj, &timeout) < 0) return NULL;
-    if (request_wait_impl(self, timeout) < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyObject *request_test(RequestObject *self, PyObject *unused) {
-    (void)unused;
-    if (!ra_comm_test(self->req)) Py_RETURN_FALSE;
-    if (request_wait_impl(self, -1) < 0) return NULL;
-    Py_RETURN_TRUE;
-}
-
-static PyObject *request_get_done(RequestObject *self, void *c) {
-    (void)c;
-    return PyBool_FromLong(ra_comm_test(self->req));
-}
-
-static int request_traverse(RequestObject *self, visitproc visit, void *arg) {
-    Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->comm);
-    Py_VISIT(self->send);
-    Py_VISIT(self->recv);
-    return 0;
-}
-
-static void request_dealloc(RequestObject *self) {
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    if (self->req != NULL) {
-        if (!ra_comm_test(self->req)) {
-            /* dropped in flight: the transfer's buffers are about to go, so
-             * the communicator cannot continue */
-            ra_comm_abort(self->req->comm,
-                          "a pending request was dropped without wait()");
-            Py_BEGIN_ALLOW_THREADS
-            ra_comm_wait(self->req, -1);
-            Py_END_ALLOW_THREADS
-        }
-        ra_req_release(self->req);
-        self->req = NULL;
-    }
-    Py_CLEAR(self->send);
-    Py_CLEAR(self->recv);
-    Py_CLEAR(self->comm);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
-}
-
-static PyMethodDef request_methods[] = {
-    {"wait", (PyCFunction)(void (*)(void))request_wait,
-     METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout=None)\n--\n\nBlock (GIL released) until the transfer "
-     "finished.  Raises CommError on failure or when the deadline passes."},
-    {"test", (PyCFunction)request_test, METH_NOARGS,
-     "test()\n--\n\nTrue when finished (raises CommError if it failed)."},
-    {"__reduce__", refuse_pickle, METH_NOARGS, NULL},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef request_getset[] = {
-    {"done", (getter)request_get_done, NULL, "True once finished", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyType_Slot request_slots[] = {
-    {Py_tp_dealloc, request_dealloc},
-    {Py_tp_traverse, request_traverse},
-    {Py_tp_methods, request_methods},
-    {Py_tp_getset, request_getset},
-    {Py_tp_doc, "An asynchronous sendrecv (Comm.sendrecv_start).  Keeps its "
-                "buffers alive until finished."},
-    {0, NULL},
-};
-
-static PyType_Spec request_spec = {
-    .name = "ringattn._C.Request",
-    .basicsize = sizeof(RequestObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
-             Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = request_slots,
-};
-
 /* ---- Comm -------------------------------------------------------------- */
 
-static PyObject *comm_wrap(ra_comm *c, PyObject *group) {
+PyObject *ra_comm_wrap(ra_comm *c, PyObject *group) {
     ra_module_state *st = ra_state_get();
     CommObject *self = PyObject_GC_New(CommObject, st->CommType);
     if (self == NULL) {
@@ -307,7 +155,7 @@ static RequestObject *comm_start(CommObject *self, PyObject *args,
                                      &dst_obj, &recv_obj, &src_obj, &step,
                                      &tobj))
         return NULL;
-    if (parse_timeout(tobj, &timeout) < 0) return NULL;
+    if (ra_parse_timeout(tobj, &timeout) < 0) return NULL;
     if (comm_usable(self, fname) < 0) return NULL;
     ra_comm *c = self->comm;
     ra_xfer x;
@@ -390,7 +238,7 @@ static PyObject *comm_sendrecv(CommObject *self, PyObject *args,
                                PyObject *kw) {
     RequestObject *req = comm_start(self, args, kw, "sendrecv");
     if (req == NULL) return NULL;
-    int rc = request_wait_impl(req, -1);
+    int rc = ra_request_wait(req, -1);
     Py_DECREF(req);
     if (rc < 0) return NULL;
     Py_RETURN_NONE;
@@ -403,7 +251,7 @@ static PyObject *comm_barrier(CommObject *self, PyObject *args,
     double timeout;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:barrier", kwlist, &tobj))
         return NULL;
-    if (parse_timeout(tobj, &timeout) < 0) return NULL;
+    if (ra_parse_timeout(tobj, &timeout) < 0) return NULL;
     if (comm_usable(self, "barrier") < 0) return NULL;
     ra_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -426,7 +274,7 @@ static PyObject *comm_allgather(CommObject *self, PyObject *args,
     size_t *lens = NULL;
     void *all = NULL;
     size_t total = 0;
-    if (parse_timeout(tobj, &timeout) < 0 ||
+    if (ra_parse_timeout(tobj, &timeout) < 0 ||
         comm_usable(self, "allgather") < 0)
         goto out;
     if ((size_t)view.len > RA_ALLGATHER_MAX) {
@@ -613,7 +461,7 @@ static PyMethodDef comm_methods[] = {
      "communicator (payload bytes; messages = sends)."},
     {"__enter__", (PyCFunction)comm_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)comm_exit, METH_VARARGS, NULL},
-    {"__reduce__", refuse_pickle, METH_NOARGS, NULL},
+    {"__reduce__", ra_refuse_pickle, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -653,270 +501,11 @@ static PyType_Spec comm_spec = {
     .slots = comm_slots,
 };
 
-/* ---- ThreadsGroup ------------------------------------------------------ */
-
-static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"size", "timeout", NULL};
-    int size;
-    PyObject *tobj = Py_None;
-    double timeout;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|O:ThreadsGroup", kwlist,
-                                     &size, &tobj))
-        return NULL;
-    if (parse_timeout(tobj, &timeout) < 0) return NULL;
-    if (size < 1) {
-        PyErr_Format(PyExc_ValueError, "size must be >= 1, got %d", size);
-        return NULL;
-    }
-    ra_tgroup *g = NULL;
-    ra_status st = ra_tgroup_create(size, timeout, &g);
-    if (st != RA_OK) return ra_raise(st);
-    GroupObject *self = (GroupObject *)type->tp_alloc(type, 0);
-    if (self == NULL) {
-        ra_tgroup_decref(g);
-        return NULL;
-    }
-    self->group = g;
-    return (PyObject *)self;
-}
-
-static PyObject *group_comm(GroupObject *self, PyObject *args) {
-    int rank;
-    if (!PyArg_ParseTuple(args, "i:comm", &rank)) return NULL;
-    ra_comm *c = NULL;
-    ra_status st = ra_tgroup_comm(self->group, rank, &c);
-    if (st != RA_OK) return ra_raise(st);
-    return comm_wrap(c, (PyObject *)self);
-}
-
-static PyObject *group_abort(GroupObject *self, PyObject *args,
-                             PyObject *kw) {
-    static char *kwlist[] = {"reason", NULL};
-    const char *reason = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|z:abort", kwlist, &reason))
-        return NULL;
-    /* quick (no waiting); keeping the GIL keeps every Comm alive meanwhile */
-    ra_tgroup_abort(self->group, reason);
-    Py_RETURN_NONE;
-}
-
-static PyObject *group_get_size(GroupObject *self, void *x) {
-    (void)x;
-    return PyLong_FromLong(ra_tgroup_size(self->group));
-}
-
-static void group_dealloc(GroupObject *self) {
-    PyTypeObject *tp = Py_TYPE(self);
-    ra_tgroup_decref(self->group);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
-}
-
-static PyMethodDef group_methods[] = {
-    {"comm", (PyCFunction)group_comm, METH_VARARGS,
-     "comm(rank)\n--\n\nThe communicator of `rank` (once per rank)."},
-    {"abort", (PyCFunction)(void (*)(void))group_abort,
-     METH_VARARGS | METH_KEYWORDS,
-     "abort(reason=None)\n--\n\nFail every rank's communicator at once."},
-    {"__reduce__", refuse_pickle, METH_NOARGS, NULL},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef group_getset[] = {
-    {"size", (getter)group_get_size, NULL, "number of ranks", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyType_Slot group_slots[] = {
-    {Py_tp_new, group_new},
-    {Py_tp_dealloc, group_dealloc},
-    {Py_tp_methods, group_methods},
-    {Py_tp_getset, group_getset},
-    {Py_tp_doc, "ThreadsGroup(size, timeout=None): ranks that are threads "
-                "of this process; group.comm(rank) gives each its Comm "
-                "(backend 'threads')."},
-    {0, NULL},
-};
-
-static PyType_Spec group_spec = {
-    .name = "ringattn._C.ThreadsGroup",
-    .basicsize = sizeof(GroupObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
-    .slots = group_slots,
-};
-
-/* ---- module functions -------------------------------------------------- */
-
-static PyObject *py_host_comm(PyObject *m, PyObject *args, PyObject *kw) {
-    (void)m;
-    static char *kwlist[] = {"rank", "world_size", "master_addr",
-                             "master_port", "token", "timeout", NULL};
-    int rank, size, port = 0;
-    const char *addr = "127.0.0.1", *token = "";
-    PyObject *tobj = Py_None;
-    double timeout;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|sisO:host_comm", kwlist,
-                                     &rank, &size, &addr, &port, &token,
-                                     &tobj))
-        return NULL;
-    if (parse_timeout(tobj, &timeout) < 0) return NULL;
-    if (size < 1) {
-        PyErr_Format(PyExc_ValueError, "world_size must be >= 1, got %d",
-                     size);
-        return NULL;
-    }
-    if (rank < 0 || rank >= size) {
-        PyErr_Format(PyExc_ValueError, "rank must be in [0, %d), got %d",
-                     size, rank);
-        return NULL;
-    }
-    ra_comm *c = NULL;
-    ra_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ra_host_comm_create(rank, size, addr, port, token, timeout, &c);
-    Py_END_ALLOW_THREADS
-    if (st != RA_OK) return ra_raise(st);
-    return comm_wrap(c, NULL);
-}
-
-static PyObject *py_nccl_comm(PyObject *m, PyObject *args, PyObject *kw) {
-    (void)m;
-    static char *kwlist[] = {"rank", "world_size", "device", "unique_id",
-                             "master_addr", "master_port", "token",
-                             "timeout", "library", NULL};
-    ra_nccl_options o;
-    memset(&o, 0, sizeof o);
-    PyObject *id_obj = Py_None, *tobj = Py_None;
-    const char *addr = "127.0.0.1", *token = "", *library = NULL;
-    Py_buffer id_view = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iii|OsisOz:nccl_comm", kwlist,
-                                     &o.rank, &o.size, &o.device, &id_obj,
-                                     &addr, &o.master_port, &token, &tobj,
-                                     &library))
-        return NULL;
-    if (parse_timeout(tobj, &o.timeout) < 0) return NULL;
-    if (o.size < 1) {
-        PyErr_Format(PyExc_ValueError, "world_size must be >= 1, got %d",
-                     o.size);
-        return NULL;
-    }
-    if (o.rank < 0 || o.rank >= o.size) {
-        PyErr_Format(PyExc_ValueError, "rank must be in [0, %d), got %d",
-                     o.size, o.rank);
-        return NULL;
-    }
-    if (o.device < 0) {
-        PyErr_Format(PyExc_ValueError, "device must be a CUDA device index "
-                     ">= 0, got %d", o.device);
-        return NULL;
-    }
-    if (id_obj != Py_None) {
-        if (PyObject_GetBuffer(id_obj, &id_view, PyBUF_SIMPLE) < 0)
-            return NULL;
-        if (id_view.len != RA_NCCL_ID_BYTES) {
-            PyErr_Format(PyExc_ValueError, "unique_id must be %d bytes "
-                         "(ra.nccl_unique_id()), got %zd bytes",
-                         RA_NCCL_ID_BYTES, id_view.len);
-            PyBuffer_Release(&id_view);
-            return NULL;
-        }
-        o.unique_id = (const unsigned char *)id_view.buf;
-    } else if (o.size > 1 && o.master_port <= 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "nccl_comm needs unique_id, or master_port for the "
-                        "host rendezvous, when world_size > 1");
-        return NULL;
-    }
-    o.master_addr = addr;
-    o.token = token;
-    o.library = library;
-    ra_comm *c = NULL;
-    ra_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ra_nccl_comm_create(&o, &c);
-    Py_END_ALLOW_THREADS
-    if (id_obj != Py_None) PyBuffer_Release(&id_view);
-    if (st != RA_OK) return ra_raise(st);
-    return comm_wrap(c, NULL);
-}
-
-static PyObject *py_nccl_unique_id(PyObject *m, PyObject *args,
-                                   PyObject *kw) {
-    (void)m;
-    static char *kwlist[] = {"library", NULL};
-    const char *library = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|z:nccl_unique_id", kwlist,
-                                     &library))
-        return NULL;
-    unsigned char id[RA_NCCL_ID_BYTES];
-    ra_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ra_nccl_unique_id(library, id);
-    Py_END_ALLOW_THREADS
-    if (st != RA_OK) return ra_raise(st);
-    return PyBytes_FromStringAndSize((const char *)id, RA_NCCL_ID_BYTES);
-}
-
-static PyObject *py_nccl_version(PyObject *m, PyObject *args, PyObject *kw) {
-    (void)m;
-    static char *kwlist[] = {"library", NULL};
-    const char *library = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|z:nccl_version", kwlist,
-                                     &library))
-        return NULL;
-    int major = 0, minor = 0, patch = 0;
-    ra_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ra_nccl_version(library, &major, &minor, &patch);
-    Py_END_ALLOW_THREADS
-    if (st != RA_OK) return ra_raise(st);
-    return Py_BuildValue("(iii)", major, minor, patch);
-}
-
-static PyMethodDef comm_module_functions[] = {
-    {"host_comm", (PyCFunction)(void (*)(void))py_host_comm,
-     METH_VARARGS | METH_KEYWORDS,
-     "host_comm(rank, world_size, master_addr='127.0.0.1', master_port=0, "
-     "token='', timeout=None)\n--\n\nJoin a TCP ('host') communicator: rank "
-     "0 serves the rendezvous on (master_addr, master_port); every "
-     "connection proves `token`.  Blocks until all ranks joined or the "
-     "timeout passed (CommError)."},
-    {"nccl_comm", (PyCFunction)(void (*)(void))py_nccl_comm,
-     METH_VARARGS | METH_KEYWORDS,
-     "nccl_comm(rank, world_size, device, unique_id=None, "
-     "master_addr='127.0.0.1', master_port=0, token='', timeout=None, "
-     "library=None)\n--\n\nJoin an NCCL ('nccl') communicator on CUDA "
-     "device `device`.  unique_id: 128 bytes from nccl_unique_id() shared "
-     "by all ranks; None: rank 0 makes one and hands it out over a host "
-     "rendezvous on (master_addr, master_port) proving `token` (kept for "
-     "barrier/allgather).  library: a libnccl.so.2 path tried after "
-     "RINGATTN_NCCL_LIBRARY and libnccl.so.2.  Blocks until all ranks "
-     "joined or the timeout passed (CommError)."},
-    {"nccl_unique_id", (PyCFunction)(void (*)(void))py_nccl_unique_id,
-     METH_VARARGS | METH_KEYWORDS,
-     "nccl_unique_id(library=None)\n--\n\nA fresh 128-byte NCCL unique id "
-     "(bytes) for nccl_comm."},
-    {"nccl_version", (PyCFunction)(void (*)(void))py_nccl_version,
-     METH_VARARGS | METH_KEYWORDS,
-     "nccl_version(library=None)\n--\n\n(major, minor, patch) of the NCCL "
-     "library ringattn loads; raises if it cannot load."},
-    {NULL, NULL, 0, NULL},
-};
-
 int ra_comm_exec(PyObject *m, ra_module_state *st) {
     st->CommType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &comm_spec,
                                                             NULL);
     if (st->CommType == NULL) return -1;
     if (PyModule_AddType(m, st->CommType) < 0) return -1;
-    st->RequestType = (PyTypeObject *)PyType_FromModuleAndSpec(
-        m, &request_spec, NULL);
-    if (st->RequestType == NULL) return -1;
-    if (PyModule_AddType(m, st->RequestType) < 0) return -1;
-    PyTypeObject *group_type =
-        (PyTypeObject *)PyType_FromModuleAndSpec(m, &group_spec, NULL);
-    if (group_type == NULL) return -1;
-    int rc = PyModule_AddType(m, group_type);   /* the module keeps it */
-    Py_DECREF(group_type);
-    if (rc < 0) return -1;
-    return PyModule_AddFunctions(m, comm_module_functions);
+    if (ra_request_exec(m, st) < 0) return -1;
+    return ra_comm_create_exec(m, st);
 }

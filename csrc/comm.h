@@ -8,13 +8,18 @@
  * comm_core.c unless a backend brings its own.
  *
  * Layers:
- *   comm.c          Python types (Comm, Request, ThreadsGroup): argument
- *                   checks, GIL handling, dispatch through the vtable
+ *   comm.c          Python type Comm: argument checks, GIL handling,
+ *                   dispatch through the vtable (comm_py.h shares it with
+ *                   comm_request.c, Request, and comm_create.c,
+ *                   ThreadsGroup and the host_comm/nccl_comm constructors)
  *   comm_core.c     failure state, deadlines, generic collectives
- *   comm_host.c     TCP backend ("host")
+ *   comm_host.c     TCP backend ("host"): framed transport, progress
+ *                   thread; comm_host_boot.c joins its full mesh
  *   comm_threads.c  in-process backend ("threads")
  *   comm_auth.c     SHA-256 / HMAC for the host handshake
- *   comm_nccl.c     NCCL backend ("nccl"), device pointers on a CUDA stream
+ *   comm_nccl.c     NCCL backend ("nccl"), device pointers on a CUDA stream:
+ *                   bootstrap, watchdog, close; comm_nccl_xfer.c one
+ *                   transfer; nccl_loader.c opens libnccl
  *
  * Threading: every function here may run without the GIL.  Error text is
  * kept in the request or the communicator (not the thread-local last error)
