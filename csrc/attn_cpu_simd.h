@@ -12,6 +12,7 @@
  * Provides
  *   rv / ri            vector of reals / of same-width integers
  *   v_exp2(x)          2^x elementwise, exact 0 below the smallest normal
+ *   v_exp2_le0(x)      the same for x <= 0 only (cheaper: no clamping)
  *   ra_gemm(...)       C (+)= A * B for small packed panels, where A is read
  *                      by broadcasting scalars (any row/column strides, so A
  *                      or its transpose) and B is read as row vectors:
@@ -40,20 +41,27 @@ typedef real rvu __attribute__((vector_size(RA_VBYTES), aligned(sizeof(real))));
 
 RA_AI rv v_ld(const real *p) { return *(const rvu *)p; }
 RA_AI void v_st(real *p, rv x) { *(rvu *)p = x; }
-RA_AI rv v_set1(real x) { return (rv){0} + x; }
+/* x - 0 is x for every x (unlike 0 + x, which turns -0 into +0), so GCC
+ * folds this to a plain broadcast */
+RA_AI rv v_set1(real x) { return x - (rv){0}; }
 RA_AI rv v_max(rv a, rv b) {
     ri m = a > b;
     return (rv)(((ri)a & m) | ((ri)b & ~m));
 }
+/* horizontal max / sum as a tree of halvings (log2(VW) dependent steps) */
 RA_AI real v_hmax(rv a) {
-    real m = a[0];
-    for (int i = 1; i < VW; i++) m = a[i] > m ? a[i] : m;
-    return m;
+#pragma GCC unroll 8
+    for (int w = VW / 2; w >= 1; w /= 2)
+#pragma GCC unroll 16
+        for (int i = 0; i < w; i++) a[i] = a[i + w] > a[i] ? a[i + w] : a[i];
+    return a[0];
 }
 RA_AI real v_hsum(rv a) {
-    real s = 0;
-    for (int i = 0; i < VW; i++) s += a[i];
-    return s;
+#pragma GCC unroll 8
+    for (int w = VW / 2; w >= 1; w /= 2)
+#pragma GCC unroll 16
+        for (int i = 0; i < w; i++) a[i] += a[i + w];
+    return a[0];
 }
 
 /* 2^x: x = n + f with n = round(x), |f| <= 1/2; 2^f by a Taylor polynomial
@@ -88,6 +96,38 @@ RA_AI rv v_exp2(rv x) {
     for (int i = deg - 1; i >= 0; i--) p = p * f + v_set1(c[i]);
     ri ni = (ri)t - (ri)v_set1(magic);  /* the integer n */
     ri r = (ri)p + (ni << shift);
+    return (rv)(r & ~dead);
+}
+
+/* 2^x for x <= 0 (the softmax case: scores minus their running max), with
+ * the same polynomial as v_exp2 but no clamping: the exponent n is read
+ * straight from the rounded sum t = x + magic (the bits of magic vanish
+ * when shifted into the exponent field), and every lane below the smallest
+ * normal exponent, -inf included, is forced to exactly 0. */
+RA_AI rv v_exp2_le0(rv x) {
+#if RA_IS_DOUBLE
+    const real lo = -1021.0, magic = 6755399441055744.0;
+    const int shift = 52;
+    static const real c[] = {
+        1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
+        0.009618129107628477, 0.0013333558146428443, 0.00015403530393381608,
+        1.525273380405984e-05, 1.3215486790144307e-06, 1.0178086009239699e-07,
+        7.054911620801123e-09, 4.445538271870811e-10, 2.567843599348821e-11};
+    const int deg = 12;
+#else
+    const real lo = -125.0f, magic = 12582912.0f;
+    const int shift = 23;
+    static const real c[] = {1.0f, 0.6931471805599453f, 0.2402265069591007f,
+                             0.05550410866482158f, 0.009618129107628477f,
+                             0.0013333558146428443f, 0.00015403530393381608f};
+    const int deg = 6;
+#endif
+    ri dead = x < v_set1(lo);
+    rv t = x + v_set1(magic);
+    rv f = x - (t - v_set1(magic));
+    rv p = v_set1(c[deg]);
+    for (int i = deg - 1; i >= 0; i--) p = p * f + v_set1(c[i]);
+    ri r = (ri)p + ((ri)t << shift);
     return (rv)(r & ~dead);
 }
 

@@ -181,10 +181,18 @@ static void k_fwd_block(const ra_fwd_blk *fb, void *scratch) {
         const int64_t kp0 = fb->kpos0 + j0 * fb->kpos_st;
         const int diag =
             fb->causal && kp0 + (nv - 1) * fb->kpos_st > fb->qpos0;
+        /* rows before r0 see no key of this block (positions increase along
+         * the rows): leave their state alone and skip them in both GEMMs */
+        int64_t r0 = 0;
+        if (diag && kp0 > fb->qpos0) {
+            r0 = ra_cpu_cdiv(kp0 - fb->qpos0, fb->qpos_st);
+            if (r0 >= nq) continue;
+        }
 
-        ra_gemm(nq, NB, D, qt, Dp, 1, kt + kb * D * BK, BK, st, BK, 0);
+        ra_gemm(nq - r0, NB, D, qt + r0 * Dp, Dp, 1, kt + kb * D * BK, BK,
+                st + r0 * BK, BK, 0);
 
-        for (int64_t i = 0; i < nq; i++) {
+        for (int64_t i = r0; i < nq; i++) {
             real *row = st + i * BK;
             int64_t lim = nv;
             if (diag)
@@ -203,24 +211,23 @@ static void k_fwd_block(const ra_fwd_blk *fb, void *scratch) {
             const rv mv = v_set1(m_new);
             rv sum = v_set1(0);
             for (int64_t j = 0; j < NB; j += VW) {
-                rv pj = v_exp2(v_ld(row + j) - mv);
+                rv pj = v_exp2_le0(v_ld(row + j) - mv);
                 sum += pj;
                 v_st(row + j, pj);
             }
             if (m_old < m_new) {
-                const real alpha = m_old == RA_NEG_INF
-                                       ? 0
-                                       : (real)exp2((double)(m_old - m_new));
-                const rv av = v_set1(alpha);
+                /* alpha = 2^(m_old - m_new): 0 when m_old is -inf */
+                const rv av = v_exp2_le0(v_set1(m_old - m_new));
                 real *o = ot + i * Dp;
                 for (int64_t d = 0; d < Dp; d += VW) v_st(o + d, v_ld(o + d) * av);
-                lrow[i] *= alpha;
+                lrow[i] *= av[0];
             }
             lrow[i] += v_hsum(sum);
             mrow[i] = m_new;
         }
 
-        ra_gemm(nq, Dp, nv, st, BK, 1, vr + j0 * Dp, Dp, ot, Dp, 1);
+        ra_gemm(nq - r0, Dp, nv, st + r0 * BK, BK, 1, vr + j0 * Dp, Dp,
+                ot + r0 * Dp, Dp, 1);
     }
 
     for (int64_t i = 0; i < nq; i++) {
