@@ -69,19 +69,23 @@ def _sdpa_fns(q, k, v, dout, causal, backend):
 
 
 def run(args=None) -> str:
-    import torch
-
     import ringattn as ra
+
+    if not ra.cuda_available():
+        return ("bench --gpu: no usable GPU: "
+                f"{ra.cuda_info()['reason']}\n")
+    try:
+        import torch
+    except ImportError:
+        return ("bench --gpu: PyTorch is needed for the SDPA baselines and "
+                "the CUDA events (pip install torch)\n")
 
     warmup = getattr(args, "warmup", 3) if args is not None else 3
     repeats = getattr(args, "repeats", 10) if args is not None else 10
     seqlens = getattr(args, "seqlens", None) or SEQLENS
     dims = getattr(args, "head_dims", None) or HEAD_DIMS
     if not torch.cuda.is_available():
-        return "bench_gpu: PyTorch sees no CUDA device\n"
-    ok = ra.cuda_available()
-    if not (ok[0] if isinstance(ok, tuple) else ok):
-        return f"bench_gpu: ringattn CUDA unavailable: {ok}\n"
+        return "bench --gpu: PyTorch sees no CUDA device\n"
 
     head = (f"{'pass':4} {'causal':6} {'D':>4} {'S':>6} {'B':>3} {'H':>3} "
             f"{'ringattn':>9} {'flash':>9} {'cudnn':>9} {'ra/flash':>8}  (TFLOP/s)")
