@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "attn_params.h"
+#include "half.h"
 
 #define RA_CPU_BK 64   /* keys per block; a multiple of every vector width */
 #define RA_CPU_BQ 128  /* query rows per forward work item */
@@ -108,64 +109,7 @@ ra_status ra_cpu_check_fwd(const ra_attn_fwd_params *p);
 ra_status ra_cpu_check_bwd(const ra_attn_bwd_params *p);
 
 /* ---- scalar element access (packing, small helpers) -------------------- */
-static inline float ra_cpu_h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {                                  /* subnormal half */
-        int e = 113;
-        while (!(man & 0x400u)) { man <<= 1; e--; }
-        bits = sign | ((uint32_t)e << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t ra_cpu_f2h(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u;
-    uint32_t ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u)                    /* inf or nan */
-        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
-    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* overflow */
-    if (ax < 0x38800000u) {                   /* half subnormal or zero */
-        if (ax < 0x33000000u) return (uint16_t)sign;
-        uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u;
-        uint32_t shift = 126 - e;             /* 14..24 */
-        uint32_t r = m >> shift, rem = m & ((1u << shift) - 1);
-        uint32_t half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (r & 1u))) r++;
-        return (uint16_t)(sign | r);
-    }
-    uint32_t r = ax - 0x38000000u;            /* rebias exponent 127 -> 15 */
-    uint32_t rem = r & 0x1fffu;
-    r >>= 13;
-    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
-    return (uint16_t)(sign | r);
-}
-
-static inline float ra_cpu_b2f(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t ra_cpu_f2b(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
-
+/* float16/bfloat16 <-> float32 scalars: half.h */
 static inline double ra_cpu_ld(const void *base, int64_t idx, ra_dtype dt) {
     switch (dt) {
     case RA_FLOAT32: return ((const float *)base)[idx];

@@ -7,80 +7,15 @@
  * flat row number so rows spread over OpenMP threads.
  */
 #include "copy.h"
+#include "half.h"
 
 #include <math.h>
 #include <string.h>
 
-float ra_half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            int e = -1;
-            do {
-                man <<= 1;
-                e++;
-            } while ((man & 0x400u) == 0);
-            man &= 0x3ffu;
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | (man << 13);
-        }
-    } else if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-uint16_t ra_float_to_half(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    uint32_t sign = (x >> 16) & 0x8000u;
-    uint32_t absx = x & 0x7fffffffu;
-    if (absx >= 0x7f800000u) /* inf or nan */
-        return (uint16_t)(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0));
-    if (absx >= 0x477ff000u) /* rounds to >= 65520: overflow to inf */
-        return (uint16_t)(sign | 0x7c00u);
-    if (absx < 0x38800000u) { /* below the smallest normal half: subnormal */
-        if (absx < 0x33000000u) return (uint16_t)sign; /* < half of min sub */
-        uint32_t e = absx >> 23;
-        uint32_t m = (absx & 0x7fffffu) | 0x800000u;
-        uint32_t shift = 126 - e; /* 14..24 */
-        uint32_t r = m >> shift;
-        uint32_t rem = m & ((1u << shift) - 1);
-        uint32_t half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (r & 1u))) r++;
-        return (uint16_t)(sign | r);
-    }
-    uint32_t r = absx - 0x38000000u; /* rebias exponent 127 -> 15 */
-    uint32_t rem = r & 0x1fffu;
-    r >>= 13;
-    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
-    return (uint16_t)(sign | r);
-}
-
-float ra_bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-uint16_t ra_float_to_bf16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    if ((x & 0x7fffffffu) > 0x7f800000u) /* nan: keep it quiet */
-        return (uint16_t)((x >> 16) | 0x40u);
-    uint32_t lsb = (x >> 16) & 1u;
-    x += 0x7fffu + lsb;
-    return (uint16_t)(x >> 16);
-}
+float ra_half_to_float(uint16_t h) { return ra_cpu_h2f(h); }
+uint16_t ra_float_to_half(float f) { return ra_cpu_f2h(f); }
+float ra_bf16_to_float(uint16_t h) { return ra_cpu_b2f(h); }
+uint16_t ra_float_to_bf16(float f) { return ra_cpu_f2b(f); }
 
 static inline double load_elem(const char *p, ra_dtype t) {
     switch (t) {

@@ -168,8 +168,9 @@ def _default_cuda_device(rank):
     return index % count if count > 0 else 0
 
 
-def _init_nccl(rank, world_size, device, unique_id, master_addr,
-               master_port, token, timeout):
+def _rank_and_size(rank, world_size):
+    """(rank, world_size) from the arguments or RANK / WORLD_SIZE; a single
+    rank when neither says otherwise.  ValueError names what is wrong."""
     if world_size is None:
         world_size = _env_int("WORLD_SIZE")
     if world_size is None:
@@ -186,6 +187,12 @@ def _init_nccl(rank, world_size, device, unique_id, master_addr,
         rank = 0
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    return rank, world_size
+
+
+def _init_nccl(rank, world_size, device, unique_id, master_addr,
+               master_port, token, timeout):
+    rank, world_size = _rank_and_size(rank, world_size)
     index = _cuda_device_index(device)
     if index == -1:
         raise ValueError("backend 'nccl' moves CUDA memory: device must be a "
@@ -315,22 +322,7 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
         return _init_nccl(rank, world_size, device, unique_id, master_addr,
                           master_port, token, timeout)
 
-    if world_size is None:
-        world_size = _env_int("WORLD_SIZE")
-    if world_size is None:
-        world_size = 1
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got "
-                         f"{world_size!r}")
-    if rank is None:
-        rank = _env_int("RANK")
-    if rank is None:
-        if world_size != 1:
-            raise ValueError(f"rank is required when world_size is "
-                             f"{world_size} (pass rank= or set RANK)")
-        rank = 0
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    rank, world_size = _rank_and_size(rank, world_size)
     if world_size == 1:
         return _C.host_comm(0, 1, timeout=timeout)
 
