@@ -15,9 +15,6 @@
  *
  * q, out, dout, dq: (B, S_q, H, D); k, v, dk, dv: (B, S_k, H_kv, D).
  */
-#include <stdlib.h>
-#include <string.h>
-
 #include "attn_kernels.cuh"
 
 namespace {
@@ -26,14 +23,7 @@ template <typename T>
 __global__ void delta_kernel(ra_attn_bwd_params p) {
     typedef typename ra::Acc<T>::type A;
     const int lane = threadIdx.x & 31;
-    const int64_t rows = p.batch * p.seqlen_q * p.heads;
-    const int64_t warps_total = (int64_t)gridDim.x * (blockDim.x / 32);
-    for (int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-         row < rows; row += warps_total) {
-        // row = (b * S_q + s) * H + h
-        const int64_t h = row % p.heads;
-        const int64_t s = (row / p.heads) % p.seqlen_q;
-        const int64_t b = row / (p.heads * p.seqlen_q);
+    ra::for_each_row_warp(p.batch, p.seqlen_q, p.heads, [&](int64_t b, int64_t s, int64_t h) {
         const T *o = (const T *)p.out + b * p.out_batch_stride + s * p.out_seq_stride +
                      h * p.out_head_stride;
         const T *g = (const T *)p.dout + b * p.dout_batch_stride + s * p.dout_seq_stride +
@@ -45,7 +35,7 @@ __global__ void delta_kernel(ra_attn_bwd_params p) {
         if (lane == 0)
             ((A *)p.delta)[b * p.lse_batch_stride + h * p.lse_head_stride +
                            s * p.lse_seq_stride] = acc;
-    }
+    });
 }
 
 template <typename T>
@@ -60,12 +50,7 @@ ra_status launch_delta(const ra_attn_bwd_params &p, cudaStream_t s) {
 }
 
 ra_status check_bwd(const ra_attn_bwd_params *p) {
-    if (p->dtype != RA_FLOAT32 && p->dtype != RA_FLOAT64 &&
-        p->dtype != RA_FLOAT16 && p->dtype != RA_BFLOAT16) {
-        ra_set_error(RA_ERR_TYPE, "attention backward: unsupported dtype %s",
-                     ra_dtype_name(p->dtype));
-        return RA_ERR_TYPE;
-    }
+    RA_CHECK(ra_check_attn_dtype("attention backward", p->dtype));
     if (p->out_dtype != p->dtype) {
         ra_set_error(RA_ERR_TYPE, "attention backward on CUDA: out/dout dtype %s must equal "
                      "q's dtype %s", ra_dtype_name(p->out_dtype), ra_dtype_name(p->dtype));
@@ -82,30 +67,7 @@ ra_status check_bwd(const ra_attn_bwd_params *p) {
                      ra_dtype_name(acc), ra_dtype_name(p->grad_dtype));
         return RA_ERR_TYPE;
     }
-    if (p->head_dim < 1 || p->head_dim > RA_MAX_HEAD_DIM) {
-        ra_set_error(RA_ERR_VALUE, "attention backward: head_dim %lld outside [1, %d] on CUDA",
-                     (long long)p->head_dim, RA_MAX_HEAD_DIM);
-        return RA_ERR_VALUE;
-    }
-    if (p->heads_kv < 1 || p->heads % p->heads_kv != 0) {
-        ra_set_error(RA_ERR_VALUE, "attention backward: heads %lld not a multiple of kv "
-                     "heads %lld", (long long)p->heads, (long long)p->heads_kv);
-        return RA_ERR_VALUE;
-    }
-    if (p->causal && (p->q_pos_stride < 1 || p->k_pos_stride < 1)) {
-        ra_set_error(RA_ERR_VALUE, "attention backward: position strides must be >= 1");
-        return RA_ERR_VALUE;
-    }
-    return RA_OK;
-}
-
-bool force_generic(void) {
-    const char *env = getenv("RINGATTN_CUDA_GENERIC");
-    return env != NULL && strcmp(env, "1") == 0;
-}
-
-bool aligned(const void *ptr, unsigned bytes) {
-    return ((uintptr_t)ptr % bytes) == 0;
+    return ra_check_attn_geometry("attention backward", *p);
 }
 
 /* What the tensor-core kernels rely on (check_bwd has passed): 16-bit
@@ -115,7 +77,8 @@ bool tc_supported(const ra_attn_bwd_params &p) {
     if (p.dtype != RA_FLOAT16 && p.dtype != RA_BFLOAT16) return false;
     if (p.head_dim != 64 && p.head_dim != 128) return false;
     if (p.grad_dtype != p.dtype && p.grad_dtype != RA_FLOAT32) return false;
-    if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.dout, 16))
+    if (!ra_aligned(p.q, 16) || !ra_aligned(p.k, 16) || !ra_aligned(p.v, 16) ||
+        !ra_aligned(p.dout, 16))
         return false;
     const int64_t s8[] = {p.q_batch_stride,    p.q_seq_stride,    p.q_head_stride,
                           p.k_batch_stride,    p.k_seq_stride,    p.k_head_stride,
@@ -124,7 +87,7 @@ bool tc_supported(const ra_attn_bwd_params &p) {
     for (int64_t x : s8)
         if (x % 8 != 0) return false;
     const unsigned gb = p.grad_dtype == RA_FLOAT32 ? 8 : 4;
-    if (!aligned(p.dq, gb) || !aligned(p.dk, gb) || !aligned(p.dv, gb)) return false;
+    if (!ra_aligned(p.dq, gb) || !ra_aligned(p.dk, gb) || !ra_aligned(p.dv, gb)) return false;
     const int64_t s2[] = {p.dq_batch_stride, p.dq_seq_stride, p.dq_head_stride,
                           p.dk_batch_stride, p.dk_seq_stride, p.dk_head_stride,
                           p.dv_batch_stride, p.dv_seq_stride, p.dv_head_stride};
@@ -155,7 +118,7 @@ extern "C" ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream)
     RaDeviceGuard guard;
     RA_CHECK(guard.enter_for(p->q));
     cudaStream_t s = (cudaStream_t)stream;
-    if (!force_generic() && tc_supported(*p)) {
+    if (!ra_force_generic() && tc_supported(*p)) {
         RA_CHECK(ra_bwd_tc_dkdv(*p, s));
         return ra_bwd_tc_dq(*p, s);
     }

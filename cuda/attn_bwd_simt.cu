@@ -46,12 +46,8 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
     A *sdelta = slse + kTile;                   // 32
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // blockIdx.x = (b * H_kv + hk) * n_kblocks + kb
-    const int64_t kb = (int64_t)blockIdx.x % n_kblocks;
-    const int64_t bh = (int64_t)blockIdx.x / n_kblocks;
-    const int64_t hk = bh % p.heads_kv, b = bh / p.heads_kv;
-    const int64_t group = p.heads / p.heads_kv;
-    const int64_t k0 = kb * kBlockRows;
+    const ra::KBlock blk = ra::k_block<kBlockRows>(p, n_kblocks);
+    const int64_t b = blk.b, hk = blk.hk, group = blk.group, k0 = blk.k0;
     const A scale = (A)p.scale;
 
     const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
@@ -73,10 +69,7 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
         for (int t = 0; t < DPL; t++) dk[r][t] = dv[r][t] = 0;
     }
 
-    const int64_t i_begin = p.causal
-        ? ra::causal_query_begin(k0, p.q_pos_offset, p.q_pos_stride,
-                                 p.k_pos_offset, p.k_pos_stride, p.seqlen_q)
-        : 0;
+    const int64_t i_begin = ra::block_query_begin(p, k0);
 
     for (int64_t g = 0; g < group; g++) {
         const int64_t h = hk * group + g;
@@ -172,12 +165,8 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     A *sv = sk + kTile * ldk;                   // 32 x ldk
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // blockIdx.x = (b * H + h) * n_qblocks + (n_qblocks - 1 - qb)
-    const int64_t qb = n_qblocks - 1 - (int64_t)blockIdx.x % n_qblocks;
-    const int64_t bh = (int64_t)blockIdx.x / n_qblocks;
-    const int64_t h = bh % p.heads, b = bh / p.heads;
-    const int64_t hk = h / (p.heads / p.heads_kv);
-    const int64_t q0 = qb * kBlockRows;
+    const ra::QBlock blk = ra::q_block<kBlockRows>(p, n_qblocks);
+    const int64_t b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0;
     const A scale = (A)p.scale;
 
     const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
@@ -206,11 +195,7 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
         for (int t = 0; t < DPL; t++) dq[r][t] = 0;
     }
 
-    const int64_t q_last = (q0 + kBlockRows < p.seqlen_q ? q0 + kBlockRows : p.seqlen_q) - 1;
-    const int64_t kend = p.causal
-        ? ra::causal_key_end(q_last, p.q_pos_offset, p.q_pos_stride,
-                             p.k_pos_offset, p.k_pos_stride, p.seqlen_k)
-        : p.seqlen_k;
+    const int64_t kend = ra::block_key_end<kBlockRows>(p, q0);
 
     for (int64_t j0 = 0; j0 < kend; j0 += kTile) {
         __syncthreads();  // owned Q, dO written / previous tile consumed
@@ -270,53 +255,39 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     }
 }
 
-template <typename T, int DPL>
-ra_status launch(const ra_attn_bwd_params &p, cudaStream_t s) {
-    typedef typename ra::Acc<T>::type A;
-    const int D = (int)p.head_dim;
-    const int ld = D | 1;
-    // dk, dv: grid B * H_kv * ceil(S_k / 16), 128 threads
-    if (p.seqlen_k > 0) {
-        const size_t smem = (size_t)(2 * kBlockRows * D + 2 * kTile * ld + 2 * kTile) * sizeof(A);
-        RA_CHECK(ra_set_smem(dkdv_simt_kernel<T, DPL>, smem));
-        const int64_t n_kblocks = (p.seqlen_k + kBlockRows - 1) / kBlockRows;
-        int64_t blocks = 0;
-        RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
-        dkdv_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_kblocks);
-        RA_CUDA_CHECK_LAUNCH("dkdv_simt_kernel");
+struct Launch {
+    template <typename T, int DPL>
+    static ra_status run(const ra_attn_bwd_params &p, cudaStream_t s) {
+        typedef typename ra::Acc<T>::type A;
+        const int D = (int)p.head_dim;
+        const int ld = D | 1;
+        // dk, dv: grid B * H_kv * ceil(S_k / 16), 128 threads
+        if (p.seqlen_k > 0) {
+            const size_t smem =
+                (size_t)(2 * kBlockRows * D + 2 * kTile * ld + 2 * kTile) * sizeof(A);
+            RA_CHECK(ra_set_smem(dkdv_simt_kernel<T, DPL>, smem));
+            const int64_t n_kblocks = (p.seqlen_k + kBlockRows - 1) / kBlockRows;
+            int64_t blocks = 0;
+            RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
+            dkdv_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_kblocks);
+            RA_CUDA_CHECK_LAUNCH("dkdv_simt_kernel");
+        }
+        // dq: grid B * H * ceil(S_q / 16), 128 threads
+        if (p.seqlen_q > 0) {
+            const size_t smem = (size_t)(2 * kBlockRows * D + 2 * kTile * ld) * sizeof(A);
+            RA_CHECK(ra_set_smem(dq_simt_kernel<T, DPL>, smem));
+            const int64_t n_qblocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
+            int64_t blocks = 0;
+            RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
+            dq_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_qblocks);
+            RA_CUDA_CHECK_LAUNCH("dq_simt_kernel");
+        }
+        return RA_OK;
     }
-    // dq: grid B * H * ceil(S_q / 16), 128 threads
-    if (p.seqlen_q > 0) {
-        const size_t smem = (size_t)(2 * kBlockRows * D + 2 * kTile * ld) * sizeof(A);
-        RA_CHECK(ra_set_smem(dq_simt_kernel<T, DPL>, smem));
-        const int64_t n_qblocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
-        int64_t blocks = 0;
-        RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
-        dq_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_qblocks);
-        RA_CUDA_CHECK_LAUNCH("dq_simt_kernel");
-    }
-    return RA_OK;
-}
-
-template <typename T>
-ra_status launch_dpl(const ra_attn_bwd_params &p, cudaStream_t s) {
-    if (p.head_dim <= 32) return launch<T, 1>(p, s);
-    if (p.head_dim <= 64) return launch<T, 2>(p, s);
-    if (p.head_dim <= 128) return launch<T, 4>(p, s);
-    return launch<T, 8>(p, s);
-}
+};
 
 }  // namespace
 
 ra_status ra_bwd_simt(const ra_attn_bwd_params &p, cudaStream_t s) {
-    switch (p.dtype) {
-    case RA_FLOAT32: return launch_dpl<float>(p, s);
-    case RA_FLOAT64: return launch_dpl<double>(p, s);
-    case RA_FLOAT16: return launch_dpl<ra::half_t>(p, s);
-    case RA_BFLOAT16: return launch_dpl<ra::bf16_t>(p, s);
-    default:
-        ra_set_error(RA_ERR_TYPE, "attention backward: unsupported dtype %s",
-                     ra_dtype_name(p.dtype));
-        return RA_ERR_TYPE;
-    }
+    return ra_simt_dispatch<Launch>(p, s, "attention backward");
 }

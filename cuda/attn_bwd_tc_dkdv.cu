@@ -65,21 +65,14 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    // blockIdx.x = (b * H_kv + hk) * n_kblocks + kb
-    const int64_t kb = (int64_t)blockIdx.x % n_kblocks;
-    const int64_t bh = (int64_t)blockIdx.x / n_kblocks;
-    const int64_t hk = bh % p.heads_kv, b = bh / p.heads_kv;
-    const int64_t group = p.heads / p.heads_kv;
-    const int64_t k0 = kb * kBlockN;
+    const ra::KBlock blk = ra::k_block<kBlockN>(p, n_kblocks);
+    const int64_t b = blk.b, hk = blk.hk, group = blk.group, k0 = blk.k0;
 
     const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
     const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
 
     // queries before i_begin see none of this block's keys
-    const int64_t i_begin = p.causal
-        ? ra::causal_query_begin(k0, p.q_pos_offset, p.q_pos_stride,
-                                 p.k_pos_offset, p.k_pos_stride, p.seqlen_q)
-        : 0;
+    const int64_t i_begin = ra::block_query_begin(p, k0);
     const int64_t n_mtiles = (p.seqlen_q - i_begin + BM - 1) / BM;
     const int64_t n_iters = group * n_mtiles;  // (query head, query tile) pairs
 
@@ -259,25 +252,25 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
     }
 }
 
-template <typename T, int D>
-ra_status launch(const ra_attn_bwd_params &p, cudaStream_t s) {
-    const size_t smem = dkdv_smem_bytes<D>();
-    RA_CHECK(ra_set_smem(dkdv_tc_kernel<T, D>, smem));
-    const int64_t n_kblocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-    int64_t blocks = 0;
-    RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
-    // grid: B * H_kv * ceil(S_k / 64) blocks of 128 threads;
-    // k, v, dk, dv (B, S_k, H_kv, D), q, dout (B, S_q, H, D)
-    dkdv_tc_kernel<T, D><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_kblocks);
-    RA_CUDA_CHECK_LAUNCH("dkdv_tc_kernel");
-    return RA_OK;
-}
+struct Launch {
+    template <typename T, int D>
+    static ra_status run(const ra_attn_bwd_params &p, cudaStream_t s) {
+        const size_t smem = dkdv_smem_bytes<D>();
+        RA_CHECK(ra_set_smem(dkdv_tc_kernel<T, D>, smem));
+        const int64_t n_kblocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+        int64_t blocks = 0;
+        RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
+        // grid: B * H_kv * ceil(S_k / 64) blocks of 128 threads;
+        // k, v, dk, dv (B, S_k, H_kv, D), q, dout (B, S_q, H, D)
+        dkdv_tc_kernel<T, D><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_kblocks);
+        RA_CUDA_CHECK_LAUNCH("dkdv_tc_kernel");
+        return RA_OK;
+    }
+};
 
 }  // namespace
 
 ra_status ra_bwd_tc_dkdv(const ra_attn_bwd_params &p, cudaStream_t s) {
     if (p.seqlen_k <= 0) return RA_OK;
-    if (p.dtype == RA_FLOAT16)
-        return p.head_dim == 64 ? launch<ra::half_t, 64>(p, s) : launch<ra::half_t, 128>(p, s);
-    return p.head_dim == 64 ? launch<ra::bf16_t, 64>(p, s) : launch<ra::bf16_t, 128>(p, s);
+    return ra_tc_dispatch<Launch>(p, s);
 }

@@ -58,12 +58,8 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    // blockIdx.x = (b * H + h) * n_qblocks + (n_qblocks - 1 - qb)
-    const int64_t qb = n_qblocks - 1 - (int64_t)blockIdx.x % n_qblocks;
-    const int64_t bh = (int64_t)blockIdx.x / n_qblocks;
-    const int64_t h = bh % p.heads, b = bh / p.heads;
-    const int64_t hk = h / (p.heads / p.heads_kv);
-    const int64_t q0 = qb * kBlockM;
+    const ra::QBlock blk = ra::q_block<kBlockM>(p, n_qblocks);
+    const int64_t b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0;
 
     const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
     const T *dog = (const T *)p.dout + b * p.dout_batch_stride + h * p.dout_head_stride;
@@ -71,11 +67,7 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
 
     // keys at or past kend are invisible to every query of the block
-    const int64_t q_last = (q0 + kBlockM < p.seqlen_q ? q0 + kBlockM : p.seqlen_q) - 1;
-    const int64_t kend = p.causal
-        ? ra::causal_key_end(q_last, p.q_pos_offset, p.q_pos_stride,
-                             p.k_pos_offset, p.k_pos_stride, p.seqlen_k)
-        : p.seqlen_k;
+    const int64_t kend = ra::block_key_end<kBlockM>(p, q0);
     const int n_tiles = (int)((kend + kBlockN - 1) / kBlockN);
     const int64_t qpos_first = p.q_pos_offset + q0 * p.q_pos_stride;
 
@@ -200,25 +192,25 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     }
 }
 
-template <typename T, int D>
-ra_status launch(const ra_attn_bwd_params &p, cudaStream_t s) {
-    const size_t smem = dq_smem_bytes<D>();
-    RA_CHECK(ra_set_smem(dq_tc_kernel<T, D>, smem));
-    const int64_t n_qblocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-    int64_t blocks = 0;
-    RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
-    // grid: B * H * ceil(S_q / 64) blocks of 128 threads;
-    // q, dout, dq (B, S_q, H, D), k, v (B, S_k, H_kv, D)
-    dq_tc_kernel<T, D><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
-    RA_CUDA_CHECK_LAUNCH("dq_tc_kernel");
-    return RA_OK;
-}
+struct Launch {
+    template <typename T, int D>
+    static ra_status run(const ra_attn_bwd_params &p, cudaStream_t s) {
+        const size_t smem = dq_smem_bytes<D>();
+        RA_CHECK(ra_set_smem(dq_tc_kernel<T, D>, smem));
+        const int64_t n_qblocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+        int64_t blocks = 0;
+        RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
+        // grid: B * H * ceil(S_q / 64) blocks of 128 threads;
+        // q, dout, dq (B, S_q, H, D), k, v (B, S_k, H_kv, D)
+        dq_tc_kernel<T, D><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
+        RA_CUDA_CHECK_LAUNCH("dq_tc_kernel");
+        return RA_OK;
+    }
+};
 
 }  // namespace
 
 ra_status ra_bwd_tc_dq(const ra_attn_bwd_params &p, cudaStream_t s) {
     if (p.seqlen_q <= 0) return RA_OK;
-    if (p.dtype == RA_FLOAT16)
-        return p.head_dim == 64 ? launch<ra::half_t, 64>(p, s) : launch<ra::half_t, 128>(p, s);
-    return p.head_dim == 64 ? launch<ra::bf16_t, 64>(p, s) : launch<ra::bf16_t, 128>(p, s);
+    return ra_tc_dispatch<Launch>(p, s);
 }

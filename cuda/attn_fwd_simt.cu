@@ -41,12 +41,8 @@ fwd_simt_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     A *sv = sk + kTileK * ldk;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // blockIdx.x = (b * H + h) * n_qblocks + (n_qblocks - 1 - qb)
-    const int64_t qb = n_qblocks - 1 - (int64_t)blockIdx.x % n_qblocks;
-    const int64_t bh = (int64_t)blockIdx.x / n_qblocks;
-    const int64_t h = bh % p.heads, b = bh / p.heads;
-    const int64_t hk = h / (p.heads / p.heads_kv);
-    const int64_t q0 = qb * kBlockQ;
+    const ra::QBlock blk = ra::q_block<kBlockQ>(p, n_qblocks);
+    const int64_t b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0;
 
     const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
     const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
@@ -60,11 +56,7 @@ fwd_simt_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
         sq[idx] = i < p.seqlen_q ? ra::to_acc(qg[i * p.q_seq_stride + d]) * scale : (A)0;
     }
 
-    const int64_t q_last = (q0 + kBlockQ < p.seqlen_q ? q0 + kBlockQ : p.seqlen_q) - 1;
-    const int64_t kend = p.causal
-        ? ra::causal_key_end(q_last, p.q_pos_offset, p.q_pos_stride,
-                             p.k_pos_offset, p.k_pos_stride, p.seqlen_k)
-        : p.seqlen_k;
+    const int64_t kend = ra::block_key_end<kBlockQ>(p, q0);
 
     A m[kRowsPerWarp], l[kRowsPerWarp], o[kRowsPerWarp][DPL];
     int64_t qpos[kRowsPerWarp];
@@ -158,39 +150,25 @@ fwd_simt_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     }
 }
 
-template <typename T, int DPL>
-ra_status launch(const ra_attn_fwd_params &p, cudaStream_t s) {
-    typedef typename ra::Acc<T>::type A;
-    const int D = (int)p.head_dim;
-    const size_t smem = (size_t)(kBlockQ * D + kTileK * (D | 1) + kTileK * D) * sizeof(A);
-    RA_CHECK(ra_set_smem(fwd_simt_kernel<T, DPL>, smem));
-    const int64_t n_qblocks = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
-    int64_t blocks = 0;
-    RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
-    // grid: (B * H * ceil(S_q / 16)) blocks of 128 threads
-    fwd_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_qblocks);
-    RA_CUDA_CHECK_LAUNCH("fwd_simt_kernel");
-    return RA_OK;
-}
-
-template <typename T>
-ra_status launch_dpl(const ra_attn_fwd_params &p, cudaStream_t s) {
-    if (p.head_dim <= 32) return launch<T, 1>(p, s);
-    if (p.head_dim <= 64) return launch<T, 2>(p, s);
-    if (p.head_dim <= 128) return launch<T, 4>(p, s);
-    return launch<T, 8>(p, s);
-}
+struct Launch {
+    template <typename T, int DPL>
+    static ra_status run(const ra_attn_fwd_params &p, cudaStream_t s) {
+        typedef typename ra::Acc<T>::type A;
+        const int D = (int)p.head_dim;
+        const size_t smem = (size_t)(kBlockQ * D + kTileK * (D | 1) + kTileK * D) * sizeof(A);
+        RA_CHECK(ra_set_smem(fwd_simt_kernel<T, DPL>, smem));
+        const int64_t n_qblocks = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
+        int64_t blocks = 0;
+        RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
+        // grid: (B * H * ceil(S_q / 16)) blocks of 128 threads
+        fwd_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_qblocks);
+        RA_CUDA_CHECK_LAUNCH("fwd_simt_kernel");
+        return RA_OK;
+    }
+};
 
 }  // namespace
 
 ra_status ra_fwd_simt(const ra_attn_fwd_params &p, cudaStream_t s) {
-    switch (p.dtype) {
-    case RA_FLOAT32: return launch_dpl<float>(p, s);
-    case RA_FLOAT64: return launch_dpl<double>(p, s);
-    case RA_FLOAT16: return launch_dpl<ra::half_t>(p, s);
-    case RA_BFLOAT16: return launch_dpl<ra::bf16_t>(p, s);
-    default:
-        ra_set_error(RA_ERR_TYPE, "attention: unsupported dtype %s", ra_dtype_name(p.dtype));
-        return RA_ERR_TYPE;
-    }
+    return ra_simt_dispatch<Launch>(p, s, "attention");
 }

@@ -36,23 +36,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-/* Issue cp.async for `rows` x D elements starting at global row `row0` of a
- * (seq, D) matrix with row stride `ld`; rows >= limit are zero-filled. */
-template <typename T, int D, int ROWS>
-__device__ __forceinline__ void load_tile(T *smem, const T *g, int64_t ld,
-                                          int64_t row0, int64_t limit) {
-    constexpr int kChunks = D / 8;  // 16-byte chunks per row
-#pragma unroll
-    for (int it = 0; it < ROWS * kChunks / kThreads; it++) {
-        const int idx = threadIdx.x + it * kThreads;
-        const int r = idx / kChunks, c = idx % kChunks;
-        const int64_t row = row0 + r;
-        const bool ok = row < limit;
-        const T *src = ok ? g + row * ld + c * 8 : g;
-        ra::cp_async16(smem + ra::swz<D>(r, c * 8), src, ok);
-    }
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
 fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
@@ -65,22 +48,14 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    // blockIdx.x = (b * H + h) * n_qblocks + (n_qblocks - 1 - qb)
-    const int64_t qb = n_qblocks - 1 - (int64_t)blockIdx.x % n_qblocks;
-    const int64_t bh = (int64_t)blockIdx.x / n_qblocks;
-    const int64_t h = bh % p.heads, b = bh / p.heads;
-    const int64_t hk = h / (p.heads / p.heads_kv);
-    const int64_t q0 = qb * kBlockQ;
+    const ra::QBlock blk = ra::q_block<kBlockQ>(p, n_qblocks);
+    const int64_t b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0;
 
     const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
     const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
     const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
 
-    const int64_t q_last = (q0 + kBlockQ < p.seqlen_q ? q0 + kBlockQ : p.seqlen_q) - 1;
-    const int64_t kend = p.causal
-        ? ra::causal_key_end(q_last, p.q_pos_offset, p.q_pos_stride,
-                             p.k_pos_offset, p.k_pos_stride, p.seqlen_k)
-        : p.seqlen_k;
+    const int64_t kend = ra::block_key_end<kBlockQ>(p, q0);
     const int n_tiles = (int)((kend + kBlockK - 1) / kBlockK);
     const int64_t qpos_first = p.q_pos_offset + q0 * p.q_pos_stride;
 
@@ -96,9 +71,9 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     float m_a = -CUDART_INF_F, m_b = -CUDART_INF_F, l_a = 0.f, l_b = 0.f;
 
     if (n_tiles > 0) {
-        load_tile<T, D, kBlockQ>(sq, qg, p.q_seq_stride, q0, p.seqlen_q);
-        load_tile<T, D, kBlockK>(sk, kg, p.k_seq_stride, 0, kend);
-        load_tile<T, D, kBlockK>(sv, vg, p.v_seq_stride, 0, kend);
+        ra::cp_async_tile<T, D, kBlockQ, kThreads>(sq, qg, p.q_seq_stride, q0, p.seqlen_q);
+        ra::cp_async_tile<T, D, kBlockK, kThreads>(sk, kg, p.k_seq_stride, 0, kend);
+        ra::cp_async_tile<T, D, kBlockK, kThreads>(sv, vg, p.v_seq_stride, 0, kend);
         ra::cp_async_commit();
     }
 
@@ -107,8 +82,10 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
         if (it + 1 < n_tiles) {
             // buffer buf ^ 1 was released by the __syncthreads ending it - 1
             const int64_t kn = (int64_t)(it + 1) * kBlockK;
-            load_tile<T, D, kBlockK>(sk + (buf ^ 1) * kBlockK * D, kg, p.k_seq_stride, kn, kend);
-            load_tile<T, D, kBlockK>(sv + (buf ^ 1) * kBlockK * D, vg, p.v_seq_stride, kn, kend);
+            ra::cp_async_tile<T, D, kBlockK, kThreads>(sk + (buf ^ 1) * kBlockK * D, kg,
+                                                       p.k_seq_stride, kn, kend);
+            ra::cp_async_tile<T, D, kBlockK, kThreads>(sv + (buf ^ 1) * kBlockK * D, vg,
+                                                       p.v_seq_stride, kn, kend);
             ra::cp_async_commit();
             ra::cp_async_wait<1>();
         } else {
@@ -127,12 +104,11 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
             uint32_t a[4];
-            ra::ldmatrix_x4(a, sq + ra::swz<D>(warp * 16 + (lane % 16), kk * 16 + (lane / 16) * 8));
+            ra::frag_a<D>(a, sq, warp * 16, kk * 16);
 #pragma unroll
             for (int n2 = 0; n2 < kNT / 2; n2++) {
                 uint32_t bk[4];
-                ra::ldmatrix_x4(bk, kt + ra::swz<D>(n2 * 16 + (lane % 8) + (lane / 16) * 8,
-                                                    kk * 16 + ((lane / 8) % 2) * 8));
+                ra::frag_b_nk<D>(bk, kt, n2 * 16, kk * 16);
                 ra::mma_16816<T>(s[2 * n2], a, bk[0], bk[1]);
                 ra::mma_16816<T>(s[2 * n2 + 1], a, bk[2], bk[3]);
             }
@@ -201,15 +177,11 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
 #pragma unroll
         for (int kk = 0; kk < kBlockK / 16; kk++) {
             uint32_t a[4];
-            a[0] = ra::pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = ra::pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = ra::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = ra::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            ra::a_from_c<T>(a, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
             for (int d2 = 0; d2 < kDT / 2; d2++) {
                 uint32_t bv[4];
-                ra::ldmatrix_x4_trans(bv, vt + ra::swz<D>(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                          d2 * 16 + (lane / 16) * 8));
+                ra::frag_b_kn<D>(bv, vt, kk * 16, d2 * 16);
                 ra::mma_16816<T>(o[2 * d2], a, bv[0], bv[1]);
                 ra::mma_16816<T>(o[2 * d2 + 1], a, bv[2], bv[3]);
             }
@@ -288,22 +260,20 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     }
 }
 
-template <typename T, int D>
-ra_status launch(const ra_attn_fwd_params &p, cudaStream_t s) {
-    const size_t smem = (size_t)(kBlockQ + 4 * kBlockK) * D * sizeof(T);
-    RA_CHECK(ra_set_smem(fwd_tc_kernel<T, D>, smem));
-    const int64_t n_qblocks = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
-    int64_t blocks = 0;
-    RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
-    // grid: B * H * ceil(S_q / 64) blocks of 128 threads
-    fwd_tc_kernel<T, D><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
-    RA_CUDA_CHECK_LAUNCH("fwd_tc_kernel");
-    return RA_OK;
-}
-
-bool aligned(const void *ptr, unsigned bytes) {
-    return ((uintptr_t)ptr % bytes) == 0;
-}
+struct Launch {
+    template <typename T, int D>
+    static ra_status run(const ra_attn_fwd_params &p, cudaStream_t s) {
+        const size_t smem = (size_t)(kBlockQ + 4 * kBlockK) * D * sizeof(T);
+        RA_CHECK(ra_set_smem(fwd_tc_kernel<T, D>, smem));
+        const int64_t n_qblocks = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
+        int64_t blocks = 0;
+        RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
+        // grid: B * H * ceil(S_q / 64) blocks of 128 threads
+        fwd_tc_kernel<T, D><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
+        RA_CUDA_CHECK_LAUNCH("fwd_tc_kernel");
+        return RA_OK;
+    }
+};
 
 }  // namespace
 
@@ -314,7 +284,7 @@ bool ra_fwd_tc_supported(const ra_attn_fwd_params &p) {
     if (p.out_dtype != p.dtype && p.out_dtype != RA_FLOAT32) return false;
     if (p.accumulate && p.out_dtype != RA_FLOAT32) return false;
     // cp.async moves 16-byte chunks: every q/k/v row must start 16-aligned
-    if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16)) return false;
+    if (!ra_aligned(p.q, 16) || !ra_aligned(p.k, 16) || !ra_aligned(p.v, 16)) return false;
     const int64_t s8[] = {p.q_batch_stride, p.q_seq_stride, p.q_head_stride,
                           p.k_batch_stride, p.k_seq_stride, p.k_head_stride,
                           p.v_batch_stride, p.v_seq_stride, p.v_head_stride};
@@ -322,13 +292,11 @@ bool ra_fwd_tc_supported(const ra_attn_fwd_params &p) {
         if (x % 8 != 0) return false;
     // outputs are stored two elements at a time
     const unsigned ob = p.out_dtype == RA_FLOAT32 ? 8 : 4;
-    if (!aligned(p.out, ob)) return false;
+    if (!ra_aligned(p.out, ob)) return false;
     if (p.out_batch_stride % 2 || p.out_seq_stride % 2 || p.out_head_stride % 2) return false;
     return true;
 }
 
 ra_status ra_fwd_tc(const ra_attn_fwd_params &p, cudaStream_t s) {
-    if (p.dtype == RA_FLOAT16)
-        return p.head_dim == 64 ? launch<ra::half_t, 64>(p, s) : launch<ra::half_t, 128>(p, s);
-    return p.head_dim == 64 ? launch<ra::bf16_t, 64>(p, s) : launch<ra::bf16_t, 128>(p, s);
+    return ra_tc_dispatch<Launch>(p, s);
 }

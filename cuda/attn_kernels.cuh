@@ -7,6 +7,9 @@
 #ifndef RA_ATTN_KERNELS_CUH
 #define RA_ATTN_KERNELS_CUH
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "common.cuh"
 
 /* Generic SIMT kernels: every dtype, head_dim 1..256.  attn_fwd_simt.cu,
@@ -38,5 +41,139 @@ static inline ra_status ra_grid_1d(int64_t units, int64_t per_block,
     *blocks_out = blocks;
     return RA_OK;
 }
+
+/* RINGATTN_CUDA_GENERIC=1 forces the generic kernels (for tests that
+ * compare them with the tensor-core ones). */
+static inline bool ra_force_generic(void) {
+    const char *env = getenv("RINGATTN_CUDA_GENERIC");
+    return env != NULL && strcmp(env, "1") == 0;
+}
+
+/* Whether ptr is a multiple of `bytes` (the tensor-core eligibility tests). */
+static inline bool ra_aligned(const void *ptr, unsigned bytes) {
+    return ((uintptr_t)ptr % bytes) == 0;
+}
+
+/* The checks every attention entry point makes, with `what` ("attention",
+ * "attention backward") opening the message: a float dtype first, and the
+ * head geometry and causal position strides after the entry point's own
+ * dtype checks. */
+static inline ra_status ra_check_attn_dtype(const char *what, ra_dtype dtype) {
+    if (dtype != RA_FLOAT32 && dtype != RA_FLOAT64 && dtype != RA_FLOAT16 &&
+        dtype != RA_BFLOAT16) {
+        ra_set_error(RA_ERR_TYPE, "%s: unsupported dtype %s", what, ra_dtype_name(dtype));
+        return RA_ERR_TYPE;
+    }
+    return RA_OK;
+}
+template <typename P>
+static inline ra_status ra_check_attn_geometry(const char *what, const P &p) {
+    if (p.head_dim < 1 || p.head_dim > RA_MAX_HEAD_DIM) {
+        ra_set_error(RA_ERR_VALUE, "%s: head_dim %lld outside [1, %d] on CUDA", what,
+                     (long long)p.head_dim, RA_MAX_HEAD_DIM);
+        return RA_ERR_VALUE;
+    }
+    if (p.heads_kv < 1 || p.heads % p.heads_kv != 0) {
+        ra_set_error(RA_ERR_VALUE, "%s: heads %lld not a multiple of kv heads %lld", what,
+                     (long long)p.heads, (long long)p.heads_kv);
+        return RA_ERR_VALUE;
+    }
+    if (p.causal && (p.q_pos_stride < 1 || p.k_pos_stride < 1)) {
+        ra_set_error(RA_ERR_VALUE, "%s: position strides must be >= 1", what);
+        return RA_ERR_VALUE;
+    }
+    return RA_OK;
+}
+
+/* The generic kernels' instantiation for params p (fwd or bwd): element
+ * type T from p.dtype and DPL, the head dims each lane holds, 1, 2, 4 or 8
+ * for head_dim up to 32, 64, 128, 256; calls L::run<T, DPL>(p, s).  `what`
+ * opens the message of an unsupported dtype. */
+template <typename L, typename T, typename P>
+static inline ra_status ra_simt_dispatch_dpl(const P &p, cudaStream_t s) {
+    if (p.head_dim <= 32) return L::template run<T, 1>(p, s);
+    if (p.head_dim <= 64) return L::template run<T, 2>(p, s);
+    if (p.head_dim <= 128) return L::template run<T, 4>(p, s);
+    return L::template run<T, 8>(p, s);
+}
+template <typename L, typename P>
+static inline ra_status ra_simt_dispatch(const P &p, cudaStream_t s, const char *what) {
+    switch (p.dtype) {
+    case RA_FLOAT32: return ra_simt_dispatch_dpl<L, float>(p, s);
+    case RA_FLOAT64: return ra_simt_dispatch_dpl<L, double>(p, s);
+    case RA_FLOAT16: return ra_simt_dispatch_dpl<L, ra::half_t>(p, s);
+    case RA_BFLOAT16: return ra_simt_dispatch_dpl<L, ra::bf16_t>(p, s);
+    default:
+        ra_set_error(RA_ERR_TYPE, "%s: unsupported dtype %s", what, ra_dtype_name(p.dtype));
+        return RA_ERR_TYPE;
+    }
+}
+
+/* The tensor-core kernels' instantiation (eligibility already checked:
+ * float16 or bfloat16, head_dim 64 or 128): calls L::run<T, D>(p, s). */
+template <typename L, typename P>
+static inline ra_status ra_tc_dispatch(const P &p, cudaStream_t s) {
+    if (p.dtype == RA_FLOAT16)
+        return p.head_dim == 64 ? L::template run<ra::half_t, 64>(p, s)
+                                : L::template run<ra::half_t, 128>(p, s);
+    return p.head_dim == 64 ? L::template run<ra::bf16_t, 64>(p, s)
+                            : L::template run<ra::bf16_t, 128>(p, s);
+}
+
+namespace ra {
+
+/* Where a kernel block sits, for the 1-D grids of the attention kernels
+ * (p: forward or backward params).
+ *   q_block: a block owning ROWS query rows of one (b, h), blockIdx.x =
+ *            (b * H + h) * n_qblocks + (n_qblocks - 1 - qb), so the last
+ *            query rows (the heaviest causal blocks) start first; hk is the
+ *            kv head h reads, q0 = qb * ROWS the first owned row.
+ *   k_block: a block owning ROWS keys of one (b, hk), blockIdx.x =
+ *            (b * H_kv + hk) * n_kblocks + kb; group = H / H_kv query heads
+ *            read hk, k0 = kb * ROWS the first owned key. */
+struct QBlock { int64_t b, h, hk, q0; };
+struct KBlock { int64_t b, hk, group, k0; };
+
+template <int ROWS, typename P>
+__device__ __forceinline__ QBlock q_block(const P &p, int64_t n_qblocks) {
+    const int64_t qb = n_qblocks - 1 - (int64_t)blockIdx.x % n_qblocks;
+    const int64_t bh = (int64_t)blockIdx.x / n_qblocks;
+    QBlock r;
+    r.h = bh % p.heads;
+    r.b = bh / p.heads;
+    r.hk = r.h / (p.heads / p.heads_kv);
+    r.q0 = qb * ROWS;
+    return r;
+}
+template <int ROWS, typename P>
+__device__ __forceinline__ KBlock k_block(const P &p, int64_t n_kblocks) {
+    const int64_t kb = (int64_t)blockIdx.x % n_kblocks;
+    const int64_t bh = (int64_t)blockIdx.x / n_kblocks;
+    KBlock r;
+    r.hk = bh % p.heads_kv;
+    r.b = bh / p.heads_kv;
+    r.group = p.heads / p.heads_kv;
+    r.k0 = kb * ROWS;
+    return r;
+}
+
+/* Keys [0, end) some query of rows [q0, q0 + ROWS) can see: all S_k keys,
+ * or under the causal rule those up to the last existing row's position. */
+template <int ROWS, typename P>
+__device__ __forceinline__ int64_t block_key_end(const P &p, int64_t q0) {
+    const int64_t q_last = (q0 + ROWS < p.seqlen_q ? q0 + ROWS : p.seqlen_q) - 1;
+    return p.causal ? causal_key_end(q_last, p.q_pos_offset, p.q_pos_stride, p.k_pos_offset,
+                                     p.k_pos_stride, p.seqlen_k)
+                    : p.seqlen_k;
+}
+/* First query that can see key k0 (0 without the causal rule). */
+template <typename P>
+__device__ __forceinline__ int64_t block_query_begin(const P &p, int64_t k0) {
+    return p.causal ? causal_query_begin(k0, p.q_pos_offset, p.q_pos_stride, p.k_pos_offset,
+                                         p.k_pos_stride, p.seqlen_q)
+                    : 0;
+}
+
+}  // namespace ra
 
 #endif /* RA_ATTN_KERNELS_CUH */

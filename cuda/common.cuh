@@ -145,6 +145,23 @@ __host__ __device__ __forceinline__ int64_t causal_query_begin(
     return i < seqlen_q ? i : seqlen_q;
 }
 
+/* Grid-stride loop of one warp per row of a (B, S, H, ...) tensor, row =
+ * (b * S + s) * H + h: every lane of the warp that owns a row calls
+ * body(b, s, h).  Blocks of whole warps; any grid size covers every row. */
+template <typename F>
+__device__ __forceinline__ void for_each_row_warp(int64_t batch, int64_t seqlen,
+                                                  int64_t heads, F body) {
+    const int64_t rows = batch * seqlen * heads;
+    const int64_t warps_total = (int64_t)gridDim.x * (blockDim.x / 32);
+    for (int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+         row < rows; row += warps_total) {
+        const int64_t h = row % heads;
+        const int64_t s = (row / heads) % seqlen;
+        const int64_t b = row / (heads * seqlen);
+        body(b, s, h);
+    }
+}
+
 }  // namespace ra
 
 /* Launch on the device that owns `ptr`: the launchers are called from C

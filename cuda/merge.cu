@@ -24,14 +24,7 @@ namespace {
 template <typename L>
 __global__ void merge_kernel(ra_merge_params p) {
     const int lane = threadIdx.x & 31;
-    const int64_t rows = p.batch * p.seqlen * p.heads;
-    const int64_t warps_total = (int64_t)gridDim.x * (blockDim.x / 32);
-    for (int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-         row < rows; row += warps_total) {
-        // row = (b * S + s) * H + h
-        const int64_t h = row % p.heads;
-        const int64_t s = (row / p.heads) % p.seqlen;
-        const int64_t b = row / (p.heads * p.seqlen);
+    ra::for_each_row_warp(p.batch, p.seqlen, p.heads, [&](int64_t b, int64_t s, int64_t h) {
         const L *lse1 = (const L *)p.lse1;
         const L *lse2 = (const L *)p.lse2;
         const L l1 = lse1[b * p.lse1_batch_stride + h * p.lse1_head_stride +
@@ -63,7 +56,7 @@ __global__ void merge_kernel(ra_merge_params p) {
         if (lane == 0)
             ((L *)p.lse)[b * p.lse_batch_stride + h * p.lse_head_stride +
                          s * p.lse_seq_stride] = l;
-    }
+    });
 }
 
 template <typename L>
@@ -73,17 +66,11 @@ __global__ void fill_state_kernel(L *out, L *lse, int64_t batch,
                                   int64_t ohs, int64_t lbs, int64_t lhs,
                                   int64_t lss) {
     const int lane = threadIdx.x & 31;
-    const int64_t rows = batch * seqlen * heads;
-    const int64_t warps_total = (int64_t)gridDim.x * (blockDim.x / 32);
-    for (int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-         row < rows; row += warps_total) {
-        const int64_t h = row % heads;
-        const int64_t s = (row / heads) % seqlen;
-        const int64_t b = row / (heads * seqlen);
+    ra::for_each_row_warp(batch, seqlen, heads, [&](int64_t b, int64_t s, int64_t h) {
         for (int64_t d = lane; d < head_dim; d += 32)
             out[b * obs + s * oss + h * ohs + d] = 0;
         if (lane == 0) lse[b * lbs + h * lhs + s * lss] = ra::neg_inf<L>();
-    }
+    });
 }
 
 unsigned row_blocks(int64_t rows) {
