@@ -103,22 +103,27 @@ def cpu_table(threads, seq_lens, repeat, B=1, H=8, D=64):
         rng = np.random.default_rng(S)
         q, k, v, dout = (rng.standard_normal((B, S, H, D), dtype=np.float32)
                          for _ in range(4))
+        # every ringattn timing of this S before any NumPy baseline: BLAS
+        # worker threads keep spinning for a while after a NumPy call and
+        # would steal the cores from the next short kernel
+        res = {}
         for causal in (False, True):
-            fl = _flops(B, H, S, D, causal)
-            res = {}
-            res["fwd"] = _median_time(lambda: _C.attn_fwd(
+            res[causal, "fwd"] = _median_time(lambda: _C.attn_fwd(
                 q, k, v, causal=causal, num_threads=threads), repeat)
             out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
-            res["bwd"] = _median_time(lambda: _C.attn_bwd(
+            res[causal, "bwd"] = _median_time(lambda: _C.attn_bwd(
                 dout, q, k, v, out, lse, causal=causal, num_threads=threads),
                 repeat)
-            np_fwd = _median_time(lambda: numpy_attention(q, k, v, causal, scale),
-                                  1, warmup=0)
+        for causal in (False, True):
+            res[causal, "np_fwd"] = _median_time(
+                lambda: numpy_attention(q, k, v, causal, scale), 1, warmup=0)
             np_out, np_lse = numpy_attention(q, k, v, causal, scale)
-            np_bwd = _median_time(lambda: numpy_attention_backward(
+            res[causal, "np_bwd"] = _median_time(lambda: numpy_attention_backward(
                 dout, q, k, v, np_out, np_lse, causal, scale), 1, warmup=0)
-            for pas, t, tnp, mult in (("fwd", res["fwd"], np_fwd, 1.0),
-                                      ("bwd", res["bwd"], np_bwd, 2.5)):
+        for causal in (False, True):
+            fl = _flops(B, H, S, D, causal)
+            for pas, mult in (("fwd", 1.0), ("bwd", 2.5)):
+                t, tnp = res[causal, pas], res[causal, "np_" + pas]
                 gflops = mult * fl / t / 1e9
                 rows.append({"S": S, "causal": causal, "pass": pas,
                              "ms": t * 1e3, "gflops": gflops,
