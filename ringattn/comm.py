@@ -190,6 +190,24 @@ def _rank_and_size(rank, world_size):
     return rank, world_size
 
 
+def _rendezvous(master_addr, master_port, token, world_size, no_port_msg):
+    """(address, port, token) of the host rendezvous, from the arguments or
+    MASTER_ADDR / RINGATTN_MASTER_PORT / MASTER_PORT+1 / RINGATTN_TOKEN."""
+    if master_addr is None:
+        master_addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = _rendezvous_port(master_port)
+    if port is None:
+        raise ValueError(no_port_msg)
+    if not 0 < port < 65536:
+        raise ValueError(f"master_port must be in 1..65535, got {port}")
+    if token is None:
+        token = os.environ.get("RINGATTN_TOKEN") or _derived_token(
+            master_addr, port, world_size)
+    if not isinstance(token, str) or not token:
+        raise ValueError("token must be a non-empty string")
+    return master_addr, port, token
+
+
 def _init_nccl(rank, world_size, device, unique_id, master_addr,
                master_port, token, timeout):
     rank, world_size = _rank_and_size(rank, world_size)
@@ -207,21 +225,11 @@ def _init_nccl(rank, world_size, device, unique_id, master_addr,
         return _C.nccl_comm(rank, world_size, index, unique_id=unique_id,
                             timeout=timeout, library=library)
     # launcher environment: rank 0's id travels over a host rendezvous
-    if master_addr is None:
-        master_addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = _rendezvous_port(master_port)
-    if port is None:
-        raise ValueError("backend 'nccl' with world_size > 1 needs "
-                         "unique_id=ra.nccl_unique_id() shared by the ranks, "
-                         "NCCL_COMM_ID, or a rendezvous: master_port= / "
-                         "RINGATTN_MASTER_PORT / MASTER_PORT")
-    if not 0 < port < 65536:
-        raise ValueError(f"master_port must be in 1..65535, got {port}")
-    if token is None:
-        token = os.environ.get("RINGATTN_TOKEN") or _derived_token(
-            master_addr, port, world_size)
-    if not isinstance(token, str) or not token:
-        raise ValueError("token must be a non-empty string")
+    master_addr, port, token = _rendezvous(
+        master_addr, master_port, token, world_size,
+        "backend 'nccl' with world_size > 1 needs unique_id="
+        "ra.nccl_unique_id() shared by the ranks, NCCL_COMM_ID, or a "
+        "rendezvous: master_port= / RINGATTN_MASTER_PORT / MASTER_PORT")
     return _C.nccl_comm(rank, world_size, index, master_addr=master_addr,
                         master_port=port, token=token, timeout=timeout,
                         library=library)
@@ -326,19 +334,9 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
     if world_size == 1:
         return _C.host_comm(0, 1, timeout=timeout)
 
-    if master_addr is None:
-        master_addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = _rendezvous_port(master_port)
-    if port is None:
-        raise ValueError("master_port is required when world_size > 1: pass "
-                         "master_port= or set RINGATTN_MASTER_PORT or "
-                         "MASTER_PORT")
-    if not 0 < port < 65536:
-        raise ValueError(f"master_port must be in 1..65535, got {port}")
-    if token is None:
-        token = os.environ.get("RINGATTN_TOKEN") or _derived_token(
-            master_addr, port, world_size)
-    if not isinstance(token, str) or not token:
-        raise ValueError("token must be a non-empty string")
+    master_addr, port, token = _rendezvous(
+        master_addr, master_port, token, world_size,
+        "master_port is required when world_size > 1: pass master_port= or "
+        "set RINGATTN_MASTER_PORT or MASTER_PORT")
     return _C.host_comm(rank, world_size, master_addr=master_addr,
                         master_port=port, token=token, timeout=timeout)
