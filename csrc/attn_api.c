@@ -317,15 +317,7 @@ static PyObject *mod_init_state(PyObject *m, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO:init_state", &oo, &lo)) return NULL;
     if (load_output(&t[0], oo, "out", 4, BSHD) < 0) goto done;
     qkv_dims d;
-    d.B = t[0].buf->shape[0];
-    d.Sq = t[0].buf->shape[1];
-    d.H = t[0].buf->shape[2];
-    d.D = t[0].buf->shape[3];
-    d.Sk = 0;
-    d.Hkv = d.H;
-    d.dtype = t[0].buf->dtype;
-    d.device_type = t[0].buf->device_type;
-    d.device_id = t[0].buf->device_id;
+    dims_of_rows(t[0].buf, t[0].buf->dtype, &d);
     if (d.dtype != RA_FLOAT32 && d.dtype != RA_FLOAT64) {
         PyErr_Format(PyExc_TypeError,
                      "out: expected a float32 or float64 running state, got %s",

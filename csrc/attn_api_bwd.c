@@ -280,15 +280,7 @@ static PyObject *mod_bwd_preprocess(PyObject *m, PyObject *args,
         check_same_device(&t[4], &t[3]) < 0)
         goto done;
     qkv_dims d;
-    d.B = t[4].buf->shape[0];
-    d.Sq = t[4].buf->shape[1];
-    d.H = t[4].buf->shape[2];
-    d.D = t[4].buf->shape[3];
-    d.Sk = 0;
-    d.Hkv = d.H;
-    d.dtype = t[4].buf->dtype == RA_FLOAT64 ? RA_FLOAT64 : RA_FLOAT32;
-    d.device_type = t[4].buf->device_type;
-    d.device_id = t[4].buf->device_id;
+    dims_of_rows(t[4].buf, ra_acc_dtype(t[4].buf->dtype), &d);
     int64_t bhs[3] = {d.B, d.H, d.Sq};
     if (deltao != Py_None) {
         if (load_bhs(&t[6], deltao, "delta", &d, 1) < 0) goto done;
@@ -337,14 +329,7 @@ static PyObject *mod_merge(PyObject *m, PyObject *args, PyObject *kwds) {
     if (check_shape4_like(&t[2], &t[0]) < 0 || check_same_device(&t[0], &t[2]) < 0)
         goto done;
     qkv_dims d;
-    d.B = t[0].buf->shape[0];
-    d.Sq = t[0].buf->shape[1];
-    d.H = t[0].buf->shape[2];
-    d.D = t[0].buf->shape[3];
-    d.Sk = 0;
-    d.Hkv = d.H;
-    d.device_type = t[0].buf->device_type;
-    d.device_id = t[0].buf->device_id;
+    dims_of_rows(t[0].buf, RA_FLOAT32, &d);
     /* lse dtype decides: float64 lse means float64 state */
     {
         ra_buffer *probe = ra_buffer_from_object(l1, "lse1", -1);

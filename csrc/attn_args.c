@@ -235,6 +235,18 @@ int check_qkv(tensor_arg *q, tensor_arg *k, tensor_arg *v,
     return 0;
 }
 
+void dims_of_rows(const ra_buffer *rows, ra_dtype dtype, qkv_dims *d) {
+    d->B = rows->shape[0];
+    d->Sq = rows->shape[1];
+    d->H = rows->shape[2];
+    d->D = rows->shape[3];
+    d->Sk = 0;
+    d->Hkv = d->H;
+    d->dtype = dtype;
+    d->device_type = rows->device_type;
+    d->device_id = rows->device_id;
+}
+
 int parse_scale(PyObject *obj, int64_t D, double *scale) {
     if (obj == NULL || obj == Py_None) {
         *scale = 1.0 / sqrt((double)D);

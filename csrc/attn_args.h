@@ -43,6 +43,9 @@ int check_shape3(tensor_arg *a, int64_t d0, int64_t d1, int64_t d2,
                  const char *doc);
 int check_shape4_like(tensor_arg *a, tensor_arg *ref);
 int check_acc_dtype(tensor_arg *a, ra_dtype want, const char *why);
+/* dims of a (B, S, H, D) row tensor such as out or dout, for checks of
+ * the (B, H, S) tensors that go with it: S_k = 0, H_kv = H, dtype as given */
+void dims_of_rows(const ra_buffer *rows, ra_dtype dtype, qkv_dims *d);
 int check_qkv(tensor_arg *q, tensor_arg *k, tensor_arg *v, qkv_dims *d);
 int parse_scale(PyObject *obj, int64_t D, double *scale);
 int parse_positions(PyObject *qoff, long long qstride, long long koff,

@@ -50,8 +50,7 @@ ra_status ra_cpu_attn_bwd_preprocess(const ra_attn_bwd_params *p) {
     return RA_OK;
 }
 
-/* zero (B, S, Hx, D) rows of a gradient (grad dtype) */
-static void zero_grad(void *g, ra_dtype dt, int64_t B, int64_t S, int64_t Hx,
+void ra_cpu_zero_rows(void *g, ra_dtype dt, int64_t B, int64_t S, int64_t Hx,
                       int64_t D, int64_t bs, int64_t ss, int64_t hs, int nt) {
     const int64_t n_rows = B * S * Hx;
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -72,11 +71,11 @@ ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
     if (B == 0 || H == 0) return RA_OK;
     if (Sq == 0 || Sk == 0) {
         if (!p->accumulate) {
-            zero_grad(p->dq, gd, B, Sq, H, D, p->dq_batch_stride,
+            ra_cpu_zero_rows(p->dq, gd, B, Sq, H, D, p->dq_batch_stride,
                       p->dq_seq_stride, p->dq_head_stride, nt);
-            zero_grad(p->dk, gd, B, Sk, Hkv, D, p->dk_batch_stride,
+            ra_cpu_zero_rows(p->dk, gd, B, Sk, Hkv, D, p->dk_batch_stride,
                       p->dk_seq_stride, p->dk_head_stride, nt);
-            zero_grad(p->dv, gd, B, Sk, Hkv, D, p->dv_batch_stride,
+            ra_cpu_zero_rows(p->dv, gd, B, Sk, Hkv, D, p->dv_batch_stride,
                       p->dv_seq_stride, p->dv_head_stride, nt);
         }
         return RA_OK;

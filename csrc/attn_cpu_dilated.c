@@ -227,18 +227,6 @@ exit:
     return st;
 }
 
-/* zero (B, S, Hx, D) rows of an array */
-static void zero_rows(void *a, ra_dtype dt, int64_t B, int64_t S, int64_t Hx,
-                      int64_t D, int64_t bs, int64_t ss, int64_t hs, int nt) {
-    const int64_t n_rows = B * S * Hx;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < n_rows; r++) {
-        const int64_t h = r % Hx, i = (r / Hx) % S, b = r / (Hx * S);
-        memset(ra_cpu_atw(a, b * bs + i * ss + h * hs, dt), 0,
-               (size_t)D * ra_dtype_size(dt));
-    }
-}
-
 /* an acc-dtype gradient target: the gradient itself or a scratch copy */
 typedef struct grad_target {
     void *ptr;
@@ -290,9 +278,9 @@ ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
         tk = (grad_target){gk, Sk * Hkv * D, Hkv * D, D};
         tv = (grad_target){gv, Sk * Hkv * D, Hkv * D, D};
     } else if (!p->accumulate) {
-        zero_rows(p->dq, gd, B, Sq, H, D, tq.bs, tq.ss, tq.hs, nt);
-        zero_rows(p->dk, gd, B, Sk, Hkv, D, tk.bs, tk.ss, tk.hs, nt);
-        zero_rows(p->dv, gd, B, Sk, Hkv, D, tv.bs, tv.ss, tv.hs, nt);
+        ra_cpu_zero_rows(p->dq, gd, B, Sq, H, D, tq.bs, tq.ss, tq.hs, nt);
+        ra_cpu_zero_rows(p->dk, gd, B, Sk, Hkv, D, tk.bs, tk.ss, tk.hs, nt);
+        ra_cpu_zero_rows(p->dv, gd, B, Sk, Hkv, D, tv.bs, tv.ss, tv.hs, nt);
     }
 
     for (int br = 0; br < cfg->n_branches; br++) {

@@ -108,6 +108,11 @@ const ra_cpu_kernels *ra_cpu_kernels_for(ra_dtype dtype);
 ra_status ra_cpu_check_fwd(const ra_attn_fwd_params *p);
 ra_status ra_cpu_check_bwd(const ra_attn_bwd_params *p);
 
+/* Zero the D elements of every (b, s, h) row of a (B, S, Hx, D) array of
+ * dtype dt with element strides bs, ss, hs, on nt threads. */
+void ra_cpu_zero_rows(void *a, ra_dtype dt, int64_t B, int64_t S, int64_t Hx,
+                      int64_t D, int64_t bs, int64_t ss, int64_t hs, int nt);
+
 /* ---- scalar element access (packing, small helpers) -------------------- */
 /* float16/bfloat16 <-> float32 scalars: half.h */
 static inline double ra_cpu_ld(const void *base, int64_t idx, ra_dtype dt) {

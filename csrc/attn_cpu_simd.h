@@ -64,38 +64,46 @@ RA_AI real v_hsum(rv a) {
     return a[0];
 }
 
-/* 2^x: x = n + f with n = round(x), |f| <= 1/2; 2^f by a Taylor polynomial
+/* 2^f for |f| <= 1/2 by a Taylor polynomial, coefficients ln(2)^i / i!
  * (degree 6 for float, 12 for double: error below one unit in the last
- * place), 2^n by adding n to the exponent field.  Inputs below the smallest
- * normal exponent (including -inf) give exactly 0. */
-RA_AI rv v_exp2(rv x) {
+ * place); `magic` rounds to an integer when added, and `lo` is the smallest
+ * normal exponent. */
 #if RA_IS_DOUBLE
-    const real lo = -1021.0, hi = 1023.0, magic = 6755399441055744.0;
-    const int shift = 52;
-    static const real c[] = {
-        1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
-        0.009618129107628477, 0.0013333558146428443, 0.00015403530393381608,
-        1.525273380405984e-05, 1.3215486790144307e-06, 1.0178086009239699e-07,
-        7.054911620801123e-09, 4.445538271870811e-10, 2.567843599348821e-11};
-    const int deg = 12;
+static const real ra_exp2_c[] = {
+    1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
+    0.009618129107628477, 0.0013333558146428443, 0.00015403530393381608,
+    1.525273380405984e-05, 1.3215486790144307e-06, 1.0178086009239699e-07,
+    7.054911620801123e-09, 4.445538271870811e-10, 2.567843599348821e-11};
+enum { RA_EXP2_DEG = 12, RA_EXP2_SHIFT = 52 };
+static const real ra_exp2_lo = -1021.0, ra_exp2_hi = 1023.0,
+                  ra_exp2_magic = 6755399441055744.0;
 #else
-    const real lo = -125.0f, hi = 127.0f, magic = 12582912.0f;
-    const int shift = 23;
-    static const real c[] = {1.0f, 0.6931471805599453f, 0.2402265069591007f,
-                             0.05550410866482158f, 0.009618129107628477f,
-                             0.0013333558146428443f, 0.00015403530393381608f};
-    const int deg = 6;
+static const real ra_exp2_c[] = {1.0f, 0.6931471805599453f, 0.2402265069591007f,
+                                 0.05550410866482158f, 0.009618129107628477f,
+                                 0.0013333558146428443f, 0.00015403530393381608f};
+enum { RA_EXP2_DEG = 6, RA_EXP2_SHIFT = 23 };
+static const real ra_exp2_lo = -125.0f, ra_exp2_hi = 127.0f,
+                  ra_exp2_magic = 12582912.0f;
 #endif
-    ri dead = x < v_set1(lo);
-    x = v_max(x, v_set1(lo));
-    x = -v_max(-x, v_set1(-hi));
-    rv t = x + v_set1(magic);           /* rounds x to an integer */
-    rv n = t - v_set1(magic);
-    rv f = x - n;
-    rv p = v_set1(c[deg]);
-    for (int i = deg - 1; i >= 0; i--) p = p * f + v_set1(c[i]);
-    ri ni = (ri)t - (ri)v_set1(magic);  /* the integer n */
-    ri r = (ri)p + (ni << shift);
+
+RA_AI rv v_exp2_poly(rv f) {
+    rv p = v_set1(ra_exp2_c[RA_EXP2_DEG]);
+    for (int i = RA_EXP2_DEG - 1; i >= 0; i--) p = p * f + v_set1(ra_exp2_c[i]);
+    return p;
+}
+
+/* 2^x: x = n + f with n = round(x), |f| <= 1/2; 2^f by the polynomial, 2^n
+ * by adding n to the exponent field.  Inputs below the smallest normal
+ * exponent (including -inf) give exactly 0. */
+RA_AI rv v_exp2(rv x) {
+    ri dead = x < v_set1(ra_exp2_lo);
+    x = v_max(x, v_set1(ra_exp2_lo));
+    x = -v_max(-x, v_set1(-ra_exp2_hi));
+    rv t = x + v_set1(ra_exp2_magic);   /* rounds x to an integer */
+    rv n = t - v_set1(ra_exp2_magic);
+    rv p = v_exp2_poly(x - n);
+    ri ni = (ri)t - (ri)v_set1(ra_exp2_magic);  /* the integer n */
+    ri r = (ri)p + (ni << RA_EXP2_SHIFT);
     return (rv)(r & ~dead);
 }
 
@@ -105,29 +113,10 @@ RA_AI rv v_exp2(rv x) {
  * when shifted into the exponent field), and every lane below the smallest
  * normal exponent, -inf included, is forced to exactly 0. */
 RA_AI rv v_exp2_le0(rv x) {
-#if RA_IS_DOUBLE
-    const real lo = -1021.0, magic = 6755399441055744.0;
-    const int shift = 52;
-    static const real c[] = {
-        1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
-        0.009618129107628477, 0.0013333558146428443, 0.00015403530393381608,
-        1.525273380405984e-05, 1.3215486790144307e-06, 1.0178086009239699e-07,
-        7.054911620801123e-09, 4.445538271870811e-10, 2.567843599348821e-11};
-    const int deg = 12;
-#else
-    const real lo = -125.0f, magic = 12582912.0f;
-    const int shift = 23;
-    static const real c[] = {1.0f, 0.6931471805599453f, 0.2402265069591007f,
-                             0.05550410866482158f, 0.009618129107628477f,
-                             0.0013333558146428443f, 0.00015403530393381608f};
-    const int deg = 6;
-#endif
-    ri dead = x < v_set1(lo);
-    rv t = x + v_set1(magic);
-    rv f = x - (t - v_set1(magic));
-    rv p = v_set1(c[deg]);
-    for (int i = deg - 1; i >= 0; i--) p = p * f + v_set1(c[i]);
-    ri r = (ri)p + ((ri)t << shift);
+    ri dead = x < v_set1(ra_exp2_lo);
+    rv t = x + v_set1(ra_exp2_magic);
+    rv p = v_exp2_poly(x - (t - v_set1(ra_exp2_magic)));
+    ri r = (ri)p + ((ri)t << RA_EXP2_SHIFT);
     return (rv)(r & ~dead);
 }
 
