@@ -168,16 +168,18 @@ def empty_state(B, n, H, D, acc, dev):
 
 
 def _pairs(plan, q_rank, k_rank, causal):
-    """(q piece, k piece) pairs of two shards that have any visible key."""
+    """Pieces of two shards that have any visible key, as
+    ((q_off, q_len), (k_off, k_len), positions): local row ranges and the
+    kernels' position keywords."""
     out = []
-    for qp in plan.local_pieces(q_rank):
-        q_off, q_start, q_stride, q_len = qp
+    for q_off, q_start, q_stride, q_len in plan.local_pieces(q_rank):
         q_last = q_start + q_stride * (q_len - 1)
-        for kp in plan.local_pieces(k_rank):
-            k_off, k_start, k_stride, k_len = kp
+        for k_off, k_start, k_stride, k_len in plan.local_pieces(k_rank):
             if causal and k_start > q_last:
                 continue  # entirely in the causal future
-            out.append((qp, kp))
+            positions = dict(q_pos_offset=q_start, q_pos_stride=q_stride,
+                             k_pos_offset=k_start, k_pos_stride=k_stride)
+            out.append(((q_off, q_len), (k_off, k_len), positions))
     return out
 
 
@@ -269,8 +271,7 @@ def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
             sent += cur.nbytes
         t0 = time.perf_counter()
         k_blk, v_blk = blocks.part(cur, 0), blocks.part(cur, 1)
-        for (q_off, q_start, q_stride, q_len), (k_off, k_start, k_stride,
-                                                k_len) in _pairs(
+        for (q_off, q_len), (k_off, k_len), positions in _pairs(
                 plan, r, src_rank, causal):
             _C.attn_fwd(qb.narrow(1, q_off, q_len),
                         k_blk.narrow(1, k_off, k_len),
@@ -278,9 +279,7 @@ def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
                         causal=causal, scale=scale,
                         out=out.narrow(1, q_off, q_len),
                         lse=lse.narrow(2, q_off, q_len), accumulate=True,
-                        q_pos_offset=q_start, q_pos_stride=q_stride,
-                        k_pos_offset=k_start, k_pos_stride=k_stride,
-                        num_threads=threads)
+                        num_threads=threads, **positions)
         t1 = time.perf_counter()
         if req is not None:
             req.wait()
@@ -353,8 +352,7 @@ def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan, causal, scale,
                                          (r - 1) % p, step=step, timeout=timeout)
         k_blk, v_blk = kv.part(kv_cur, 0), kv.part(kv_cur, 1)
         dk_blk, dv_blk = dkv.part(dkv_cur, 0), dkv.part(dkv_cur, 1)
-        for (q_off, q_start, q_stride, q_len), (k_off, k_start, k_stride,
-                                                k_len) in _pairs(
+        for (q_off, q_len), (k_off, k_len), positions in _pairs(
                 plan, r, src_rank, causal):
             _C.attn_bwd(doutb.narrow(1, q_off, q_len),
                         qb.narrow(1, q_off, q_len),
@@ -366,9 +364,7 @@ def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan, causal, scale,
                         dk=dk_blk.narrow(1, k_off, k_len),
                         dv=dv_blk.narrow(1, k_off, k_len),
                         delta=delta.narrow(2, q_off, q_len), accumulate=True,
-                        q_pos_offset=q_start, q_pos_stride=q_stride,
-                        k_pos_offset=k_start, k_pos_stride=k_stride,
-                        num_threads=threads)
+                        num_threads=threads, **positions)
         if kv_req is not None:
             kv_req.wait()
             kv_i = 1 - kv_i

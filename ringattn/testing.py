@@ -201,6 +201,27 @@ def assert_close(actual, reference, dtype, name="out"):
 # attention
 # --------------------------------------------------------------------------
 
+
+def close_failures(actual, expected, dtype,
+                   names=("out", "lse", "dq", "dk", "dv")):
+    """``assert_close`` over pairs; the list of failure messages (empty when
+    every pair is within tolerance)."""
+    bad = []
+    for name, a, e in zip(names, actual, expected):
+        try:
+            assert_close(a, e, dtype, name)
+        except AssertionError as err:
+            bad.append(str(err))
+    return bad
+
+
+def random_problem(rng, B, n, H, H_kv, D, dtype="float64"):
+    """q, k, v (self-attention over n tokens) and dout, as random_qkv makes
+    them; dout (B, n, H, D) in the same dtype."""
+    q, k, v = random_qkv(rng, B, n, n, H, H_kv, D, dtype)
+    dout = rng.standard_normal(q.shape).astype(np_dtype(dtype))
+    return q, k, v, dout
+
 def _prepare(q, k, v, scale):
     """float64 copies of q, k, v with kv heads repeated to H, in BHSD."""
     q, k, v = to_numpy(q), to_numpy(k), to_numpy(v)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import ringattn as ra
-from ringattn.testing import (assert_close, random_qkv, ref_attention,
-                              ref_attention_backward, np_dtype)
+from ringattn.testing import (close_failures, random_problem, ref_attention,
+                              ref_attention_backward)
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 LAUNCH_TIMEOUT = 60
@@ -72,21 +72,8 @@ def reference(q, k, v, dout, causal, out=None):
     return (ref_out, ref_lse) + tuple(grads)
 
 
-def mismatches(actual, expected, dtype):
-    """Failure messages of assert_close for each of out, lse, dq, dk, dv."""
-    bad = []
-    for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), actual, expected):
-        try:
-            assert_close(a, e, dtype, name)
-        except AssertionError as err:
-            bad.append(str(err))
-    return bad
-
-
 def problem(rng, n, H, H_kv, D=8, B=2, dtype="float64"):
-    q, k, v = random_qkv(rng, B, n, n, H, H_kv, D, dtype)
-    dout = rng.standard_normal(q.shape).astype(np_dtype(dtype))
-    return q, k, v, dout
+    return random_problem(rng, B, n, H, H_kv, D, dtype)
 
 
 # ---- the grid (threads backend) --------------------------------------------
@@ -100,7 +87,7 @@ def test_ring_matches_reference_float64(rng, p, layout, causal, n):
     """p ranks, every layout, odd n and n < p (empty shards), GQA 4:2."""
     q, k, v, dout = problem(rng, n, H=4, H_kv=2)
     got = run_ring(q, k, v, dout, p, layout, causal)
-    bad = mismatches(got, reference(q, k, v, dout, causal), "float64")
+    bad = close_failures(got, reference(q, k, v, dout, causal), "float64")
     assert not bad, "\n".join(bad)
 
 
@@ -112,7 +99,7 @@ def test_ring_gqa_float32(rng, p, layout, H_kv):
     """H=4 query heads over 4, 2 (GQA) or 1 (MQA) kv heads, causal."""
     q, k, v, dout = problem(rng, 61, H=4, H_kv=H_kv, D=16, dtype="float32")
     got = run_ring(q, k, v, dout, p, layout, causal=True)
-    bad = mismatches(got, reference(q, k, v, dout, True), "float32")
+    bad = close_failures(got, reference(q, k, v, dout, True), "float32")
     assert not bad, "\n".join(bad)
 
 
@@ -127,7 +114,7 @@ def test_ring_half_precision_storage(rng, dtype):
     q, k, v, dout = problem(rng, 45, H=4, H_kv=2, D=16, dtype=dtype)
     got = run_ring(q, k, v, dout, 3, "zigzag", causal=True)
     expected = reference(q, k, v, dout, True, out=got[0])
-    bad = mismatches(got, expected, dtype)
+    bad = close_failures(got, expected, dtype)
     assert not bad, "\n".join(bad)
 
 
@@ -138,7 +125,7 @@ def test_ring_with_seq_len_given(rng, n, layout):
     """seq_len passed explicitly gives the same result as the reference."""
     q, k, v, dout = problem(rng, n, H=4, H_kv=2)
     got = run_ring(q, k, v, dout, 4, layout, causal=True, pass_seq_len=True)
-    bad = mismatches(got, reference(q, k, v, dout, True), "float64")
+    bad = close_failures(got, reference(q, k, v, dout, True), "float64")
     assert not bad, "\n".join(bad)
 
 
@@ -193,7 +180,7 @@ def test_ring_strided_inputs_scale_and_progress(rng, layout):
                            big[:, :, 4:6, 16:], causal=True, scale=0.2,
                            q_pos=pos, k_pos=pos)
     calls = [res[1] for res in results]
-    bad = mismatches([out], [ref], "float64")
+    bad = close_failures([out], [ref], "float64")
     assert not bad and calls == [[(1, 3), (2, 3), (3, 3)]] * 3, \
         "\n".join(bad) + f"\nprogress calls {calls}"
 
@@ -215,7 +202,7 @@ def test_ring_host_backend(rng, p, layout, causal, n, H, H_kv, dtype):
     """Real processes over sockets: same answers as the reference."""
     q, k, v, dout = problem(rng, n, H=H, H_kv=H_kv, D=16, dtype=dtype)
     got = run_ring(q, k, v, dout, p, layout, causal, backend="host")
-    bad = mismatches(got, reference(q, k, v, dout, causal), dtype)
+    bad = close_failures(got, reference(q, k, v, dout, causal), dtype)
     assert not bad, "\n".join(bad)
 
 

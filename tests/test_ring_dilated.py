@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import ringattn as ra
-from ringattn.testing import (assert_close, np_dtype, random_qkv,
+from ringattn.testing import (close_failures, random_problem, random_qkv,
                               ref_dilated_attention,
                               ref_dilated_attention_backward)
 
@@ -69,20 +69,8 @@ def reference(q, k, v, dout, segs, rates, causal):
     return (out, lse) + tuple(grads)
 
 
-def mismatches(actual, expected, dtype):
-    bad = []
-    for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), actual, expected):
-        try:
-            assert_close(a, e, dtype, name)
-        except AssertionError as err:
-            bad.append(str(err))
-    return bad
-
-
 def problem(rng, n, H, H_kv, D=8, B=1, dtype="float64"):
-    q, k, v = random_qkv(rng, B, n, n, H, H_kv, D, dtype)
-    dout = rng.standard_normal(q.shape).astype(np_dtype(dtype))
-    return q, k, v, dout
+    return random_problem(rng, B, n, H, H_kv, D, dtype)
 
 
 # ---- correctness -----------------------------------------------------------
@@ -98,7 +86,7 @@ def test_ring_dilated_matches_reference(rng, p, layout, causal):
     """n = 41 (odd), GQA 4:2, segments 5/16/64 at rates 1/2/4."""
     q, k, v, dout = problem(rng, 41, 4, 2)
     got = run_ring(q, k, v, dout, SEGS, RATES, p, layout, causal)
-    bad = mismatches(got, reference(q, k, v, dout, SEGS, RATES, causal),
+    bad = close_failures(got, reference(q, k, v, dout, SEGS, RATES, causal),
                      "float64")
     assert not bad, "\n".join(bad)
 
@@ -112,7 +100,7 @@ def test_ring_dilated_heads(rng, layout, H, H_kv):
     segs, rates = [7, 24, 53], [1, 3, 8]
     q, k, v, dout = problem(rng, 53, H, H_kv)
     got = run_ring(q, k, v, dout, segs, rates, 3, layout, True)
-    bad = mismatches(got, reference(q, k, v, dout, segs, rates, True),
+    bad = close_failures(got, reference(q, k, v, dout, segs, rates, True),
                      "float64")
     assert not bad, "\n".join(bad)
 
@@ -125,7 +113,7 @@ def test_ring_dilated_short_sequences(rng, n, layout):
     segs, rates = [2, 5], [1, 2]
     q, k, v, dout = problem(rng, n, 4, 2)
     got = run_ring(q, k, v, dout, segs, rates, 4, layout, True)
-    bad = mismatches(got, reference(q, k, v, dout, segs, rates, True),
+    bad = close_failures(got, reference(q, k, v, dout, segs, rates, True),
                      "float64")
     assert not bad, "\n".join(bad)
 
@@ -137,7 +125,7 @@ def test_ring_dilated_longnet_float32(rng, layout):
     segs, rates = [32, 64, 128, 256], [1, 2, 4, 8]
     q, k, v, dout = problem(rng, 256, 8, 8, D=16, dtype="float32")
     got = run_ring(q, k, v, dout, segs, rates, 4, layout, True)
-    bad = mismatches(got, reference(q, k, v, dout, segs, rates, True),
+    bad = close_failures(got, reference(q, k, v, dout, segs, rates, True),
                      "float32")
     assert not bad, "\n".join(bad)
 
@@ -150,7 +138,7 @@ def test_ring_dilated_host_backend(rng, p, layout, causal):
     q, k, v, dout = problem(rng, 41, 4, 2)
     got = run_ring(q, k, v, dout, SEGS, RATES, p, layout, causal,
                    backend="host")
-    bad = mismatches(got, reference(q, k, v, dout, SEGS, RATES, causal),
+    bad = close_failures(got, reference(q, k, v, dout, SEGS, RATES, causal),
                      "float64")
     assert not bad, "\n".join(bad)
 
