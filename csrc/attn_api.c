@@ -180,14 +180,14 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     static char *kwlist_dense[] = {
         "q", "k", "v", "causal", "scale", "out", "lse", "accumulate",
         "q_pos_offset", "q_pos_stride", "k_pos_offset", "k_pos_stride",
-        "num_threads", NULL};
+        "num_threads", "check_only", NULL};
     static char *kwlist_dil[] = {
         "q", "k", "v", "segment_lengths", "dilation_rates", "causal", "scale",
         "out", "lse", "accumulate", "q_pos_offset", "k_pos_offset",
-        "num_threads", NULL};
+        "num_threads", "check_only", NULL};
     PyObject *qo, *ko, *vo, *scale_o = Py_None, *out_o = Py_None,
              *lse_o = Py_None, *qoff_o = Py_None, *segs = NULL, *rates = NULL;
-    int causal = 0, accumulate = 0, num_threads = 0;
+    int causal = 0, accumulate = 0, num_threads = 0, check_only = 0;
     long long qstride = 1, koff = 0, kstride = 1;
     ra_dilated_config cfg;
     tensor_arg t[5];
@@ -196,16 +196,16 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
 
     if (dilated) {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOO|$pOOOpOLi:dilated_fwd", kwlist_dil, &qo, &ko,
-                &vo, &segs, &rates, &causal, &scale_o, &out_o, &lse_o,
-                &accumulate, &qoff_o, &koff, &num_threads))
+                args, kwds, "OOOOO|$pOOOpOLip:dilated_fwd", kwlist_dil, &qo,
+                &ko, &vo, &segs, &rates, &causal, &scale_o, &out_o, &lse_o,
+                &accumulate, &qoff_o, &koff, &num_threads, &check_only))
             return NULL;
         if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
     } else {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOO|$pOOOpOLLLi:attn_fwd", kwlist_dense, &qo, &ko,
-                &vo, &causal, &scale_o, &out_o, &lse_o, &accumulate, &qoff_o,
-                &qstride, &koff, &kstride, &num_threads))
+                args, kwds, "OOO|$pOOOpOLLLip:attn_fwd", kwlist_dense, &qo,
+                &ko, &vo, &causal, &scale_o, &out_o, &lse_o, &accumulate,
+                &qoff_o, &qstride, &koff, &kstride, &num_threads, &check_only))
             return NULL;
     }
     if (load_tensor(&t[0], qo, "q", 4, BSHD) < 0) goto done;
@@ -219,6 +219,11 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     if ((dilated ? parse_dilated_positions(qoff_o, koff, &d, pos)
                  : parse_positions(qoff_o, qstride, koff, kstride, &d, pos)) < 0)
         goto done;
+    if (check_only) {          /* q, k, v, scale, positions: no work */
+        result = Py_None;
+        Py_INCREF(result);
+        goto done;
+    }
     ra_dtype acc = ra_acc_dtype(d.dtype);
     int64_t lse_shape[3] = {d.B, d.H, d.Sq};
     if (accumulate && (out_o == Py_None || lse_o == Py_None)) {
@@ -391,12 +396,13 @@ static PyMethodDef attn_functions[] = {
      METH_VARARGS | METH_KEYWORDS,
      "attn_fwd(q, k, v, *, causal=False, scale=None, out=None, lse=None, "
      "accumulate=False, q_pos_offset=None, q_pos_stride=1, k_pos_offset=0, "
-     "k_pos_stride=1, num_threads=0) -> (out, lse)"},
+     "k_pos_stride=1, num_threads=0, check_only=False) -> (out, lse), or "
+     "None after the checks alone with check_only=True"},
     {"dilated_fwd", (PyCFunction)(void (*)(void))mod_dilated_fwd,
      METH_VARARGS | METH_KEYWORDS,
      "dilated_fwd(q, k, v, segment_lengths, dilation_rates, *, causal=False, "
      "scale=None, out=None, lse=None, accumulate=False, q_pos_offset=None, "
-     "k_pos_offset=0, num_threads=0) -> (out, lse)"},
+     "k_pos_offset=0, num_threads=0, check_only=False) -> (out, lse)"},
     {"init_state", mod_init_state, METH_VARARGS,
      "init_state(out, lse): out := 0, lse := -inf (an empty running state)"},
     {"cpu_simd_level", mod_simd_level, METH_NOARGS,
@@ -410,6 +416,8 @@ extern PyMethodDef ra_attn_bwd_functions[];
 
 int ra_attn_exec(PyObject *m, ra_module_state *st) {
     (void)st;
+    if (PyModule_AddIntConstant(m, "MAX_BRANCHES", RA_MAX_BRANCHES) < 0)
+        return -1;
     if (PyModule_AddFunctions(m, attn_functions) < 0) return -1;
     return PyModule_AddFunctions(m, ra_attn_bwd_functions);
 }

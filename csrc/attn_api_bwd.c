@@ -99,17 +99,19 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     static char *kwlist_dense[] = {
         "dout", "q", "k", "v", "out", "lse", "causal", "scale", "dq", "dk",
         "dv", "delta", "accumulate", "deterministic", "q_pos_offset",
-        "q_pos_stride", "k_pos_offset", "k_pos_stride", "num_threads", NULL};
+        "q_pos_stride", "k_pos_offset", "k_pos_stride", "num_threads",
+        "check_only", NULL};
     static char *kwlist_dil[] = {
         "dout", "q", "k", "v", "out", "lse", "segment_lengths",
         "dilation_rates", "causal", "scale", "dq", "dk", "dv", "delta",
         "accumulate", "deterministic", "q_pos_offset", "k_pos_offset",
-        "num_threads", NULL};
+        "num_threads", "check_only", NULL};
     PyObject *douto, *qo, *ko, *vo, *outo, *lseo, *scale_o = Py_None,
              *dqo = Py_None, *dko = Py_None, *dvo = Py_None,
              *deltao = Py_None, *qoff_o = Py_None, *segs = NULL,
              *rates = NULL;
-    int causal = 0, accumulate = 0, deterministic = 0, num_threads = 0;
+    int causal = 0, accumulate = 0, deterministic = 0, num_threads = 0,
+        check_only = 0;
     long long qstride = 1, koff = 0, kstride = 1;
     ra_dilated_config cfg;
     tensor_arg t[10];
@@ -118,18 +120,18 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
 
     if (dilated) {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOOOOO|$pOOOOOppOLi:dilated_bwd", kwlist_dil,
+                args, kwds, "OOOOOOOO|$pOOOOOppOLip:dilated_bwd", kwlist_dil,
                 &douto, &qo, &ko, &vo, &outo, &lseo, &segs, &rates, &causal,
                 &scale_o, &dqo, &dko, &dvo, &deltao, &accumulate,
-                &deterministic, &qoff_o, &koff, &num_threads))
+                &deterministic, &qoff_o, &koff, &num_threads, &check_only))
             return NULL;
         if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
     } else {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOOO|$pOOOOOppOLLLi:attn_bwd", kwlist_dense,
+                args, kwds, "OOOOOO|$pOOOOOppOLLLip:attn_bwd", kwlist_dense,
                 &douto, &qo, &ko, &vo, &outo, &lseo, &causal, &scale_o, &dqo,
                 &dko, &dvo, &deltao, &accumulate, &deterministic, &qoff_o,
-                &qstride, &koff, &kstride, &num_threads))
+                &qstride, &koff, &kstride, &num_threads, &check_only))
             return NULL;
     }
     if (load_tensor(&t[0], qo, "q", 4, BSHD) < 0) goto done;
@@ -172,6 +174,11 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     if ((dilated ? parse_dilated_positions(qoff_o, koff, &d, pos)
                  : parse_positions(qoff_o, qstride, koff, kstride, &d, pos)) < 0)
         goto done;
+    if (check_only) {          /* dout, q, k, v, out, lse, scale: no work */
+        result = Py_None;
+        Py_INCREF(result);
+        goto done;
+    }
     ra_dtype acc = ra_acc_dtype(d.dtype);
     int64_t bhs[3] = {d.B, d.H, d.Sq};
     if (deltao != Py_None) {
@@ -418,13 +425,14 @@ PyMethodDef ra_attn_bwd_functions[] = {
      "attn_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, dq=None, "
      "dk=None, dv=None, delta=None, accumulate=False, deterministic=False, "
      "q_pos_offset=None, q_pos_stride=1, k_pos_offset=0, k_pos_stride=1, "
-     "num_threads=0) -> (dq, dk, dv)"},
+     "num_threads=0, check_only=False) -> (dq, dk, dv), or None after the "
+     "checks alone with check_only=True"},
     {"dilated_bwd", (PyCFunction)(void (*)(void))mod_dilated_bwd,
      METH_VARARGS | METH_KEYWORDS,
      "dilated_bwd(dout, q, k, v, out, lse, segment_lengths, dilation_rates, "
      "*, causal=False, scale=None, dq=None, dk=None, dv=None, delta=None, "
      "accumulate=False, deterministic=False, q_pos_offset=None, "
-     "k_pos_offset=0, num_threads=0) -> (dq, dk, dv)"},
+     "k_pos_offset=0, num_threads=0, check_only=False) -> (dq, dk, dv)"},
     {"attn_bwd_preprocess", (PyCFunction)(void (*)(void))mod_bwd_preprocess,
      METH_VARARGS | METH_KEYWORDS,
      "attn_bwd_preprocess(dout, out, *, delta=None) -> delta (B, H, S_q)"},

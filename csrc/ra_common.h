@@ -117,7 +117,9 @@ static inline int ra_mul_ok(int64_t a, int64_t b, int64_t *out) {
 }
 
 /* Thread count for CPU kernels: RINGATTN_NUM_THREADS, else OpenMP's default.
- * `requested` > 0 overrides both. */
+ * `requested` > 0 overrides both.  Never more than RA_MAX_THREADS (a team
+ * of billions would abort the OpenMP runtime). */
+#define RA_MAX_THREADS 4096
 int ra_cpu_num_threads(int requested);
 /* Threads for a call of about `work` flops: ra_cpu_num_threads(requested),
  * fewer for small calls so that waking a team never costs more than the

@@ -38,12 +38,13 @@ const char *ra_dtype_name(ra_dtype t) {
 }
 
 int ra_cpu_num_threads(int requested) {
+    if (requested > RA_MAX_THREADS) return RA_MAX_THREADS;
     if (requested > 0) return requested;
     const char *env = getenv("RINGATTN_NUM_THREADS");
     if (env != NULL && *env != '\0') {
         char *end = NULL;
         long n = strtol(env, &end, 10);
-        if (end != env && n > 0 && n < 4096) return (int)n;
+        if (end != env && n > 0 && n <= RA_MAX_THREADS) return (int)n;
     }
 #ifdef _OPENMP
     return omp_get_max_threads();

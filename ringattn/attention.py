@@ -9,13 +9,8 @@ Inputs may be any array kind; results come back as the kind of q.
 """
 
 from . import _C
+from .checks import flag
 from .interop import kind_of, from_buffer, to_buffer
-
-
-def _flag(value, name):
-    if not isinstance(value, (bool, int)) or isinstance(value, float):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return bool(value)
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
@@ -25,12 +20,12 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     bfloat16 (all three the same).  scale defaults to 1/sqrt(D).
     Returns out (B, S_q, H, D), or (out, lse) with return_lse=True.
     """
+    causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
     kind = kind_of(q)
     out, lse = _C.attn_fwd(to_buffer(q, "q"), to_buffer(k, "k"),
-                           to_buffer(v, "v"),
-                           causal=_flag(causal, "causal"), scale=scale)
+                           to_buffer(v, "v"), causal=causal, scale=scale)
     out = from_buffer(out, kind)
-    if _flag(return_lse, "return_lse"):
+    if return_lse:
         return out, from_buffer(lse, kind)
     return out
 
@@ -47,8 +42,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
     grads = _C.attn_bwd(to_buffer(dout, "dout"), to_buffer(q, "q"),
                         to_buffer(k, "k"), to_buffer(v, "v"),
                         to_buffer(out, "out"), to_buffer(lse, "lse"),
-                        causal=_flag(causal, "causal"), scale=scale,
-                        deterministic=_flag(deterministic, "deterministic"))
+                        causal=flag(causal, "causal"), scale=scale,
+                        deterministic=flag(deterministic, "deterministic"))
     return tuple(from_buffer(g, kind) for g in grads)
 
 

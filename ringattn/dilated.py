@@ -14,6 +14,7 @@ no dense mask is ever built.
 import operator
 
 from . import _C
+from .checks import flag
 from .interop import kind_of, from_buffer, to_buffer
 
 
@@ -62,10 +63,11 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     that no branch selects: out 0, lse -inf).
     """
     segs, rates = check_config(segment_lengths, dilation_rates)
+    causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
     kind = kind_of(q)
     out, lse = _C.dilated_fwd(to_buffer(q, "q"), to_buffer(k, "k"),
-                              to_buffer(v, "v"), segs, rates,
-                              causal=bool(causal), scale=scale)
+                              to_buffer(v, "v"), segs, rates, causal=causal,
+                              scale=scale)
     out = from_buffer(out, kind)
     if return_lse:
         return out, from_buffer(lse, kind)
@@ -80,7 +82,7 @@ def dilated_attention_backward(dout, q, k, v, out, lse, segment_lengths,
     grads = _C.dilated_bwd(to_buffer(dout, "dout"), to_buffer(q, "q"),
                            to_buffer(k, "k"), to_buffer(v, "v"),
                            to_buffer(out, "out"), to_buffer(lse, "lse"), segs,
-                           rates, causal=bool(causal), scale=scale)
+                           rates, causal=flag(causal, "causal"), scale=scale)
     return tuple(from_buffer(g, kind) for g in grads)
 
 
@@ -96,7 +98,7 @@ class DilatedAttention:
                  scale=None):
         self.segment_lengths, self.dilation_rates = check_config(
             segment_lengths, dilation_rates)
-        self.causal = bool(causal)
+        self.causal = flag(causal, "causal")
         self.scale = scale
 
     def __repr__(self):
@@ -104,6 +106,7 @@ class DilatedAttention:
                 f"dilation_rates={self.dilation_rates}, causal={self.causal})")
 
     def __call__(self, q, k, v, return_lse=False):
+        """``dilated_attention`` with this configuration."""
         return dilated_attention(q, k, v, self.segment_lengths,
                                  self.dilation_rates, causal=self.causal,
                                  scale=self.scale, return_lse=return_lse)

@@ -43,7 +43,7 @@ def _as_int(value, name, minimum):
     return as_int
 
 
-def _check_layout(layout):
+def check_layout(layout):
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(
             f"layout: expected one of {', '.join(map(repr, LAYOUTS))}, got "
@@ -79,7 +79,7 @@ def shard_progressions(n, world_size, layout, rank):
     """
     n = _as_int(n, "n", 0)
     p = _as_int(world_size, "world_size", 1)
-    layout = _check_layout(layout)
+    layout = check_layout(layout)
     r = _check_rank(rank, p)
     if layout == "contiguous":
         b = _chunk_bounds(n, p)
@@ -183,7 +183,7 @@ def unshard(shards, layout, axis=1):
     layout)`` gives that rank, else ValueError.  Returns a new C-contiguous
     array with n rows along `axis`.
     """
-    layout = _check_layout(layout)
+    layout = check_layout(layout)
     shards = list(shards)
     if not shards:
         raise ValueError("shards: expected at least one shard, got 0")

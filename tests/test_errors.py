@@ -6,6 +6,7 @@ non-arrays; BufferError for DLPack problems.  Messages name the argument.
 
 import ctypes
 import re
+import time
 
 import numpy as np
 import pytest
@@ -268,3 +269,182 @@ def test_attention_refuses_non_float_dlpack_dtype():
 def test_from_dlpack_refuses_non_arrays():
     with pytest.raises(TypeError):
         ra.from_dlpack([1.0, 2.0])
+
+
+# ------------------------------------------------------------ boolean flags
+
+def _one_rank():
+    return ra.ThreadsGroup(1).comm(0)
+
+
+def _flag_calls():
+    q, k, v = qkv(S_k=5)
+    out, lse = forward_state(q, k, v)
+    grads = (np.ones_like(q), q, k, v, out, lse)
+    dil = ([4], [2])
+    ring = dict(comm=_one_rank())
+    return {
+        "attention causal": lambda b: ra.attention(q, k, v, causal=b),
+        "attention return_lse": lambda b: ra.attention(q, k, v, return_lse=b),
+        "attention_backward causal":
+            lambda b: ra.attention_backward(*grads, causal=b),
+        "attention_backward deterministic":
+            lambda b: ra.attention_backward(*grads, deterministic=b),
+        "dilated_attention causal":
+            lambda b: ra.dilated_attention(q, k, v, *dil, causal=b),
+        "dilated_attention return_lse":
+            lambda b: ra.dilated_attention(q, k, v, *dil, return_lse=b),
+        "dilated_attention_backward causal":
+            lambda b: ra.dilated_attention_backward(*grads, *dil, causal=b),
+        "DilatedAttention causal": lambda b: ra.DilatedAttention(*dil, causal=b),
+        "DilatedAttention() return_lse":
+            lambda b: ra.DilatedAttention(*dil)(q, k, v, return_lse=b),
+        "ring_attention causal":
+            lambda b: ra.ring_attention(q, k, v, causal=b, **ring),
+        "ring_attention return_lse":
+            lambda b: ra.ring_attention(q, k, v, return_lse=b, **ring),
+        "ring_attention_backward causal":
+            lambda b: ra.ring_attention_backward(*grads, causal=b, **ring),
+        "ring_dilated_attention causal":
+            lambda b: ra.ring_dilated_attention(q, k, v, segment_lengths=[4],
+                                                dilation_rates=[2], causal=b,
+                                                **ring),
+        "ring_dilated_attention return_lse":
+            lambda b: ra.ring_dilated_attention(q, k, v, segment_lengths=[4],
+                                                dilation_rates=[2],
+                                                return_lse=b, **ring),
+        "ring_dilated_attention_backward causal":
+            lambda b: ra.ring_dilated_attention_backward(
+                *grads, segment_lengths=[4], dilation_rates=[2], causal=b,
+                **ring),
+    }
+
+
+FLAG_CALLS = list(_flag_calls())
+
+
+@pytest.mark.parametrize("bad", ["false", "True", None, 0.0, 2, [True]])
+@pytest.mark.parametrize("call", FLAG_CALLS)
+def test_flags_refuse_anything_but_a_bool(call, bad):
+    """causal="false" must not run causal: every flag is a TypeError
+    naming it unless it is a bool (or 0/1, numpy.bool_)."""
+    flag = call.split()[-1]
+    with pytest.raises(TypeError, match=rf"^{flag}: expected a bool"):
+        _flag_calls()[call](bad)
+
+
+@pytest.mark.parametrize("good", [True, False, np.bool_(True), 0, 1])
+@pytest.mark.parametrize("call", FLAG_CALLS)
+def test_flags_take_bools(call, good):
+    _flag_calls()[call](good)
+
+
+# ------------------------------------------------------------ ring arguments
+
+def _ring_call(entry, comm, overrides):
+    """Call a ring entry point on rank 0 of `comm` with `overrides` applied
+    to q, k, v (arrays) and the keywords."""
+    rng = np.random.default_rng(3)
+    a = dict(q=rng.standard_normal((1, 6, 4, 8)).astype(np.float32),
+             k=rng.standard_normal((1, 6, 2, 8)).astype(np.float32),
+             v=rng.standard_normal((1, 6, 2, 8)).astype(np.float32))
+    arrays = {n: overrides.pop(n) for n in ("q", "k", "v") if n in overrides}
+    a.update(arrays)
+    q, k, v = a["q"], a["k"], a["v"]
+    dout = np.ones_like(q)
+    lse = np.zeros((1, q.shape[2], q.shape[1]), np.float32)
+    dil = dict(segment_lengths=[4], dilation_rates=[2])
+    if entry == "ring_attention":
+        return ra.ring_attention(q, k, v, comm, **overrides)
+    if entry == "ring_attention_backward":
+        return ra.ring_attention_backward(dout, q, k, v, q, lse, comm,
+                                          **overrides)
+    if entry == "ring_dilated_attention":
+        return ra.ring_dilated_attention(q, k, v, comm, **dil, **overrides)
+    return ra.ring_dilated_attention_backward(dout, q, k, v, q, lse, comm,
+                                              **dil, **overrides)
+
+
+RING_ENTRIES = ["ring_attention", "ring_attention_backward",
+                "ring_dilated_attention", "ring_dilated_attention_backward"]
+
+RING_BAD = [
+    # (overrides, exception, pattern)
+    (dict(k=np.zeros((1, 6, 2, 16), np.float32)), ValueError, r"^k: .*head_dim"),
+    (dict(v=np.zeros((1, 6, 2, 16), np.float32)), ValueError, r"^v: .*head_dim"),
+    (dict(k=np.zeros((1, 6, 3, 8), np.float32),
+          v=np.zeros((1, 6, 3, 8), np.float32)), ValueError, r"^k: .*heads"),
+    (dict(v=np.zeros((1, 6, 1, 8), np.float32)), ValueError, r"^v: .*kv heads"),
+    (dict(k=np.zeros((1, 6, 2, 8), np.float64)), TypeError, r"^k: .*dtype"),
+    (dict(v=np.zeros((1, 6, 2, 8), np.float16)), TypeError, r"^v: .*dtype"),
+    (dict(q=np.zeros((6, 4, 8), np.float32)), ValueError, r"^q: "),
+    (dict(k=np.zeros((1, 5, 2, 8), np.float32),
+          v=np.zeros((1, 5, 2, 8), np.float32)), ValueError, r"^k: "),
+    (dict(num_threads=-3), ValueError, r"^num_threads: "),
+    (dict(num_threads=2**40), ValueError, r"^num_threads: "),
+    (dict(num_threads="4"), TypeError, r"^num_threads: "),
+    (dict(num_threads=2.0), TypeError, r"^num_threads: "),
+    (dict(scale="x"), TypeError, r"^scale: "),
+    (dict(scale=float("nan")), ValueError, r"^scale: "),
+    (dict(scale=float("inf")), ValueError, r"^scale: "),
+    (dict(timeout=-1), ValueError, r"^timeout: "),
+    (dict(timeout=0), ValueError, r"^timeout: "),
+    (dict(timeout=float("nan")), ValueError, r"^timeout: "),
+    (dict(timeout=float("inf")), ValueError, r"^timeout: "),
+    (dict(timeout="1"), TypeError, r"^timeout: "),
+    (dict(progress=5), TypeError, r"^progress: "),
+    (dict(profile=[]), TypeError, r"^profile: "),
+    (dict(layout="spiral"), ValueError, r"^layout: "),
+    (dict(layout=None), ValueError, r"^layout: "),
+    (dict(seq_len=-1), ValueError, r"^seq_len: "),
+    (dict(seq_len="6"), TypeError, r"^seq_len: "),
+    (dict(seq_len=6.0), TypeError, r"^seq_len: "),
+    (dict(comm_is_not_a_comm=True), TypeError, r"^comm: "),
+]
+
+
+def _takes(entry, overrides):
+    """Whether `entry` has every keyword in `overrides`."""
+    missing = {"progress": "dilated", "profile": "backward"}
+    return not any(word in entry for key, word in missing.items()
+                   if key in overrides)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [1, 2], ids=["one-rank", "two-ranks"])
+@pytest.mark.parametrize("entry,case", [
+    (entry, case) for entry in RING_ENTRIES for case in range(len(RING_BAD))
+    if _takes(entry, RING_BAD[case][0])])
+def test_ring_validates_before_any_communication(entry, case, world):
+    """Rank 0 of a 2-rank group whose peer never calls: a bad argument is
+    refused at once (a call that communicated would wait for the peer)."""
+    overrides, exc, pattern = RING_BAD[case]
+    overrides = dict(overrides)
+    comm = ra.ThreadsGroup(world, timeout=30).comm(0)
+    if overrides.pop("comm_is_not_a_comm", False):
+        comm = object()
+    start = time.monotonic()
+    with pytest.raises(exc, match=pattern):
+        _ring_call(entry, comm, overrides)
+    assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(k=np.zeros((1, 6, 2, 16), np.float32)),
+    dict(v=np.zeros((1, 6, 1, 8), np.float32)),
+    dict(k=np.zeros((1, 6, 2, 8), np.float64)),
+    dict(scale="x"), dict(scale=float("nan")),
+], ids=["head_dim", "kv-heads", "dtype", "scale-type", "scale-nan"])
+def test_ring_and_local_refuse_with_the_same_message(overrides):
+    """The ring runs the local entry point's own checks."""
+    rng = np.random.default_rng(4)
+    a = dict(q=rng.standard_normal((1, 6, 4, 8)).astype(np.float32),
+             k=rng.standard_normal((1, 6, 2, 8)).astype(np.float32),
+             v=rng.standard_normal((1, 6, 2, 8)).astype(np.float32))
+    scale = overrides.pop("scale", None)
+    a.update(overrides)
+    with pytest.raises((TypeError, ValueError)) as local:
+        ra.attention(a["q"], a["k"], a["v"], scale=scale)
+    with pytest.raises(type(local.value)) as ring:
+        ra.ring_attention(a["q"], a["k"], a["v"], _one_rank(), scale=scale)
+    assert str(ring.value) == str(local.value)

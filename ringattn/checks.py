@@ -1,0 +1,93 @@
+"""Checks of the scalar arguments the public entry points share.
+
+Each check raises before any work, naming the argument with the expected
+and the actual value: TypeError for a value of the wrong kind, ValueError
+for one out of range.  Arrays are checked by the C core (``_C``), the same
+code for the local and the ring entry points.
+"""
+
+import math
+import operator
+
+import numpy as np
+
+__all__ = ["flag", "int_or_none", "timeout", "callable_or_none",
+           "dict_or_none", "C_INT_MAX"]
+
+C_INT_MAX = 2**31 - 1
+
+
+def _show(value):
+    """A short repr of `value` for an error message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def flag(value, name):
+    """`value` as a bool: a bool, a NumPy bool, or an integer 0 or 1.
+
+    Anything else (a string such as ``"false"``, None, a float, 2) is a
+    TypeError rather than read as truthy.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if not isinstance(value, float):
+        try:
+            as_int = operator.index(value)
+        except TypeError:
+            as_int = None
+        if as_int in (0, 1):
+            return bool(as_int)
+    raise TypeError(f"{name}: expected a bool, got {type(value).__name__} "
+                    f"{_show(value)}")
+
+
+def int_or_none(value, name, minimum, maximum=None):
+    """None, or `value` as a Python int in [minimum, maximum]."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an int or None, got {value!r}")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int or None, got "
+                        f"{type(value).__name__} {_show(value)}") from None
+    if as_int < minimum or (maximum is not None and as_int > maximum):
+        bound = f">= {minimum}" if maximum is None else \
+            f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}: expected an int {bound}, got {as_int}")
+    return as_int
+
+
+def timeout(value, name="timeout"):
+    """None, or `value` as a positive finite number of seconds (float)."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, str, bytes)) or \
+            isinstance(value, np.bool_):
+        raise TypeError(f"{name}: expected a number of seconds or None, got "
+                        f"{type(value).__name__} {_show(value)}")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a number of seconds or None, got "
+                        f"{type(value).__name__}") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{name}: expected a positive, finite number of "
+                         f"seconds, got {_show(value)}")
+    return seconds
+
+
+def callable_or_none(value, name):
+    if value is not None and not callable(value):
+        raise TypeError(f"{name}: expected a callable or None, got "
+                        f"{type(value).__name__}")
+    return value
+
+
+def dict_or_none(value, name):
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"{name}: expected a dict (filled in place) or None, "
+                        f"got {type(value).__name__}")
+    return value
