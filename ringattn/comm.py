@@ -13,13 +13,14 @@ cover the rest.  Backends:
 """
 
 import glob
-import hashlib
 import os
 import site
 import sys
+import warnings
 
 from . import _C
 from ._C import Comm, CommError, ThreadsGroup
+from .checks import timeout as _check_timeout
 
 __all__ = ["init", "Comm", "CommError", "ThreadsGroup", "default_timeout",
            "nccl_unique_id", "nccl_version"]
@@ -64,28 +65,33 @@ def _rendezvous_port(master_port):
     return None
 
 
-def _derived_token(master_addr, port, world_size):
-    """A job-wide token from what every rank of one job shares."""
+_warned_unauthenticated = False
+
+
+def _job_key(master_addr, port, world_size):
+    """The token of a job started without RINGATTN_TOKEN: not a secret.
+
+    It is built in the open from what every rank of the job shares (job id,
+    master address and port, world size), so that two jobs that meet on one
+    port by accident refuse each other.  It authenticates nothing: anyone
+    who can see the job's environment can compute it.  One warning per
+    process says so.
+    """
+    global _warned_unauthenticated
     job = (os.environ.get("TORCHELASTIC_RUN_ID") or
            os.environ.get("SLURM_JOB_ID") or
            os.environ.get("PBS_JOBID") or
            os.environ.get("LSB_JOBID") or "")
-    seed = f"ringattn|{job}|{master_addr}|{port}|{world_size}"
-    return hashlib.sha256(seed.encode()).hexdigest()
-
-
-def _check_timeout(timeout):
-    if timeout is None:
-        return None
-    try:
-        value = float(timeout)
-    except (TypeError, ValueError):
-        raise TypeError(f"timeout must be a number of seconds or None, got "
-                        f"{type(timeout).__name__}") from None
-    if not value > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, "
-                         f"got {timeout!r}")
-    return value
+    if not _warned_unauthenticated:
+        _warned_unauthenticated = True
+        warnings.warn(
+            f"ringattn: no RINGATTN_TOKEN (or token=) is set, so the host "
+            f"transport at {master_addr}:{port} is unauthenticated: any "
+            f"process that can reach that address can join the job, as with "
+            f"torch's gloo and TCPStore.  Set RINGATTN_TOKEN to the same "
+            f"random value on every rank (ra.launch and `ringattn launch` "
+            f"do this for you).", RuntimeWarning, stacklevel=4)
+    return f"unauthenticated|job={job}|{master_addr}:{port}|size={world_size}"
 
 
 def _pip_nccl_library():
@@ -201,7 +207,7 @@ def _rendezvous(master_addr, master_port, token, world_size, no_port_msg):
     if not 0 < port < 65536:
         raise ValueError(f"master_port must be in 1..65535, got {port}")
     if token is None:
-        token = os.environ.get("RINGATTN_TOKEN") or _derived_token(
+        token = os.environ.get("RINGATTN_TOKEN") or _job_key(
             master_addr, port, world_size)
     if not isinstance(token, str) or not token:
         raise ValueError("token must be a non-empty string")
@@ -254,11 +260,14 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
     * ``token``: ``RINGATTN_TOKEN``.  Every connection proves it (HMAC
       challenge-response both ways); connections without it are refused.
       ``ra.launch`` and ``ringattn launch`` always set a fresh random one.
-      Without one, a token is derived from the job's environment
+      Without one the host transport is **unauthenticated** (as torch's
+      gloo and TCPStore are): any process that can reach the rendezvous
+      address can join, and a warning says so once per process.  The ranks
+      then use a job key built in the open from the job id
       (``TORCHELASTIC_RUN_ID`` / ``SLURM_JOB_ID`` / ``PBS_JOBID`` /
-      ``LSB_JOBID``, master address and port, world size): it keeps other
-      jobs out by accident, not an attacker who can read the environment;
-      set ``RINGATTN_TOKEN`` for that.
+      ``LSB_JOBID``), master address and port and world size; it only keeps
+      two jobs that meet on one port by accident apart.  Even then nothing
+      a peer sends is ever unpickled or evaluated.
 
     backend: ``"auto"`` (``"nccl"`` when ``device`` names a CUDA device and
     CUDA is available, else ``"host"``), ``"host"``, ``"threads"`` (pass

@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 
+from .checks import timeout as check_timeout
 from .comm import CommError, ThreadsGroup, default_timeout, init
 
 __all__ = ["launch", "main_launch", "LaunchError"]
@@ -66,10 +67,7 @@ def _check_launch_args(nprocs, backend, timeout):
                          f"'nccl', got {backend!r}")
     if timeout is None:
         return default_timeout() + TIMEOUT_MARGIN
-    if not float(timeout) > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got "
-                         f"{timeout!r}")
-    return float(timeout)
+    return check_timeout(timeout)
 
 
 def _is_root_cause(f):

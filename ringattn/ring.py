@@ -18,91 +18,14 @@ Shapes (local shard of n_r tokens): q, out, dout (B, n_r, H, D); k, v
 """
 
 import os
-import pickle
 import time
 
-from . import _C, layout as _layout
+from . import _C, checks
+from .agreement import MAX_SEQ_LEN, agree, describe
 from .interop import kind_of, from_buffer, to_buffer
+from .layout import check_layout
 
-__all__ = ["ring_attention", "ring_attention_backward", "RingPlan"]
-
-
-class RingPlan:
-    """What every rank agreed on before the first ring step.
-
-    Built by ``agree`` from one allgather: sizes, dtype, flags and every
-    rank's shard length; any mismatch raises ValueError on every rank (all
-    ranks compare the same gathered list, so none is left waiting).
-    """
-
-    def __init__(self, rank, world_size, n, lengths, layout, progressions):
-        self.rank = rank
-        self.world_size = world_size
-        self.n = n
-        self.lengths = lengths
-        self.layout = layout
-        self.progressions = progressions  # per rank: [(start, stride, len)]
-
-    def local_pieces(self, rank):
-        """[(local_offset, start, stride, length)] of `rank`'s shard."""
-        pieces, off = [], 0
-        for start, stride, length in self.progressions[rank]:
-            pieces.append((off, start, stride, length))
-            off += length
-        return pieces
-
-
-def _describe(op, q, k, causal, scale, layout, seq_len, extra=()):
-    B, n_r, H, D = q.shape
-    return {
-        "op": op,
-        "batch": B, "heads": H, "heads_kv": k.shape[2], "head_dim": D,
-        "dtype": q.dtype, "device": q.device[0],
-        "causal": bool(causal),
-        "scale": None if scale is None else float(scale),
-        "layout": layout, "seq_len": seq_len, "extra": tuple(extra),
-        "length": n_r,
-    }
-
-
-def agree(comm, desc, layout, seq_len, timeout=None):
-    """Allgather `desc` and check every rank asked for the same thing.
-
-    Returns a RingPlan.  Raises ValueError (on every rank) naming the field
-    and the ranks that disagree, or when the shard lengths do not match
-    ``shard_indices(n, p, layout)``.
-    """
-    p, r = comm.size, comm.rank
-    if p == 1:
-        descs = [desc]
-    else:
-        blobs = comm.allgather(pickle.dumps(desc, protocol=4))
-        descs = [pickle.loads(b) for b in blobs]
-    for key in desc:
-        if key == "length":
-            continue
-        values = [d[key] for d in descs]
-        if any(v != values[0] for v in values):
-            detail = ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(values))
-            raise ValueError(
-                f"{key}: expected the same value on every rank, got {detail}")
-    lengths = [d["length"] for d in descs]
-    n = sum(lengths) if seq_len is None else int(seq_len)
-    expected = [len(ix) for ix in _layout.shard_indices(n, p, layout)]
-    if lengths != expected:
-        raise ValueError(
-            f"shard lengths: expected {expected} for seq_len={n}, "
-            f"world_size={p}, layout={layout!r}, got {lengths} "
-            f"(rank {r} holds {lengths[r]} tokens)")
-    progs = [_layout.shard_progressions(n, p, layout, i) for i in range(p)]
-    return RingPlan(r, p, n, lengths, layout, progs)
-
-
-def _check_layout(layout):
-    if layout not in ("contiguous", "zigzag", "striped"):
-        raise ValueError(
-            "layout: expected 'contiguous', 'zigzag' or 'striped', "
-            f"got {layout!r}")
+__all__ = ["ring_attention", "ring_attention_backward"]
 
 
 def _check_comm(comm):
@@ -113,19 +36,33 @@ def _check_comm(comm):
                 f"got {type(comm).__name__}")
 
 
-def shard_buffers(comm, layout, named):
-    """Check the communicator, the layout and this rank's shard arrays.
+class RingCall:
+    """The checked scalar arguments of one ring call."""
 
-    named: [(name, array)] with q, k, v first.  Returns their Buffers.  All
-    must be 4-d (batch, seq, heads, head_dim) and k, v as long as q.
+    def __init__(self, comm, layout, seq_len, num_threads, timeout,
+                 progress=None, profile=None):
+        _check_comm(comm)
+        self.layout = check_layout(layout)
+        self.seq_len = checks.int_or_none(seq_len, "seq_len", 0,
+                                          MAX_SEQ_LEN)
+        threads = checks.int_or_none(num_threads, "num_threads", 0,
+                                     checks.C_INT_MAX)
+        self.timeout = checks.timeout(timeout)
+        self.progress = checks.callable_or_none(progress, "progress")
+        self.profile = checks.dict_or_none(profile, "profile")
+        self.threads = _default_threads(comm) if threads is None else threads
+
+
+def shard_buffers(named, local_check):
+    """This rank's shard arrays as Buffers, checked before any communication.
+
+    named: [(name, array)] with q, k, v first.  local_check(*buffers) runs
+    the local entry point's own checks (the C core's ``check_only=True``
+    call) on them, so a ring call refuses exactly what a local call would;
+    then k and v must be as long as q (one shard of each).
     """
-    _check_comm(comm)
-    _check_layout(layout)
     bufs = [to_buffer(x, name) for name, x in named]
-    for (name, _), b in zip(named, bufs):
-        if b.ndim != 4:
-            raise ValueError(f"{name}: expected 4 dimensions (batch, seq, heads, "
-                             f"head_dim), got {b.ndim}")
+    local_check(*bufs)
     qb, kb, vb = bufs[:3]
     if kb.shape[1] != qb.shape[1] or vb.shape[1] != qb.shape[1]:
         raise ValueError(
@@ -229,14 +166,25 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
     called after each ring step.  profile: a dict to fill with
     {"compute_s", "wait_s", "steps", "bytes_sent"} (time in kernels, time
     blocked waiting for transfers, ring steps, bytes this rank sent).
+    timeout: seconds each wait of this call may take (the agreement and
+    every transfer; default the communicator's), else ``CommError``.
+    Arguments are checked as ``attention`` checks them, before any
+    communication.
     """
+    causal, return_lse = (checks.flag(causal, "causal"),
+                          checks.flag(return_lse, "return_lse"))
+    call = RingCall(comm, layout, seq_len, num_threads, timeout, progress,
+                    profile)
     kind = kind_of(q)
-    qb, kb, vb = shard_buffers(comm, layout, [("q", q), ("k", k), ("v", v)])
-    plan = agree(comm, _describe("fwd", qb, kb, causal, scale, layout, seq_len),
-                 layout, seq_len)
-    threads = _default_threads(comm) if num_threads is None else num_threads
-    out, lse = _ring_forward(qb, kb, vb, comm, plan, bool(causal), scale,
-                             progress, threads, timeout, profile)
+    qb, kb, vb = shard_buffers(
+        [("q", q), ("k", k), ("v", v)],
+        lambda q, k, v: _C.attn_fwd(q, k, v, causal=causal, scale=scale,
+                                    check_only=True))
+    plan = agree(comm, describe("fwd", qb, kb, causal, scale, call.layout,
+                                call.seq_len), call.timeout)
+    out, lse = _ring_forward(qb, kb, vb, comm, plan, causal, scale,
+                             call.progress, call.threads, call.timeout,
+                             call.profile)
     out_final = as_result(out, qb, kind)
     if return_lse:
         return out_final, from_buffer(lse, kind)
@@ -304,18 +252,23 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
     dout, q, out: (B, n_r, H, D); k, v: (B, n_r, H_kv, D); lse: (B, H, n_r)
     as returned by ``ring_attention(..., return_lse=True)``.  Returns
     (dq, dk, dv) in the inputs' dtypes; dk/dv are this rank's keys'
-    gradients summed over every rank's queries.
+    gradients summed over every rank's queries.  Arguments and timeout as
+    ``ring_attention``.
     """
+    causal = checks.flag(causal, "causal")
+    call = RingCall(comm, layout, seq_len, num_threads, timeout, progress)
     kind = kind_of(q)
-    qb, kb, vb, doutb, outb = shard_buffers(
-        comm, layout, [("q", q), ("k", k), ("v", v), ("dout", dout),
-                       ("out", out)])
-    lseb = to_buffer(lse, "lse")
-    plan = agree(comm, _describe("bwd", qb, kb, causal, scale, layout, seq_len),
-                 layout, seq_len)
-    threads = _default_threads(comm) if num_threads is None else num_threads
+    qb, kb, vb, doutb, outb, lseb = shard_buffers(
+        [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out),
+         ("lse", lse)],
+        lambda q, k, v, dout, out, lse: _C.attn_bwd(
+            dout, q, k, v, out, lse, causal=causal, scale=scale,
+            check_only=True))
+    plan = agree(comm, describe("bwd", qb, kb, causal, scale, call.layout,
+                                call.seq_len), call.timeout)
     dq, dk, dv = _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan,
-                                bool(causal), scale, progress, threads, timeout)
+                                causal, scale, call.progress, call.threads,
+                                call.timeout)
     return tuple(as_result(g, like, kind)
                  for g, like in ((dq, qb), (dk, kb), (dv, vb)))
 

@@ -23,11 +23,11 @@ import math
 
 import numpy as np
 
-from . import _C
+from . import _C, checks
+from .agreement import agree, describe
 from .dilated import check_config
-from .interop import from_buffer, kind_of, to_buffer
-from .ring import (_default_threads, _describe, _device, agree, as_result,
-                   empty_state, shard_buffers)
+from .interop import from_buffer, kind_of
+from .ring import RingCall, _device, as_result, empty_state, shard_buffers
 
 __all__ = ["ring_dilated_attention", "ring_dilated_attention_backward"]
 
@@ -150,15 +150,13 @@ def _exchange(comm, send, dst, recv, src, tag, timeout):
 
 
 def _prepare(comm, named, segment_lengths, dilation_rates, causal, scale,
-             layout, seq_len, op):
+             call, op, local_check):
+    """Checked configuration, this rank's Buffers and the agreed plan."""
     segs, rates = check_config(segment_lengths, dilation_rates)
-    bufs = shard_buffers(comm, layout, named)
+    bufs = shard_buffers(named, lambda *b: local_check(segs, rates, *b))
     qb, kb = bufs[0], bufs[1]
-    if qb.device[0] != "cpu":
-        raise NotImplementedError("dilated attention runs on the CPU for now")
-    plan = agree(comm, _describe(op, qb, kb, causal, scale, layout, seq_len,
-                                 extra=(tuple(segs), tuple(rates))),
-                 layout, seq_len)
+    plan = agree(comm, describe(op, qb, kb, causal, scale, call.layout,
+                                call.seq_len, segs, rates), call.timeout)
     return segs, rates, bufs, plan
 
 
@@ -184,19 +182,26 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
     Shapes as ``ring_attention``: q (B, n_r, H, D), k, v (B, n_r, H_kv, D),
     this rank's shard in `layout`.  Returns out (B, n_r, H, D) in q's dtype
     (and lse (B, H, n_r) with return_lse=True).  profile: a dict filled with
-    {"bytes_sent", "rounds"}.
+    {"bytes_sent"}.  Arguments are checked as ``dilated_attention`` checks
+    them, before any communication; timeout as ``ring_attention``.
     """
+    causal, return_lse = (checks.flag(causal, "causal"),
+                          checks.flag(return_lse, "return_lse"))
+    call = RingCall(comm, layout, seq_len, num_threads, timeout,
+                    profile=profile)
+    kind = kind_of(q)
     segs, rates, (qb, kb, vb), plan = _prepare(
         comm, [("q", q), ("k", k), ("v", v)], segment_lengths, dilation_rates,
-        causal, scale, layout, seq_len, "dilated_fwd")
-    kind = kind_of(q)
-    threads = _default_threads(comm) if num_threads is None else num_threads
+        causal, scale, call, "dilated_fwd",
+        lambda segs, rates, q, k, v: _C.dilated_fwd(
+            q, k, v, segs, rates, causal=causal, scale=scale,
+            check_only=True))
+    threads, timeout, profile = call.threads, call.timeout, call.profile
     B, n_r, H, D = qb.shape
     Hkv = kb.shape[2]
     dev = _device(qb)
     acc = "float64" if qb.dtype == "float64" else "float32"
     out, lse = empty_state(B, n_r, H, D, acc, dev)
-    causal = bool(causal)
     u = comm.rank
 
     # local part: every pair of this rank's stride-1 pieces through the
@@ -288,18 +293,21 @@ def ring_dilated_attention_backward(dout, q, k, v, out, lse, comm,
                                     num_threads=None, timeout=None):
     """Gradients of ``ring_dilated_attention`` for this rank's shard:
     (dq, dk, dv) in the inputs' dtypes."""
-    segs, rates, (qb, kb, vb, doutb, outb), plan = _prepare(
-        comm, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)],
-        segment_lengths, dilation_rates, causal, scale, layout, seq_len,
-        "dilated_bwd")
-    lseb = to_buffer(lse, "lse")
+    causal = checks.flag(causal, "causal")
+    call = RingCall(comm, layout, seq_len, num_threads, timeout)
     kind = kind_of(q)
-    threads = _default_threads(comm) if num_threads is None else num_threads
+    segs, rates, (qb, kb, vb, doutb, outb, lseb), plan = _prepare(
+        comm, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out),
+               ("lse", lse)], segment_lengths, dilation_rates, causal, scale,
+        call, "dilated_bwd",
+        lambda segs, rates, q, k, v, dout, out, lse: _C.dilated_bwd(
+            dout, q, k, v, out, lse, segs, rates, causal=causal, scale=scale,
+            check_only=True))
+    threads, timeout = call.threads, call.timeout
     B, n_r, H, D = qb.shape
     Hkv = kb.shape[2]
     dev = _device(qb)
     acc = "float64" if qb.dtype == "float64" else "float32"
-    causal = bool(causal)
     u = comm.rank
     delta = _C.attn_bwd_preprocess(doutb, outb, num_threads=threads)
     lse_c = _C.empty(tuple(lseb.shape), acc, *dev)

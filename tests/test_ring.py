@@ -12,6 +12,8 @@ max |actual - ref| <= atol + rtol * max |ref| (float64: rtol 1e-10; float32:
 rtol 2e-5; float16 / bfloat16: a few half-ulps of the storage type).
 """
 
+import time
+
 import numpy as np
 import pytest
 
@@ -294,3 +296,58 @@ def test_seq_len_mismatch_on_one_rank():
 
     with pytest.raises(ra.LaunchError, match="shard lengths"):
         ra.launch(body, 1, backend="threads", timeout=LAUNCH_TIMEOUT)
+
+
+# ---- the call's timeout covers every wait, the agreement included ----------
+
+SLOW_PEER_S = 4.0
+
+
+def call_ring_op(comm, op, timeout=None):
+    """One call of a ring entry point on a small problem."""
+    rng = np.random.default_rng(comm.rank)
+    q = rng.standard_normal((1, 4, 2, 8))
+    if op == "forward":
+        return ra.ring_attention(q, q, q, comm, timeout=timeout)
+    if op == "dilated_forward":
+        return ra.ring_dilated_attention(q, q, q, comm, [4], [2],
+                                         timeout=timeout)
+    lse = np.zeros((1, 2, 4))
+    if op == "backward":
+        return ra.ring_attention_backward(q, q, q, q, q, lse, comm,
+                                          timeout=timeout)
+    return ra.ring_dilated_attention_backward(q, q, q, q, q, lse, comm, [4],
+                                              [2], timeout=timeout)
+
+
+def impatient_and_slow(comm, op):
+    """Rank 0 calls with timeout=1 s; rank 1 arrives SLOW_PEER_S late.
+    Returns (error type, message, seconds) of rank 0's call."""
+    if comm.rank == 1:
+        time.sleep(SLOW_PEER_S)
+        try:
+            call_ring_op(comm, op)
+        except Exception:
+            pass
+        return None
+    start = time.monotonic()
+    try:
+        call_ring_op(comm, op, timeout=1.0)
+    except Exception as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend,op", [
+    ("threads", "forward"), ("threads", "backward"),
+    ("threads", "dilated_forward"), ("threads", "dilated_backward"),
+    ("host", "forward")])
+def test_call_timeout_bounds_the_agreement(backend, op):
+    """A peer that is late by 4 s: the caller's timeout=1.0 raises CommError
+    after about 1 s, not after the peer arrives."""
+    results = ra.launch(impatient_and_slow, 2, args=(op,), backend=backend,
+                        timeout=LAUNCH_TIMEOUT)
+    name, text, took = results[0]
+    assert name == "CommError" and "timed out" in text and took < 2.5, \
+        (name, text, took)
