@@ -10,6 +10,7 @@ Shapes as ``ringattn.attention``: q (B, S_q, H, D); k, v (B, S_k, H_kv, D).
 
 import torch
 
+from .checks import flag
 from .attention import attention as _attention_fwd
 from .attention import attention_backward as _attention_bwd
 from . import dilated as _dilated
@@ -41,6 +42,7 @@ class _Attention(torch.autograd.Function):
 
 
 def _apply(q, k, v, fwd, bwd, return_lse):
+    return_lse = flag(return_lse, "return_lse")
     out, lse = _Attention.apply(q, k, v, fwd, bwd)
     return (out, lse) if return_lse else out
 
