@@ -30,7 +30,8 @@
 
 #define HELLO_MAGIC 0x52414831u      /* "RAH1" */
 #define TABLE_MAGIC 0x52415431u      /* "RAT1" */
-#define HANDSHAKE_TIMEOUT 5.0        /* per accepted connection */
+#define HANDSHAKE_TIMEOUT 5.0        /* per accepted connection, run
+                                      * concurrently (accept_peers) */
 
 /* ---- small socket helpers ---------------------------------------------- */
 
@@ -209,47 +210,6 @@ static void hs_mac(const char *token, char tag, const unsigned char *na,
     ra_hmac_sha256(token, strlen(token), msg, sizeof msg, mac);
 }
 
-/* Accept side.  Returns RA_OK and the peer's rank, or RA_ERR_COMM when the
- * peer failed the check (the caller drops the connection and goes on). */
-static ra_status hs_accept(int fd, const char *token, int rank, int size,
-                           double deadline, int *peer_rank, char *why,
-                           size_t whylen) {
-    unsigned char hello[20], resp[56], conf[36], na[16], mac[32];
-    int err;
-    io_result r;
-    RA_CHECK(ra_random_bytes(na, 16));
-    put32(hello, HELLO_MAGIC);
-    memcpy(hello + 4, na, 16);
-    if ((r = ra_host_io_all(fd, hello, sizeof hello, 1, deadline, &err)) !=
-            IO_OK ||
-        (r = ra_host_io_all(fd, resp, sizeof resp, 0, deadline, &err)) !=
-            IO_OK) {
-        snprintf(why, whylen, "handshake: %s", io_what(r, err));
-        return RA_ERR_COMM;
-    }
-    uint32_t prank = get32(resp), psize = get32(resp + 4);
-    hs_mac(token, 'c', na, resp + 8, prank, psize, mac);
-    if (!ra_consttime_eq(mac, resp + 24, 32)) {
-        snprintf(why, whylen, "wrong token");
-        return RA_ERR_COMM;
-    }
-    if ((int)psize != size || (int)prank < 0 || (int)prank >= size) {
-        snprintf(why, whylen, "peer claims rank %u of world size %u, "
-                 "expected world size %d", prank, psize, size);
-        return RA_ERR_VALUE;   /* authenticated but misconfigured: fatal */
-    }
-    put32(conf, (uint32_t)rank);
-    hs_mac(token, 'a', na, resp + 8, (uint32_t)rank, (uint32_t)size,
-           conf + 4);
-    if ((r = ra_host_io_all(fd, conf, sizeof conf, 1, deadline, &err)) !=
-        IO_OK) {
-        snprintf(why, whylen, "handshake: %s", io_what(r, err));
-        return RA_ERR_COMM;
-    }
-    *peer_rank = (int)prank;
-    return RA_OK;
-}
-
 static ra_status hs_connect(int fd, const char *token, int rank, int size,
                             int peer, double deadline) {
     unsigned char hello[20], resp[56], conf[36], mac[32];
@@ -295,14 +255,140 @@ io_fail:
     return r == IO_TIMEOUT ? RA_ERR_TIMEOUT : RA_ERR_COMM;
 }
 
+/* The accept side runs every pending handshake at once, each a small state
+ * machine over its non-blocking socket, so that an idle or slow connection
+ * (a port scanner, a stuck client) never delays the ranks behind it: it
+ * only holds one of MAX_PENDING slots until its HANDSHAKE_TIMEOUT, and the
+ * oldest unauthenticated one is dropped when a new connection needs a
+ * slot. */
+#define MAX_PENDING 64
+
+typedef enum {
+    HS_SEND_HELLO, /* hello: magic, nonce_a                  */
+    HS_RECV_RESP,  /* rank, size, nonce_c, mac_c             */
+    HS_SEND_CONF,  /* rank, mac_a                            */
+    HS_RECV_REG    /* rank 0 only: the peer's listener port  */
+} hs_phase;
+
+typedef struct {
+    int fd;
+    hs_phase phase;
+    size_t done;               /* bytes of the current message moved */
+    unsigned char msg[56];     /* the current message                */
+    unsigned char na[16];      /* our nonce                          */
+    double deadline;           /* the handshake's                    */
+    double started;
+    struct in_addr ip;
+    int peer;                  /* once authenticated, else -1        */
+} hs_conn;
+
+static const size_t hs_len[] = {20, 56, 36, 4};
+
+static void hs_drop(hs_conn *h, int *n, int i) {
+    close(h[i].fd);
+    h[i] = h[--*n];
+}
+
+/* Start a handshake on a freshly accepted connection. */
+static ra_status hs_begin(hs_conn *h, int fd, struct in_addr ip,
+                          double deadline) {
+    memset(h, 0, sizeof *h);
+    h->fd = fd;
+    h->ip = ip;
+    h->peer = -1;
+    h->started = ra_now();
+    h->deadline = h->started + HANDSHAKE_TIMEOUT;
+    if (h->deadline > deadline) h->deadline = deadline;
+    h->phase = HS_SEND_HELLO;
+    RA_CHECK(ra_random_bytes(h->na, 16));
+    put32(h->msg, HELLO_MAGIC);
+    memcpy(h->msg + 4, h->na, 16);
+    return RA_OK;
+}
+
+typedef enum { HS_MORE, HS_DONE, HS_REFUSED, HS_FATAL } hs_step;
+
+/* Move bytes of h's current message while the socket allows; on a
+ * complete message, act on it.  HS_FATAL: the error is set. */
+static hs_step hs_advance(hs_conn *h, const char *token, int rank,
+                          int size, int registering) {
+    for (;;) {
+        int writing = h->phase == HS_SEND_HELLO || h->phase == HS_SEND_CONF;
+        size_t want = hs_len[h->phase];
+        while (h->done < want) {
+            ssize_t k = writing ? send(h->fd, h->msg + h->done, want - h->done,
+                                       MSG_NOSIGNAL | MSG_DONTWAIT)
+                                : recv(h->fd, h->msg + h->done,
+                                       want - h->done, MSG_DONTWAIT);
+            if (k > 0) {
+                h->done += (size_t)k;
+                continue;
+            }
+            if (k < 0 && errno == EINTR) continue;
+            if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+                return HS_MORE;
+            if (h->phase == HS_RECV_REG) {   /* an authenticated rank */
+                ra_set_error(RA_ERR_COMM,
+                             "rank %d: init: registration of rank %d: %s",
+                             rank, h->peer,
+                             k == 0 ? "the peer closed the connection"
+                                    : strerror(errno));
+                return HS_FATAL;
+            }
+            return HS_REFUSED;
+        }
+        h->done = 0;
+        switch (h->phase) {
+        case HS_SEND_HELLO:
+            h->phase = HS_RECV_RESP;
+            break;
+        case HS_RECV_RESP: {
+            uint32_t prank = get32(h->msg), psize = get32(h->msg + 4);
+            unsigned char mac[32];
+            hs_mac(token, 'c', h->na, h->msg + 8, prank, psize, mac);
+            if (!ra_consttime_eq(mac, h->msg + 24, 32)) return HS_REFUSED;
+            if ((int)psize != size || prank >= (uint32_t)size) {
+                /* authenticated but misconfigured: fatal */
+                ra_set_error(RA_ERR_COMM,
+                             "rank %d: init: peer claims rank %u of world "
+                             "size %u, expected world size %d",
+                             rank, prank, psize, size);
+                return HS_FATAL;
+            }
+            h->peer = (int)prank;
+            unsigned char nc[16];
+            memcpy(nc, h->msg + 8, 16);
+            put32(h->msg, (uint32_t)rank);
+            hs_mac(token, 'a', h->na, nc, (uint32_t)rank, (uint32_t)size,
+                   h->msg + 4);
+            h->phase = HS_SEND_CONF;
+            break;
+        }
+        case HS_SEND_CONF:
+            if (!registering) return HS_DONE;
+            h->phase = HS_RECV_REG;
+            break;
+        case HS_RECV_REG:
+            return HS_DONE;
+        }
+    }
+}
+
 /* Accept authenticated connections until every rank in `want` (a flag per
  * rank, cleared as they arrive) connected.  ports: registration data read
  * from each (rank 0 only, else NULL). */
 static ra_status accept_peers(int lfd, const char *token, int rank, int size,
                               int *want, int nwant, int *fds, int *ports,
                               struct in_addr *ips, double deadline) {
+    hs_conn h[MAX_PENDING];
+    struct pollfd pfd[MAX_PENDING + 1];
+    int n = 0;
+    ra_status st = RA_OK;
     while (nwant > 0) {
-        struct pollfd pfd = {lfd, POLLIN, 0};
+        double now = ra_now();
+        for (int i = n - 1; i >= 0; i--)   /* handshakes out of time */
+            if (now >= h[i].deadline && h[i].phase != HS_RECV_REG)
+                hs_drop(h, &n, i);
         int ms = poll_ms(deadline, 1000);
         if (ms <= 0) {
             int missing = -1;
@@ -312,58 +398,86 @@ static ra_status accept_peers(int lfd, const char *token, int rank, int size,
                          "rank %d: init: timed out waiting for rank %d to "
                          "connect (%d rank(s) missing)", rank, missing,
                          nwant);
-            return RA_ERR_TIMEOUT;
+            st = RA_ERR_TIMEOUT;
+            goto out;
         }
-        if (poll(&pfd, 1, ms) <= 0) continue;
-        struct sockaddr_in sa;
-        socklen_t sl = sizeof sa;
-        int fd = accept4(lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC);
-        if (fd < 0) continue;
-        if (set_socket_opts(fd) < 0) {
-            close(fd);
-            continue;
+        for (int i = 0; i < n; i++) {
+            int w = poll_ms(h[i].deadline, ms);
+            if (h[i].phase != HS_RECV_REG && w < ms) ms = w < 1 ? 1 : w;
         }
-        double hs_deadline = ra_now() + HANDSHAKE_TIMEOUT;
-        if (hs_deadline > deadline) hs_deadline = deadline;
-        int peer = -1;
-        char why[256] = "";
-        ra_status st = hs_accept(fd, token, rank, size, hs_deadline, &peer,
-                                 why, sizeof why);
-        if (st == RA_ERR_VALUE) {
-            close(fd);
-            ra_set_error(RA_ERR_COMM, "rank %d: init: %s", rank, why);
-            return RA_ERR_COMM;
+        pfd[0] = (struct pollfd){lfd, POLLIN, 0};
+        for (int i = 0; i < n; i++) {
+            int writing = h[i].phase == HS_SEND_HELLO ||
+                          h[i].phase == HS_SEND_CONF;
+            pfd[i + 1] = (struct pollfd){h[i].fd, writing ? POLLOUT : POLLIN,
+                                         0};
         }
-        if (st != RA_OK) {       /* refused; the listener goes on */
-            close(fd);
-            continue;
-        }
-        if (peer == rank || !want[peer]) {
-            close(fd);
-            ra_set_error(RA_ERR_COMM,
-                         "rank %d: init: unexpected connection from rank %d "
-                         "(two processes with the same rank?)", rank, peer);
-            return RA_ERR_COMM;
-        }
-        if (ports != NULL) {
-            unsigned char reg[4];
-            int err;
-            io_result r = ra_host_io_all(fd, reg, 4, 0, deadline, &err);
-            if (r != IO_OK) {
-                close(fd);
-                ra_set_error(RA_ERR_COMM,
-                             "rank %d: init: registration of rank %d: %s",
-                             rank, peer, io_what(r, err));
-                return RA_ERR_COMM;
+        int npfd = n + 1;
+        if (poll(pfd, (nfds_t)npfd, ms) <= 0) continue;
+        /* pending handshakes first: the slots they free serve new ones */
+        for (int i = npfd - 2; i >= 0; i--) {
+            if (pfd[i + 1].revents == 0) continue;
+            hs_step s = hs_advance(&h[i], token, rank, size, ports != NULL);
+            if (s == HS_FATAL) {
+                st = RA_ERR_COMM;
+                goto out;
             }
-            ports[peer] = (int)get32(reg);
-            ips[peer] = sa.sin_addr;
+            if (s == HS_REFUSED) {       /* refused; the listener goes on */
+                hs_drop(h, &n, i);
+                continue;
+            }
+            if (s == HS_MORE) continue;
+            int peer = h[i].peer;
+            if (peer == rank || !want[peer]) {
+                ra_set_error(RA_ERR_COMM,
+                             "rank %d: init: unexpected connection from rank "
+                             "%d (two processes with the same rank?)", rank,
+                             peer);
+                st = RA_ERR_COMM;
+                goto out;
+            }
+            if (ports != NULL) {
+                ports[peer] = (int)get32(h[i].msg);
+                ips[peer] = h[i].ip;
+            }
+            want[peer] = 0;
+            fds[peer] = h[i].fd;
+            h[i] = h[--n];                   /* the fd is the peer's now */
+            nwant--;
         }
-        want[peer] = 0;
-        fds[peer] = fd;
-        nwant--;
+        if (!(pfd[0].revents & POLLIN)) continue;
+        for (;;) {
+            struct sockaddr_in sa;
+            socklen_t sl = sizeof sa;
+            int fd = accept4(lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC);
+            if (fd < 0) break;
+            if (set_socket_opts(fd) < 0) {
+                close(fd);
+                continue;
+            }
+            if (n == MAX_PENDING) {     /* drop the oldest unauthenticated */
+                int oldest = -1;
+                for (int i = 0; i < n; i++)
+                    if (h[i].peer < 0 &&
+                        (oldest < 0 || h[i].started < h[oldest].started))
+                        oldest = i;
+                if (oldest < 0) {
+                    close(fd);
+                    continue;
+                }
+                hs_drop(h, &n, oldest);
+            }
+            st = hs_begin(&h[n], fd, sa.sin_addr, deadline);
+            if (st != RA_OK) {
+                close(fd);
+                goto out;
+            }
+            n++;
+        }
     }
-    return RA_OK;
+out:
+    while (n > 0) hs_drop(h, &n, n - 1);
+    return st;
 }
 
 ra_status ra_host_bootstrap(int rank, int size, int *fds,

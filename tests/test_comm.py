@@ -3,6 +3,7 @@ host backend's handshake, argument checks and failure handling.
 Multi-process behaviour is in test_launch.py."""
 
 import pickle
+import socket
 import threading
 import time
 
@@ -311,3 +312,49 @@ def test_host_large_buffers_in_both_directions():
     assert comms[0].stats()["bytes_received"] == 8 * n
     for c in comms:
         c.close()
+
+
+def _join_host_ranks(size, port, timeout=30):
+    """Join `size` host ranks as threads; returns (comms, errors)."""
+    comms, errors = [None] * size, [None] * size
+
+    def join(rank):
+        try:
+            comms[rank] = _C.host_comm(rank, size, master_port=port,
+                                       token="t", timeout=timeout)
+        except BaseException as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(size)]
+    return threads, comms, errors
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("idle", [4, 80])
+def test_idle_connections_do_not_delay_a_join(idle):
+    """Connections to the rendezvous that never speak (more than the
+    pending slots, too) hold nobody up: the handshakes run concurrently."""
+    port = free_port()
+    threads, comms, errors = _join_host_ranks(3, port)
+    threads[0].start()
+    idlers = []
+    deadline = time.monotonic() + 10
+    while len(idlers) < idle and time.monotonic() < deadline:
+        try:
+            idlers.append(socket.create_connection(("127.0.0.1", port),
+                                                   timeout=5))
+        except OSError:
+            time.sleep(0.02)          # rank 0 not listening yet
+    assert len(idlers) == idle
+    start = time.monotonic()
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(60)
+    took = time.monotonic() - start
+    for s in idlers:
+        s.close()
+    assert errors == [None] * 3, errors
+    for c in comms:
+        c.close()
+    assert took < 3.0, f"the join took {took:.1f} s"
