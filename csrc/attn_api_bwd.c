@@ -337,12 +337,21 @@ static PyObject *mod_merge(PyObject *m, PyObject *args, PyObject *kwds) {
         goto done;
     qkv_dims d;
     dims_of_rows(t[0].buf, RA_FLOAT32, &d);
-    /* lse dtype decides: float64 lse means float64 state */
+    /* the state is float64 for float64 outputs or when both lse are
+     * float64, else float32; a lse of any other dtype is blamed itself */
     {
-        ra_buffer *probe = ra_buffer_from_object(l1, "lse1", -1);
-        if (probe == NULL) goto done;
-        d.dtype = probe->dtype == RA_FLOAT64 ? RA_FLOAT64 : RA_FLOAT32;
-        Py_DECREF(probe);
+        ra_buffer *probe1 = ra_buffer_from_object(l1, "lse1", -1);
+        if (probe1 == NULL) goto done;
+        ra_buffer *probe2 = ra_buffer_from_object(l2, "lse2", -1);
+        if (probe2 == NULL) {
+            Py_DECREF(probe1);
+            goto done;
+        }
+        int f64 = t[0].buf->dtype == RA_FLOAT64 ||
+                  (probe1->dtype == RA_FLOAT64 && probe2->dtype == RA_FLOAT64);
+        d.dtype = f64 ? RA_FLOAT64 : RA_FLOAT32;
+        Py_DECREF(probe1);
+        Py_DECREF(probe2);
     }
     if (load_bhs(&t[1], l1, "lse1", &d, 0) < 0) goto done;
     if (load_bhs(&t[3], l2, "lse2", &d, 0) < 0) goto done;

@@ -240,6 +240,32 @@ static void owner_destructor_legacy(PyObject *cap) {
     if (mt != NULL && mt->deleter != NULL) mt->deleter(mt);
 }
 
+/* The producer's current exception as a BufferError naming the argument
+ * (the original one chained as __cause__).  Returns NULL. */
+static void *producer_error(const char *name, PyObject *obj,
+                            const char *what) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyErr_NormalizeException(&et, &ev, &tb);
+    if (tb != NULL && ev != NULL) PyException_SetTraceback(ev, tb);
+    PyErr_Format(PyExc_BufferError, "%s: %s of the %.100s raised %.100s: %S",
+                 name, what, Py_TYPE(obj)->tp_name,
+                 et ? ((PyTypeObject *)et)->tp_name : "an error",
+                 ev ? ev : Py_None);
+    if (ev != NULL) {
+        PyObject *nt, *nv, *ntb;
+        PyErr_Fetch(&nt, &nv, &ntb);
+        PyErr_NormalizeException(&nt, &nv, &ntb);
+        PyException_SetCause(nv, ev);     /* steals ev */
+        ev = NULL;
+        PyErr_Restore(nt, nv, ntb);
+    }
+    Py_XDECREF(et);
+    Py_XDECREF(ev);
+    Py_XDECREF(tb);
+    return NULL;
+}
+
 static PyObject *call_dlpack(PyObject *obj, PyObject *stream_arg,
                              int *versioned_asked) {
     PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
@@ -279,7 +305,12 @@ ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
 
     if (PyObject_HasAttrString(obj, "__dlpack_device__")) {
         PyObject *d = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
-        if (d == NULL) return NULL;
+        if (d == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception) ||
+                PyErr_ExceptionMatches(PyExc_MemoryError))
+                return NULL;
+            return producer_error(name, obj, "__dlpack_device__");
+        }
         int ok = PyArg_ParseTuple(d, "ii", &dev_type, &dev_id);
         Py_DECREF(d);
         if (!ok) {
@@ -310,18 +341,8 @@ ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
     if (cap == NULL) {
         if (PyErr_ExceptionMatches(PyExc_BufferError) ||
             PyErr_ExceptionMatches(PyExc_TypeError) ||
-            PyErr_ExceptionMatches(PyExc_RuntimeError)) {
-            PyObject *et, *ev, *tb;
-            PyErr_Fetch(&et, &ev, &tb);
-            PyErr_NormalizeException(&et, &ev, &tb);
-            PyErr_Format(PyExc_BufferError,
-                         "%s: the %.100s could not be exported through "
-                         "DLPack: %S",
-                         name, Py_TYPE(obj)->tp_name, ev ? ev : Py_None);
-            Py_XDECREF(et);
-            Py_XDECREF(ev);
-            Py_XDECREF(tb);
-        }
+            PyErr_ExceptionMatches(PyExc_RuntimeError))
+            return producer_error(name, obj, "__dlpack__");
         return NULL;
     }
 
@@ -364,6 +385,18 @@ ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
                      RA_MAX_NDIM, (int)t->ndim);
         goto fail;
     }
+    if (t->ndim > 0 && t->shape == NULL) {
+        PyErr_Format(PyExc_BufferError,
+                     "%s: the DLPack tensor has %d dimensions but no shape "
+                     "(NULL)", name, (int)t->ndim);
+        goto fail;
+    }
+    if (t->byte_offset > (uint64_t)INT64_MAX) {
+        PyErr_Format(PyExc_BufferError,
+                     "%s: expected a DLPack byte_offset below 2**63, got %llu",
+                     name, (unsigned long long)t->byte_offset);
+        goto fail;
+    }
     if (t->dtype.lanes != 1) {
         PyErr_Format(PyExc_BufferError,
                      "%s: vector dtypes (lanes=%u) are not supported", name,
@@ -391,7 +424,6 @@ ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
 
     ra_buffer *b = ra_buffer_new_raw();
     if (b == NULL) goto fail;
-    b->data = (char *)t->data + t->byte_offset;
     b->device_type = t->device.device_type == kDLCUDAHost ||
                              t->device.device_type == kDLCUDAManaged
                          ? (t->device.device_type == kDLCUDAHost ? RA_DEV_CUDA_HOST
@@ -403,15 +435,17 @@ ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
     b->ndim = t->ndim;
     b->readonly = readonly;
     {
-        /* shape and strides must describe a span whose byte extent fits in
-         * int64; anything else is refused rather than mis-read */
-        int64_t stride = 1, numel = 1, span = 0;
+        /* shape and strides must describe elements whose byte offsets fit
+         * in int64 and whose addresses neither wrap around nor start at
+         * NULL; anything else is refused rather than mis-read */
+        int64_t stride = 1, numel = 1, lo = 0, hi = 0;
         const int64_t es = (int64_t)(t->dtype.bits / 8);
         int ok = 1;
         for (int i = t->ndim - 1; i >= 0 && ok; i--) {
             if (t->shape[i] < 0) {
-                PyErr_Format(PyExc_BufferError, "%s: negative size in shape",
-                             name);
+                PyErr_Format(PyExc_BufferError,
+                             "%s: negative size %lld in the DLPack shape at "
+                             "dimension %d", name, (long long)t->shape[i], i);
                 Py_DECREF(b);
                 goto fail;
             }
@@ -419,16 +453,21 @@ ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
             b->strides[i] = t->strides != NULL ? t->strides[i] : stride;
             ok = ra_mul_ok(numel, t->shape[i], &numel);
             if (ok && t->shape[i] > 1) {
-                int64_t st = b->strides[i] < 0 ? -b->strides[i] : b->strides[i];
-                int64_t ext;
-                ok = st >= 0 && ra_mul_ok(st, t->shape[i] - 1, &ext) &&
-                     !__builtin_add_overflow(span, ext, &span);
+                int64_t ext;      /* element offset of the last index */
+                ok = ra_mul_ok(b->strides[i], t->shape[i] - 1, &ext) &&
+                     !__builtin_add_overflow(ext < 0 ? lo : hi, ext,
+                                             ext < 0 ? &lo : &hi);
             }
             if (ok && t->shape[i] > 0 && !ra_mul_ok(stride, t->shape[i], &stride))
                 stride = INT64_MAX; /* only a compact-stride default */
         }
-        int64_t bytes;
-        if (ok) ok = ra_mul_ok(numel, es, &bytes) && ra_mul_ok(span + 1, es, &bytes);
+        int64_t bytes, lo_bytes = 0, hi_bytes = 0, end;
+        if (ok)
+            ok = ra_mul_ok(numel, es, &bytes) && ra_mul_ok(lo, es, &lo_bytes) &&
+                 ra_mul_ok(hi, es, &hi_bytes) &&
+                 !__builtin_add_overflow(hi_bytes, es, &hi_bytes) &&
+                 !__builtin_add_overflow(hi_bytes, (int64_t)t->byte_offset,
+                                         &end);
         if (!ok) {
             PyErr_Format(PyExc_BufferError,
                          "%s: the DLPack shape/strides describe more than "
@@ -437,6 +476,25 @@ ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
             Py_DECREF(b);
             goto fail;
         }
+        /* first: the address of index 0; below it by `below` bytes the
+         * lowest element (negative strides), above it `hi_bytes` */
+        uintptr_t base = (uintptr_t)t->data, first,
+                  below = (uintptr_t)0 - (uintptr_t)lo_bytes;
+        if (numel > 0 &&
+            (t->data == NULL ||
+             __builtin_add_overflow(base, (uintptr_t)t->byte_offset, &first) ||
+             first <= below ||
+             UINTPTR_MAX - first < (uintptr_t)hi_bytes)) {
+            PyErr_Format(PyExc_BufferError,
+                         "%s: the DLPack data pointer %p with byte_offset "
+                         "%llu does not address %lld elements (NULL or "
+                         "wrapping around)", name, t->data,
+                         (unsigned long long)t->byte_offset,
+                         (long long)numel);
+            Py_DECREF(b);
+            goto fail;
+        }
+        b->data = (void *)(base + (uintptr_t)t->byte_offset);
     }
     PyObject *owner =
         is_versioned

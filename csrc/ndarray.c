@@ -41,7 +41,6 @@ ra_buffer *ra_buffer_from_ndarray(PyObject *obj, const char *name) {
     npy_intp itemsize = PyArray_ITEMSIZE(arr);
     DLDataType dt;
     dt.lanes = 1;
-    dt.bits = (uint8_t)(itemsize * 8);
 
     if (nd > RA_MAX_NDIM) {
         PyErr_Format(PyExc_ValueError,
@@ -64,9 +63,11 @@ ra_buffer *ra_buffer_from_ndarray(PyObject *obj, const char *name) {
                          name, (PyObject *)d);
             return NULL;
         }
-        if (itemsize > 32) {
-            PyErr_Format(PyExc_TypeError, "%s: unsupported NumPy dtype %S",
-                         name, (PyObject *)d);
+        if (itemsize * 8 > 255) {   /* DLPack counts bits in a uint8 */
+            PyErr_Format(PyExc_TypeError,
+                         "%s: unsupported NumPy dtype %S (%lld-byte items; "
+                         "DLPack describes at most 31 bytes)",
+                         name, (PyObject *)d, (long long)itemsize);
             return NULL;
         }
         if (d->kind == 'f' && itemsize != 2 && itemsize != 4 && itemsize != 8) {
@@ -77,6 +78,7 @@ ra_buffer *ra_buffer_from_ndarray(PyObject *obj, const char *name) {
             return NULL;
         }
     }
+    dt.bits = (uint8_t)(itemsize * 8);
     if (!PyArray_ISNOTSWAPPED(arr)) {
         PyErr_Format(PyExc_TypeError,
                      "%s: arrays in non-native byte order are not supported "

@@ -220,19 +220,22 @@ class HandMadeProducer:
     far larger, so a consumer that does not validate would read out of bounds.
     """
 
-    def __init__(self, shape, strides=None, code=2, bits=32, lanes=1, device=(1, 0)):
+    def __init__(self, shape, strides=None, code=2, bits=32, lanes=1, device=(1, 0),
+                 ndim=None, null_shape=False, null_data=False, byte_offset=0,
+                 data_offset=0):
         self.storage = np.zeros(64, np.float32)
-        ndim = len(shape)
-        self.shape = (ctypes.c_int64 * max(ndim, 1))(*shape)
-        self.strides = None if strides is None else (ctypes.c_int64 * max(ndim, 1))(*strides)
+        ndim = len(shape) if ndim is None else ndim
+        self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self.strides = None if strides is None else (ctypes.c_int64 * max(len(shape), 1))(*strides)
         self.managed = _DLManagedTensor()
         t = self.managed.dl_tensor
-        t.data = self.storage.ctypes.data
+        t.data = None if null_data else self.storage.ctypes.data + data_offset
         t.device = _DLDevice(*device)
         t.ndim = ndim
         t.dtype = _DLDataType(code, bits, lanes)
-        t.shape = self.shape
+        t.shape = None if null_shape else self.shape
         t.strides = self.strides
+        t.byte_offset = byte_offset
         self.device = device
 
     def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
@@ -248,10 +251,65 @@ class HandMadeProducer:
     pytest.param(dict(shape=(4, -3)), id="negative-shape"),
     pytest.param(dict(shape=(4, 4), strides=(2**62, 1)), id="stride-overflow"),
     pytest.param(dict(shape=(1,) * 9), id="too-many-dims"),
+    pytest.param(dict(shape=(1, 2, 1, 8), null_shape=True), id="shape-NULL"),
+    pytest.param(dict(shape=(1, 2, 1, 8), null_data=True), id="data-NULL"),
+    pytest.param(dict(shape=(1, 2, 1, 8), byte_offset=2**63), id="offset-2**63"),
+    pytest.param(dict(shape=(1, 2, 1, 8), byte_offset=2**64 - 8),
+                 id="offset-wraps"),
+    pytest.param(dict(shape=(1, 2, 1, 8), ndim=2**31 - 1), id="ndim-huge"),
+    pytest.param(dict(shape=(1, 2, 1, 8), ndim=-1), id="ndim-negative"),
+    pytest.param(dict(shape=(3, 8), strides=(-2**62, 1)), id="negative-stride-overflow"),
+    pytest.param(dict(shape=(3, 8), strides=(-2**63, 1)), id="stride-int64-min"),
+    pytest.param(dict(shape=(4, 4), strides=(2**60, 2**60)), id="stride-sum-overflow"),
+    pytest.param(dict(shape=(2**31, 2**31, 4)), id="numel-bytes-overflow"),
 ])
 def test_bad_dlpack_metadata_is_refused(producer):
-    with pytest.raises((BufferError, ValueError, OverflowError)):
+    """Malformed capsules raise BufferError naming the argument, never crash."""
+    with pytest.raises(BufferError, match=r"^q: "):
+        ra.attention(HandMadeProducer(**producer), *qkv(S_q=2, S_k=2, H=1, H_kv=1)[1:])
+    with pytest.raises(BufferError, match=r"^x: "):
         ra.from_dlpack(HandMadeProducer(**producer))
+
+
+def test_dlpack_data_below_negative_strides_is_refused():
+    """Negative strides that reach below address 0 (data near NULL)."""
+    producer = HandMadeProducer(shape=(3, 8), strides=(-8, 1))
+    producer.managed.dl_tensor.data = 16
+    with pytest.raises(BufferError, match="does not address"):
+        ra.from_dlpack(producer)
+
+
+def test_empty_dlpack_tensor_may_have_null_data():
+    buf = ra.from_dlpack(HandMadeProducer(shape=(0, 8), null_data=True))
+    assert buf.shape == (0, 8)
+
+
+class DeviceRaises(HandMadeProducer):
+    def __dlpack_device__(self):
+        raise RuntimeError("no device today")
+
+
+def test_dlpack_device_errors_name_the_argument():
+    q, k, v = qkv(S_q=2, S_k=2, H=1, H_kv=1)
+    with pytest.raises(BufferError, match=r"^k: __dlpack_device__ .*no device today") as info:
+        ra.attention(q, DeviceRaises(shape=(1, 2, 1, 8)), v)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_buffer_of_an_unsupported_numpy_dtype_names_it():
+    with pytest.raises(TypeError, match=r"complex256|clongdouble"):
+        ra.Buffer(np.zeros(4, np.clongdouble))
+
+
+def test_merge_with_a_wrong_lse1_dtype_blames_lse1():
+    args = _merge_args()
+    args["lse1"] = args["lse1"].astype(np.float64)
+    with pytest.raises(TypeError, match=r"^lse1: "):
+        ra.merge(*args.values())
+    args = _merge_args()
+    args["lse2"] = args["lse2"].astype(np.float64)
+    with pytest.raises(TypeError, match=r"^lse2: "):
+        ra.merge(*args.values())
 
 
 def test_vector_lanes_are_refused():
