@@ -100,7 +100,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         "dout", "q", "k", "v", "out", "lse", "causal", "scale", "dq", "dk",
         "dv", "delta", "accumulate", "deterministic", "q_pos_offset",
         "q_pos_stride", "k_pos_offset", "k_pos_stride", "num_threads",
-        "check_only", NULL};
+        "check_only", "branches", "branch_head", NULL};
     static char *kwlist_dil[] = {
         "dout", "q", "k", "v", "out", "lse", "segment_lengths",
         "dilation_rates", "causal", "scale", "dq", "dk", "dv", "delta",
@@ -109,7 +109,8 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     PyObject *douto, *qo, *ko, *vo, *outo, *lseo, *scale_o = Py_None,
              *dqo = Py_None, *dko = Py_None, *dvo = Py_None,
              *deltao = Py_None, *qoff_o = Py_None, *segs = NULL,
-             *rates = NULL;
+             *rates = NULL, *branches_o = Py_None;
+    long long branch_head = 0;
     int causal = 0, accumulate = 0, deterministic = 0, num_threads = 0,
         check_only = 0;
     long long qstride = 1, koff = 0, kstride = 1;
@@ -128,11 +129,31 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
     } else {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOOO|$pOOOOOppOLLLip:attn_bwd", kwlist_dense,
+                args, kwds, "OOOOOO|$pOOOOOppOLLLipOL:attn_bwd", kwlist_dense,
                 &douto, &qo, &ko, &vo, &outo, &lseo, &causal, &scale_o, &dqo,
                 &dko, &dvo, &deltao, &accumulate, &deterministic, &qoff_o,
-                &qstride, &koff, &kstride, &num_threads, &check_only))
+                &qstride, &koff, &kstride, &num_threads, &check_only,
+                &branches_o, &branch_head))
             return NULL;
+        /* branches=(segment_lengths, dilation_rates): the scores are one
+         * branch of dilated attention, query head 0 being branch_head */
+        if (branches_o != Py_None) {
+            if (!PyTuple_Check(branches_o) || PyTuple_GET_SIZE(branches_o) != 2) {
+                PyErr_SetString(PyExc_TypeError,
+                                "branches: expected (segment_lengths, "
+                                "dilation_rates)");
+                return NULL;
+            }
+            if (ra_parse_dilated(PyTuple_GET_ITEM(branches_o, 0),
+                                 PyTuple_GET_ITEM(branches_o, 1), &cfg) < 0)
+                return NULL;
+            if (branch_head < 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "branch_head: expected >= 0, got %lld",
+                             branch_head);
+                return NULL;
+            }
+        }
     }
     if (load_tensor(&t[0], qo, "q", 4, BSHD) < 0) goto done;
     if (load_tensor(&t[1], ko, "k", 4, BSHD) < 0) goto done;
@@ -231,6 +252,10 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     ra_attn_bwd_params p;
     fill_bwd_params(&p, &d, t, scale, causal, pos, accumulate, deterministic,
                     num_threads);
+    if (!dilated && branches_o != Py_None) {
+        p.branches = &cfg;
+        p.branch_head0 = branch_head;
+    }
     ra_status st = RA_OK;
     if (deltao == Py_None) {
         st = run_preprocess(&p, d.device_type, d.device_id);
@@ -434,8 +459,10 @@ PyMethodDef ra_attn_bwd_functions[] = {
      "attn_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, dq=None, "
      "dk=None, dv=None, delta=None, accumulate=False, deterministic=False, "
      "q_pos_offset=None, q_pos_stride=1, k_pos_offset=0, k_pos_stride=1, "
-     "num_threads=0, check_only=False) -> (dq, dk, dv), or None after the "
-     "checks alone with check_only=True"},
+     "num_threads=0, check_only=False, branches=None, branch_head=0) -> "
+     "(dq, dk, dv), or None after the checks alone with check_only=True; "
+     "branches=(segment_lengths, dilation_rates): the scores are one branch "
+     "of dilated attention whose query head 0 is branch_head"},
     {"dilated_bwd", (PyCFunction)(void (*)(void))mod_dilated_bwd,
      METH_VARARGS | METH_KEYWORDS,
      "dilated_bwd(dout, q, k, v, out, lse, segment_lengths, dilation_rates, "

@@ -116,7 +116,8 @@ ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
     char *const qp = qbuf, *const dop = qbuf + (size_t)q_elems * rs;
     char *const lse2 = rbuf, *const dlt = rbuf + (size_t)r_elems * rs;
 
-    /* pack q, dout, lse * log2 e, delta per (b, h, row chunk of 256) */
+    /* pack q * scale * log2 e (as the forward does: the same scores bit for
+     * bit), dout, lse * log2 e, delta per (b, h, row chunk of 256) */
     {
         const int64_t nch = ra_cpu_cdiv(Sq, 256), n_pack = B * H * nch;
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -126,7 +127,7 @@ ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
             const size_t ro = (size_t)(bh * Sq + i0);
             kn->pack_r(ra_cpu_at(p->q, b * p->q_batch_stride + h * p->q_head_stride +
                                            i0 * p->q_seq_stride, p->dtype),
-                       p->q_seq_stride, p->dtype, n, D, Dp, 1.0,
+                       p->q_seq_stride, p->dtype, n, D, Dp, p->scale * RA_LOG2E,
                        qp + ro * (size_t)Dp * rs);
             kn->pack_r(ra_cpu_at(p->dout, b * p->dout_batch_stride +
                                               h * p->dout_head_stride +
@@ -206,11 +207,12 @@ ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
                         bb.dv = dvb;
                         bb.D = D;
                         bb.Dp = Dp;
-                        bb.scale = p->scale;
                         bb.causal = p->causal;
+                        bb.branches = p->branches;
+                        bb.head = p->branch_head0 + g * group + hh;
                         kn->bwd_kblock(&bb, my);
                     }
-                    kn->store_rows(dkb, n, D, Dp, p->scale,
+                    kn->store_rows(dkb, n, D, Dp, RA_LN2,   /* q was scaled */
                                    ra_cpu_atw(p->dk, b * p->dk_batch_stride +
                                                          g * p->dk_head_stride +
                                                          j0 * p->dk_seq_stride, gd),

@@ -315,7 +315,8 @@ ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
                                        qi * p->lse_seq_stride;
                     kn->pack_r(ra_cpu_at(p->q, b * p->q_batch_stride + h * p->q_head_stride +
                                                    qi * p->q_seq_stride, p->dtype),
-                               p->q_seq_stride * r, p->dtype, nq, D, Dp, 1.0, qp);
+                               p->q_seq_stride * r, p->dtype, nq, D, Dp,
+                               p->scale * RA_LOG2E, qp);   /* as the forward */
                     kn->pack_r(ra_cpu_at(p->dout, b * p->dout_batch_stride +
                                                       h * p->dout_head_stride +
                                                       qi * p->dout_seq_stride, p->out_dtype),
@@ -350,9 +351,10 @@ ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
                         bb.kr = blk + (size_t)(2 * D * BK) * rs;
                         bb.nk = n; bb.kpos0 = fk + j0 * r; bb.kpos_st = r;
                         bb.dk = dkb; bb.dv = dvb; bb.D = D; bb.Dp = Dp;
-                        bb.scale = p->scale; bb.causal = p->causal;
+                        bb.causal = p->causal;
+                        bb.branches = cfg; bb.head = h;
                         kn->bwd_kblock(&bb, my);
-                        kn->store_rows(dkb, n, D, Dp, p->scale,
+                        kn->store_rows(dkb, n, D, Dp, RA_LN2,   /* q was scaled */
                                        ra_cpu_atw(tk.ptr, b * tk.bs + g * tk.hs + row * tk.ss, acc),
                                        tk.ss * r, acc, 1);
                         kn->store_rows(dvb, n, D, Dp, 1.0,

@@ -61,7 +61,8 @@ typedef struct ra_fwd_blk {
  * against all rows of one query head (packed).  Adds the unscaled
  * contributions dS^T Q into dk, P^T dO into dv and dS K into dq. */
 typedef struct ra_bwd_blk {
-    const void *q, *dout;   /* nq x Dp (real) */
+    const void *q;          /* nq x Dp (real), times scale * log2(e) */
+    const void *dout;       /* nq x Dp (real) */
     const void *lse2;       /* nq: lse * log2(e) (real), -inf for empty rows */
     const void *delta;      /* nq (real) */
     void *dq;               /* nq x Dp (real), accumulated into */
@@ -71,9 +72,26 @@ typedef struct ra_bwd_blk {
     int64_t nk, kpos0, kpos_st;
     void *dk, *dv;          /* BK x Dp (real), accumulated into */
     int64_t D, Dp;
-    double scale;
     int causal;
+    /* scores of one branch of dilated attention: the branches and the query
+     * head, to count the branches that share a (query, key) pair; NULL for
+     * plain attention */
+    const ra_dilated_config *branches;
+    int64_t head;
 } ra_bwd_blk;
+
+/* How many branches of `c` select both global positions qp and kp for query
+ * head h (the multiplicity c_h(i, j) of DESIGN 2, "Dilated attention"). */
+static inline int ra_dilated_pair_count(const ra_dilated_config *c, int64_t h,
+                                        int64_t qp, int64_t kp) {
+    int n = 0;
+    for (int b = 0; b < c->n_branches; b++) {
+        const int64_t w = c->segment_lengths[b], r = c->dilation_rates[b];
+        const int64_t s = qp / w, o = h % r;
+        n += kp / w == s && (qp - s * w) % r == o && (kp - s * w) % r == o;
+    }
+    return n;
+}
 
 typedef struct ra_cpu_kernels {
     const char *isa;

@@ -16,14 +16,27 @@
  * l = 1, O = out, so merging happens by the same online rule.
  *
  * Backward tile (bwd_kblock): one key block of one kv head against all rows
- * of one query head, with the final lse and delta = rowsum(dO * O):
+ * of one query head, with the final lse and delta = rowsum(dO * O).  Q comes
+ * packed times scale * log2(e) exactly as the forward packs it, so S below
+ * is the forward's score bit for bit:
  *   for each query block (from the first row that can see the block):
- *     S = Q K^T, P = 2^(S scale log2 e - lse log2 e)  (masked),
+ *     S = Qs K^T, P = 2^(S - lse log2 e)  (masked; an exponent above a
+ *     rounding band below 0 reads as 0, so P <= 1),
  *     dP = dO V^T, dS = P (dP - delta)
- *     dV += P^T dO, dK += dS^T Q, dQ += dS K          (scale applied later)
+ *     dV += P^T dO, dK += dS^T Qs, dQ += dS K   (dK times ln 2, dQ times
+ *                                                 scale, applied later)
  */
 
 #define RA_NEG_INF (-(real)INFINITY)
+/* the backward's rounding band below an exponent of 0 (see bwd_kblock):
+ * 16 ulps of |L|, from the |L| where an ulp reaches 2^-10 */
+#if RA_IS_DOUBLE
+#define RA_BWD_BAND ((real)0x1p-48)
+#define RA_BWD_BAND_FROM ((real)0x1p42)
+#else
+#define RA_BWD_BAND ((real)0x1p-19f)
+#define RA_BWD_BAND_FROM ((real)0x1p13f)
+#endif
 
 /* ---- packing and storing ----------------------------------------------- */
 /* one row of D elements of dtype dt -> reals times mul */
@@ -261,7 +274,6 @@ static void k_bwd_kblock(const ra_bwd_blk *bb, void *scratch) {
     const real *kt = (const real *)bb->kt, *vt = (const real *)bb->vt;
     const real *kr = (const real *)bb->kr;
     real *dq = (real *)bb->dq, *dk = (real *)bb->dk, *dv = (real *)bb->dv;
-    const real c = (real)(bb->scale * RA_LOG2E);
     const int64_t kp_last = bb->kpos0 + (nk - 1) * bb->kpos_st;
 
     if (nk <= 0 || nq <= 0) return;
@@ -289,9 +301,31 @@ static void k_bwd_kblock(const ra_bwd_blk *bb, void *scratch) {
                 memset(drow, 0, sizeof(real) * (size_t)NB);
                 continue;
             }
-            const rv cv = v_set1(c), Lv = v_set1(L), dl = v_set1(delta[i0 + i]);
+            /* x = S - L <= 0 in exact arithmetic (L is the log2 of a sum
+             * that holds 2^S), so x > 0 is rounding: read as 0 (P <= 1;
+             * huge scores would otherwise overflow).  For huge |L| the
+             * rounding of L itself (stored in the acc dtype, merged over
+             * ring steps) is many units: there an x within 16 ulps of |L|
+             * below 0 reads as 0 too, so the row's dominant key gets
+             * P = 1, not 2^(-ulps), which would lose it.  A dilated pair
+             * that c branches share reads as -log2 c: P sums to 1 over
+             * them. */
+            const real aL = L < 0 ? -L : L;
+            const real band = aL >= RA_BWD_BAND_FROM ? -(RA_BWD_BAND * aL) : 0;
+            const rv Lv = v_set1(L), dl = v_set1(delta[i0 + i]);
+            const rv bv = v_set1(band);
+            const int64_t qp = bb->qpos0 + (i0 + i) * bb->qpos_st;
             for (int64_t j = 0; j < NB; j += VW) {
-                rv pj = v_exp2(v_ld(prow + j) * cv - Lv);
+                rv x = v_ld(prow + j) - Lv;
+                const ri snap = (ri)(x >= bv);
+                x = (rv)((ri)x & ~snap);              /* 0 inside the band */
+                if (bb->branches != NULL)
+                    for (int l = 0; l < VW; l++)
+                        if (snap[l] && j + l < nk)
+                            x[l] = -(real)log2((double)ra_dilated_pair_count(
+                                bb->branches, bb->head, qp,
+                                bb->kpos0 + (j + l) * bb->kpos_st));
+                rv pj = v_exp2(x);
                 v_st(prow + j, pj);
                 v_st(drow + j, pj * (v_ld(drow + j) - dl));
             }

@@ -89,6 +89,12 @@ typedef struct ra_attn_bwd_params {
     int accumulate;
     int deterministic;         /* same bits for the same inputs on every run */
     int num_threads;
+    /* the scores are one branch of dilated attention (the ring's exchanged
+     * rows): its configuration and the global index of query head 0, so
+     * that a pair several branches share gets its share of P; NULL for
+     * plain attention */
+    const struct ra_dilated_config *branches;
+    int64_t branch_head0;
 } ra_attn_bwd_params;
 
 /* out = merge of (out1, lse1) and (out2, lse2) by the LSE rule (DESIGN 3).

@@ -271,7 +271,9 @@ def _forward_blocks(blocks, views, qb, out, lse, causal, scale, threads):
 
 
 def _backward_blocks(blocks, views, grad_views, qb, doutb, lseb, delta, dq,
-                     causal, scale, threads):
+                     causal, scale, threads, branches):
+    """The exchanged rows' gradients; branches=(segs, rates) tells the
+    kernel which (query, key) pairs several branches share."""
     for blk, (k_blk, v_blk), (dk_blk, dv_blk) in zip(blocks, views, grad_views):
         _, _, k_pos, k_step, _ = blk["k"]
         for h in blk["heads"]:
@@ -283,7 +285,8 @@ def _backward_blocks(blocks, views, grad_views, qb, doutb, lseb, delta, dq,
                             dv=dv_blk, delta=bhs(delta), accumulate=True,
                             q_pos_offset=q_pos, q_pos_stride=q_pstep,
                             k_pos_offset=k_pos, k_pos_stride=k_step,
-                            num_threads=threads)
+                            num_threads=threads, branches=branches,
+                            branch_head=h)
 
 
 def ring_dilated_attention_backward(dout, q, k, v, out, lse, comm,
@@ -333,7 +336,8 @@ def ring_dilated_attention_backward(dout, q, k, v, out, lse, comm,
         sel = lambda b, x: b.narrow(1, x["k"][0], x["k"][4], x["k"][1]).narrow(2, x["g"], 1)
         _backward_blocks(blocks, [(sel(kb, x), sel(vb, x)) for x in blocks],
                          [(sel(dk, x), sel(dv, x)) for x in blocks],
-                         qb, doutb, lse_c, delta, dq, causal, scale, threads)
+                         qb, doutb, lse_c, delta, dq, causal, scale, threads,
+                         (segs, rates))
 
     dk_np, dv_np = dk.numpy(), dv.numpy()
     for d, dst, send, src, recv in _rounds(plan, comm, segs, rates, H, Hkv,
@@ -350,7 +354,7 @@ def ring_dilated_attention_backward(dout, q, k, v, out, lse, comm,
             grad_out = _C.zeros((recv_total,), acc, *dev)
             _backward_blocks(recv, _views(recv_buf, recv, B, D),
                              _views(grad_out, recv, B, D), qb, doutb, lse_c,
-                             delta, dq, causal, scale, threads)
+                             delta, dq, causal, scale, threads, (segs, rates))
         # gradients out: back to src; ours come back from dst
         send_total = sum(_block_numel(x, B, D) for x in send)
         grad_in = _C.empty((send_total,), acc, *dev) if send else None
