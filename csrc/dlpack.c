@@ -15,6 +15,7 @@
  */
 #include "buffer.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "cuda_rt.h"
@@ -240,17 +241,15 @@ static void owner_destructor_legacy(PyObject *cap) {
     if (mt != NULL && mt->deleter != NULL) mt->deleter(mt);
 }
 
-/* The producer's current exception as a BufferError naming the argument
+/* The current exception as a BufferError "<name>: <what>: <type>: <text>"
  * (the original one chained as __cause__).  Returns NULL. */
-static void *producer_error(const char *name, PyObject *obj,
-                            const char *what) {
+static void *named_buffer_error(const char *name, const char *what) {
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
     PyErr_NormalizeException(&et, &ev, &tb);
     if (tb != NULL && ev != NULL) PyException_SetTraceback(ev, tb);
-    PyErr_Format(PyExc_BufferError, "%s: %s of the %.100s raised %.100s: %S",
-                 name, what, Py_TYPE(obj)->tp_name,
-                 et ? ((PyTypeObject *)et)->tp_name : "an error",
+    PyErr_Format(PyExc_BufferError, "%s: %s: %.100s: %S", name, what,
+                 et ? ((PyTypeObject *)et)->tp_name : "error",
                  ev ? ev : Py_None);
     if (ev != NULL) {
         PyObject *nt, *nv, *ntb;
@@ -264,6 +263,15 @@ static void *producer_error(const char *name, PyObject *obj,
     Py_XDECREF(ev);
     Py_XDECREF(tb);
     return NULL;
+}
+
+/* The producer's exception from calling `method`, named as above. */
+static void *producer_error(const char *name, PyObject *obj,
+                            const char *method) {
+    char what[200];
+    snprintf(what, sizeof what, "%s of the %.100s failed", method,
+             Py_TYPE(obj)->tp_name);
+    return named_buffer_error(name, what);
 }
 
 static PyObject *call_dlpack(PyObject *obj, PyObject *stream_arg,
@@ -326,8 +334,11 @@ ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
             void *s = NULL;
             ra_status st = ra_cuda_compute_stream(dev_id, &s);
             if (st != RA_OK) {
+                char what[160];
                 ra_raise(st);
-                return NULL;
+                snprintf(what, sizeof what, "the %.100s lives on CUDA device %d",
+                         Py_TYPE(obj)->tp_name, dev_id);
+                return named_buffer_error(name, what);
             }
             stream = (intptr_t)s;
             if (stream == 0) stream = 1; /* legacy default stream */
