@@ -30,11 +30,15 @@ typedef RA_REAL real;
 
 #if RA_IS_DOUBLE
 typedef int64_t ri_el;
+typedef uint64_t ru_el;
 #else
 typedef int32_t ri_el;
+typedef uint32_t ru_el;
 #endif
 typedef real rv __attribute__((vector_size(RA_VBYTES)));
 typedef ri_el ri __attribute__((vector_size(RA_VBYTES)));
+/* unsigned lanes for exponent-field arithmetic, which wraps by design */
+typedef ru_el ru __attribute__((vector_size(RA_VBYTES)));
 typedef real rvu __attribute__((vector_size(RA_VBYTES), aligned(sizeof(real))));
 
 #define RA_AI static inline __attribute__((always_inline))
@@ -102,9 +106,9 @@ RA_AI rv v_exp2(rv x) {
     rv t = x + v_set1(ra_exp2_magic);   /* rounds x to an integer */
     rv n = t - v_set1(ra_exp2_magic);
     rv p = v_exp2_poly(x - n);
-    ri ni = (ri)t - (ri)v_set1(ra_exp2_magic);  /* the integer n */
-    ri r = (ri)p + (ni << RA_EXP2_SHIFT);
-    return (rv)(r & ~dead);
+    ru ni = (ru)t - (ru)v_set1(ra_exp2_magic);  /* the integer n */
+    ru r = (ru)p + (ni << RA_EXP2_SHIFT);
+    return (rv)(r & ~(ru)dead);
 }
 
 /* 2^x for x <= 0 (the softmax case: scores minus their running max), with
@@ -116,8 +120,8 @@ RA_AI rv v_exp2_le0(rv x) {
     ri dead = x < v_set1(ra_exp2_lo);
     rv t = x + v_set1(ra_exp2_magic);
     rv p = v_exp2_poly(x - (t - v_set1(ra_exp2_magic)));
-    ri r = (ri)p + ((ri)t << RA_EXP2_SHIFT);
-    return (rv)(r & ~dead);
+    ru r = (ru)p + ((ru)t << RA_EXP2_SHIFT);
+    return (rv)(r & ~(ru)dead);
 }
 
 /* ---- micro-kernel and panel product ----------------------------------- */
