@@ -19,6 +19,13 @@
  * stored in grad_dtype, or added to the float32/float64 buffers when
  * p.accumulate.
  *
+ * Scores are recomputed exactly as the forward (attn_fwd_simt.cu) computed
+ * them: q pre-multiplied by scale in A, then one fused multiply-add per
+ * dimension in order d = 0 .. D-1.  So s_ij - lse_i is at most 0 up to the
+ * rounding of lse itself, also for huge scores (q scaled by 1e9), and the
+ * exponent is clamped to <= 0 on top: P never exceeds 1 and never
+ * overflows, whatever the magnitude of the scores.
+ *
  * Shapes: q, out, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D);
  * lse, delta (B, H, S_q) in A.
  */
@@ -83,7 +90,8 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                 const int r = idx / D, d = idx % D;
                 const int64_t i = i0 + r;
                 const bool ok = i < p.seqlen_q;
-                sq[r * ldq + d] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) : (A)0;
+                // pre-scaled as in the forward, so s matches its bits
+                sq[r * ldq + d] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) * scale : (A)0;
                 sdo[r * ldq + d] = ok ? ra::to_acc(dog[i * p.dout_seq_stride + d]) : (A)0;
             }
             if (threadIdx.x < kTile) {
@@ -110,7 +118,7 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                 }
                 // lse_i = -inf covers rows past S_q and rows that saw no key
                 const bool vis = lse_i != ra::neg_inf<A>() && (!p.causal || kpos[r] <= qpos);
-                const A pr = vis ? ra::exp_acc(s * scale - lse_i) : (A)0;
+                const A pr = vis ? ra::exp_acc(fmin(s - lse_i, (A)0)) : (A)0;
                 const A ds = pr * (dp - delta_i);
                 for (int i = 0; i < in; i++) {
                     const A pb = __shfl_sync(0xffffffffu, pr, i);
@@ -140,7 +148,7 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
         for (int t = 0; t < DPL; t++) {
             const int d = lane + 32 * t;
             if (d >= D) continue;
-            const A gk = dk[r][t] * scale, gv = dv[r][t];
+            const A gk = dk[r][t], gv = dv[r][t];  // q was pre-scaled: dk has its scale
             if (p.accumulate) {
                 ((A *)p.dk)[ok_ + d] += gk;
                 ((A *)p.dv)[ov + d] += gv;
@@ -177,7 +185,7 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
         const int r = idx / D, d = idx % D;
         const int64_t i = q0 + r;
         const bool ok = i < p.seqlen_q;
-        sq[idx] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) : (A)0;
+        sq[idx] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) * scale : (A)0;  // as the forward
         sdo[idx] = ok ? ra::to_acc(dog[i * p.dout_seq_stride + d]) : (A)0;
     }
 
@@ -225,7 +233,7 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
                 dp += dor[d] * vj[d];
             }
             const bool vis = kvalid && (!p.causal || kpos <= qpos[r]);
-            const A pr = vis ? ra::exp_acc(s * scale - lse[r]) : (A)0;
+            const A pr = vis ? ra::exp_acc(fmin(s - lse[r], (A)0)) : (A)0;
             const A ds = pr * (dp - delta[r]);
             for (int j = 0; j < jn; j++) {
                 const A dsb = __shfl_sync(0xffffffffu, ds, j);
