@@ -41,9 +41,13 @@ def _median(fn, repeat, sync):
     return statistics.median(times)
 
 
-def _rank(comm, n, causal, repeat):
-    """This rank's median ring and transfer-only times, forward and
-    backward (seconds)."""
+def _rank(comm, n, repeat):
+    """{causal: this rank's median ring and transfer-only times, forward and
+    backward (seconds)} for causal False and True: one launch serves both."""
+    return {causal: _rank_times(comm, n, causal, repeat) for causal in (False, True)}
+
+
+def _rank_times(comm, n, causal, repeat):
     import torch
 
     import ringattn as ra
@@ -160,38 +164,38 @@ def run(args=None) -> int:
     print(head)
     print("|---:|---:|:---:|:---:|---:|---:|---:|---:|---:|---:|", flush=True)
     status, done = 0, 0
-    for causal in (False, True):
-        single = _single(n, causal, repeat)
-        for p in (1, 2, 3, 4):
-            ok, why, share_gpu = _can_run(p, n_gpus, nccl)
-            if not ok:
-                print(f"| {p} | - | {'yes' if causal else 'no'} | - | skipped: {why} |")
-                continue
-            old = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE")
-            if share_gpu:
-                os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
-            try:
-                res = ra.launch(_rank, p, args=(n, causal, repeat), backend="nccl",
-                                timeout=300)
-            except Exception as e:      # noqa: BLE001 - reported, bench goes on
-                print(f"| {p} | - | {'yes' if causal else 'no'} | - | FAILED: "
-                      f"{type(e).__name__}: {str(e).splitlines()[0]} |")
-                status = 1
-                continue
-            finally:
-                if share_gpu and old is None:
-                    os.environ.pop("NCCL_MULTI_RANK_GPU_ENABLE", None)
-            gpus = min(p, n_gpus)
-            share = 1.0 if gpus < p else 1.0 / p
+    single = {causal: _single(n, causal, repeat) for causal in (False, True)}
+    for p in (1, 2, 3, 4):
+        ok, why, share_gpu = _can_run(p, n_gpus, nccl)
+        if not ok:
+            print(f"| {p} | - | - | - | skipped: {why} |")
+            continue
+        old = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE")
+        if share_gpu:
+            os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+        try:
+            res = ra.launch(_rank, p, args=(n, repeat), backend="nccl", timeout=300)
+        except Exception as e:      # noqa: BLE001 - reported, the bench goes on
+            print(f"| {p} | - | - | - | FAILED: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0]} |")
+            status = 1
+            continue
+        finally:
+            if share_gpu and old is None:
+                os.environ.pop("NCCL_MULTI_RANK_GPU_ENABLE", None)
+        gpus = min(p, n_gpus)
+        share = 1.0 if gpus < p else 1.0 / p
+        for causal in (False, True):
             for pas in ("fwd", "bwd"):
-                ring = max(x[pas] for x in res)
-                xfer = max(x["xfer_" + pas] for x in res)
-                exposed = max(0.0, ring - single[pas] * share)
+                one = single[causal][pas]
+                ring = max(x[causal][pas] for x in res)
+                xfer = max(x[causal]["xfer_" + pas] for x in res)
+                exposed = max(0.0, ring - one * share)
                 hidden = f"{1.0 - min(1.0, exposed / xfer):.0%}" if p > 1 and xfer > 0 else "n/a"
                 print(f"| {p} | {gpus} | {'yes' if causal else 'no'} | {pas} | "
-                      f"{single[pas]:.4f} | {ring:.4f} | {ring / single[pas]:.2f} | "
+                      f"{one:.4f} | {ring:.4f} | {ring / one:.2f} | "
                       f"{xfer:.4f} | {exposed:.4f} | {hidden} |", flush=True)
-            done += 1
+        done += 1
     print(f"bench-gpu-ring: {'PASS' if status == 0 else 'FAIL'} ({done} ring runs, "
           f"NCCL {'.'.join(map(str, nccl))}, {n_gpus} GPU(s))")
     return status
