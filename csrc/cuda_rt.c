@@ -399,6 +399,8 @@ exit:
     return st;
 }
 
+static int compute_stream_exists(int device);
+
 void ra_cuda_empty_cache(void) {
     if (!ra_cuda_available(NULL)) return;
     int prev = 0;
@@ -406,8 +408,11 @@ void ra_cuda_empty_cache(void) {
         (void)cudaGetLastError();
         return;
     }
-    /* Pending kernels may still use cached blocks: finish them first. */
-    for (int d = 0; d < avail_count; d++) (void)ra_cuda_synchronize(d);
+    /* Pending kernels may still use cached blocks: finish them first, on
+     * the devices ringattn ran on (synchronising the others would create a
+     * context, and memory, on every GPU of the machine). */
+    for (int d = 0; d < avail_count; d++)
+        if (compute_stream_exists(d)) (void)ra_cuda_synchronize(d);
     pthread_mutex_lock(&pool_lock);
     release_cached_locked(-1);
     pthread_mutex_unlock(&pool_lock);
@@ -418,6 +423,13 @@ void ra_cuda_empty_cache(void) {
 
 static pthread_mutex_t stream_lock = PTHREAD_MUTEX_INITIALIZER;
 static cudaStream_t compute_streams[RA_MAX_DEVICES];
+
+static int compute_stream_exists(int device) {
+    pthread_mutex_lock(&stream_lock);
+    int exists = compute_streams[device] != NULL;
+    pthread_mutex_unlock(&stream_lock);
+    return exists;
+}
 
 ra_status ra_cuda_compute_stream(int device, void **stream) {
     *stream = NULL;

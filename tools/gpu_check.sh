@@ -149,12 +149,14 @@ stage_build() {
     note "== build: pip install --no-build-isolation (RINGATTN_CUDA=1, archs $ARCHS, $(nproc) jobs; ~2.5 min)"
     local t0=$SECONDS
     run_logged build 420 env -C "$REPO" RINGATTN_CUDA=1 RINGATTN_BUILD_JOBS="$(nproc)" \
-        "$PY" -m pip install --no-build-isolation --no-deps --no-cache-dir -v .
+        "$PY" -m pip install --no-build-isolation --no-deps --no-index \
+        --disable-pip-version-check --no-cache-dir -v .
     local rc=$?
     local info
     info="$(py -c 'import ringattn as ra
 i = ra.cuda_info()
-print(f"built={i[\"built\"]} available={i[\"available\"]} devices={i[\"devices\"]} nccl={ra.nccl_version()}")' 2>&1 | tail -n 1)"
+print("built=%s available=%s devices=%s nccl=%s"
+      % (i["built"], i["available"], i["devices"], ra.nccl_version()))' 2>&1 | tail -n 1)"
     echo "installed: $info" >>"$LOGDIR/build.log"
     if [ $rc -eq 0 ] && [[ "$info" == built=True* ]]; then
         echo "$hash" >"$WORK/build.hash"
