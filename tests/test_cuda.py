@@ -10,11 +10,9 @@ saw (so bf16/fp16 rounding of the inputs is not counted as error).
 Tolerance: max |got - ref| <= tol * max(1, max |ref|), with tol 2e-2 for
 bfloat16, 5e-3 for float16, 1e-4 for float32 and 1e-9 for float64.
 
-Assumptions about the layers written elsewhere (skipped when absent):
-  * ``ra.memory_stats()["cuda"]["current"]`` is the bytes ringattn holds.
-  * ``ringattn._C.attn_fwd(q, k, v, out=, lse=, accumulate=True, causal=,
-    q_pos_offset=, k_pos_offset=)`` continues a float32 running state
-    (out, lse) in place (what the ring does every step).
+``ringattn._C.attn_fwd(q, k, v, out=, lse=, accumulate=True, causal=,
+q_pos_offset=, k_pos_offset=)`` continues a float32 running state (out, lse)
+in place (what the ring does every step).
 """
 import zlib
 
