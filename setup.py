@@ -14,9 +14,9 @@ Environment:
 """
 
 import glob
+import importlib.util
 import os
 import shutil
-import site
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -74,15 +74,13 @@ def find_nccl_include(cuda_home):
     if cuda_home:
         dirs.append(os.path.join(cuda_home, "include"))
     dirs += ["/usr/include", "/usr/local/include"]
-    roots = list(sys.path)
-    try:
-        roots += site.getsitepackages() + [site.getusersitepackages()]
-    except AttributeError:      # some virtualenvs lack these
-        pass
-    for root in roots:
-        if root:
-            dirs += sorted(glob.glob(os.path.join(root, "nvidia", "nccl*",
-                                                  "include")))
+    try:        # the wheel's package nvidia.nccl, as this interpreter sees it
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        dirs += [os.path.join(d, "include")
+                 for d in spec.submodule_search_locations or []]
     for d in dirs:
         if os.path.isfile(os.path.join(d, "nccl.h")):
             return d

@@ -195,6 +195,20 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
         snprintf(err, n, "%s", ra_last_error());
         return st;
     }
+    /* the comm stream first waits for the work that came before: on the
+     * caller's stream (device transfers: the kernels that wrote the send
+     * block or still read the receive block), or on the compute stream
+     * (staged: the scratch block may have served it until its free) */
+    void *before = op->staged ? NULL : x->stream;
+    if (before == NULL) {
+        st = ra_cuda_compute_stream(nc->device, &before);
+        if (st != RA_OK) {
+            snprintf(err, n, "%s", ra_last_error());
+            return st;
+        }
+    }
+    ISSUE_CUDA(cudaEventRecord(nc->ready, (cudaStream_t)before));
+    ISSUE_CUDA(cudaStreamWaitEvent(nc->stream, nc->ready, 0));
     if (op->staged) {
         /* small host values (generic barrier/allgather): copy in, and out
          * again when the caller waits */
@@ -208,32 +222,9 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
         }
         send = op->scratch;
         recv = (char *)op->scratch + x->send_nbytes;
-        /* the scratch block may have served compute-stream work until it
-         * was freed: use it after that work */
-        void *compute = NULL;
-        st = ra_cuda_compute_stream(nc->device, &compute);
-        if (st != RA_OK) {
-            snprintf(err, n, "%s", ra_last_error());
-            return st;
-        }
-        ISSUE_CUDA(cudaEventRecord(nc->ready, (cudaStream_t)compute));
-        ISSUE_CUDA(cudaStreamWaitEvent(nc->stream, nc->ready, 0));
         if (x->dst >= 0 && x->send_nbytes > 0)
             ISSUE_CUDA(cudaMemcpyAsync(op->scratch, x->send, x->send_nbytes,
                                        cudaMemcpyHostToDevice, nc->stream));
-    } else {
-        void *caller = x->stream;
-        if (caller == NULL) {
-            st = ra_cuda_compute_stream(nc->device, &caller);
-            if (st != RA_OK) {
-                snprintf(err, n, "%s", ra_last_error());
-                return st;
-            }
-        }
-        /* the kernels that wrote the send block, or still read the receive
-         * block, run before the transfer */
-        ISSUE_CUDA(cudaEventRecord(nc->ready, (cudaStream_t)caller));
-        ISSUE_CUDA(cudaStreamWaitEvent(nc->stream, nc->ready, 0));
     }
     if (x->dst == c->rank) {
         if (x->send_nbytes > 0 && send != recv)

@@ -218,23 +218,33 @@ def speed_bars(rows):
     return out
 
 
+def preflight(command, tag):
+    """PyTorch when ringattn and PyTorch both see a GPU; otherwise None,
+    after printing why and the failing summary line `tag: FAIL ...`."""
+    import ringattn as ra
+
+    why = None
+    if not ra.cuda_available():
+        why = f"no usable GPU: {ra.cuda_info()['reason']}"
+    else:
+        try:
+            import torch
+        except ImportError:
+            torch, why = None, "PyTorch is needed for the baselines and the timing (pip install torch)"
+        if torch is not None and not torch.cuda.is_available():
+            why = "PyTorch sees no CUDA device"
+    if why is not None:
+        print(f"{command}: {why}")
+        print(f"{tag}: FAIL {why.split(':')[0]}")
+        return None
+    return torch
+
+
 def run(args=None) -> int:
     import ringattn as ra
 
-    if not ra.cuda_available():
-        print(f"bench --gpu: no usable GPU: {ra.cuda_info()['reason']}")
-        print("bench-gpu: FAIL no GPU")
-        return 2
-    try:
-        import torch
-    except ImportError:
-        print("bench --gpu: PyTorch is needed for the SDPA baselines and the CUDA events "
-              "(pip install torch)")
-        print("bench-gpu: FAIL no PyTorch")
-        return 2
-    if not torch.cuda.is_available():
-        print("bench --gpu: PyTorch sees no CUDA device")
-        print("bench-gpu: FAIL no GPU for PyTorch")
+    torch = preflight("bench --gpu", "bench-gpu")
+    if torch is None:
         return 2
     quick = bool(getattr(args, "quick", False))
     warmup = 2 if quick else 3

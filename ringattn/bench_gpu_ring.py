@@ -130,16 +130,10 @@ def _can_run(p, n_gpus, nccl):
 
 def run(args=None) -> int:
     import ringattn as ra
+    from .bench_gpu import preflight
 
-    if not ra.cuda_available():
-        print(f"bench --ring --gpu: no usable GPU: {ra.cuda_info()['reason']}")
-        print("bench-gpu-ring: FAIL no GPU")
-        return 2
-    try:
-        import torch
-    except ImportError:
-        print("bench --ring --gpu: PyTorch is needed (pip install torch)")
-        print("bench-gpu-ring: FAIL no PyTorch")
+    torch = preflight("bench --ring --gpu", "bench-gpu-ring")
+    if torch is None:
         return 2
     nccl = ra.nccl_version()
     if nccl is None:

@@ -98,49 +98,73 @@ static ra_attn_bwd_params bwd_params(const ra_attn_fwd_params &f) {
 
 /* ---- contiguous forward, backward, accumulate -------------------------- */
 
+/* A contiguous problem: q (scaled by q_scale), k, v, dout rounded to t,
+ * the float64 reference, device copies, and forward/backward params wired
+ * to them and to fresh (poisoned) out, lse, delta and grad buffers. */
+struct Problem {
+    ra_dtype t, acc;
+    int B, Sq, Sk, H, Hk, D;
+    size_t nq, nk, nl;
+    std::vector<double> q, k, v, g, ro, rl, rdq, rdk, rdv;
+    Dev dq_, dk_, dv_, dg, dout, dl, ddelta, gq, gk, gv;
+    ra_attn_fwd_params f;
+    ra_attn_bwd_params b;
+    Problem(ra_dtype t_, int B_, int Sq_, int Sk_, int H_, int Hk_, int D_, bool causal,
+            std::mt19937_64 &rng, double q_scale = 1.0)
+        : t(t_), acc(ra_acc_dtype(t_)), B(B_), Sq(Sq_), Sk(Sk_), H(H_), Hk(Hk_), D(D_),
+          nq((size_t)B_ * Sq_ * H_ * D_), nk((size_t)B_ * Sk_ * Hk_ * D_), nl((size_t)B_ * H_ * Sq_),
+          // round inputs to the dtype so the reference sees what the kernel sees
+          q(rounded(randn(rng, nq, q_scale), t_)), k(rounded(randn(rng, nk), t_)),
+          v(rounded(randn(rng, nk), t_)), g(rounded(randn(rng, nq), t_)),
+          dq_(nq * esize(t_)), dk_(nk * esize(t_)), dv_(nk * esize(t_)), dg(nq * esize(t_)),
+          dout(nq * esize(t_)), dl(nl * esize(acc)), ddelta(nl * esize(acc)),
+          gq(nq * esize(t_)), gk(nk * esize(t_)), gv(nk * esize(t_)) {
+        const long qoff = Sk - Sq;  // bottom-right alignment
+        reference(B, Sq, Sk, H, Hk, D, causal, qoff, 0, q, k, v, g, ro, rl, rdq, rdk, rdv);
+        up(dq_, encode(q, t)); up(dk_, encode(k, t)); up(dv_, encode(v, t)); up(dg, encode(g, t));
+        // q, out (B, S_q, H, D); k, v (B, S_k, H_kv, D); lse (B, H, S_q)
+        f = fwd_params(t, B, Sq, Sk, H, Hk, D, causal, qoff);
+        f.q = dq_.p; f.k = dk_.p; f.v = dv_.p; f.out = dout.p; f.lse = dl.p;
+        b = bwd_params(f);
+        b.out = dout.p; b.dout = dg.p; b.lse = dl.p; b.delta = ddelta.p;
+        b.dq = gq.p; b.dk = gk.p; b.dv = gv.p;
+    }
+    void forward() { RK(ra_cuda_attn_fwd(&f, 0)); }
+    void backward() {
+        RK(ra_cuda_attn_bwd_preprocess(&b, 0));
+        RK(ra_cuda_attn_bwd(&b, 0));
+    }
+};
+
+
 static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bool causal,
                      bool generic) {
     std::mt19937_64 rng(B * 131 + Sq * 7 + Sk * 3 + D + causal + 1000 * (int)t);
-    const size_t nq = (size_t)B * Sq * H * D, nk = (size_t)B * Sk * Hk * D, nl = (size_t)B * H * Sq;
-    // round inputs to the dtype so the reference sees what the kernel sees
-    auto q = rounded(randn(rng, nq), t), k = rounded(randn(rng, nk), t);
-    auto v = rounded(randn(rng, nk), t), g = rounded(randn(rng, nq), t);
-    const long qoff = Sk - Sq;  // bottom-right alignment
-    std::vector<double> ro, rl, rdq, rdk, rdv;
-    reference(B, Sq, Sk, H, Hk, D, causal, qoff, 0, q, k, v, g, ro, rl, rdq, rdk, rdv);
-    const ra_dtype acc = ra_acc_dtype(t);
+    Problem pr(t, B, Sq, Sk, H, Hk, D, causal, rng);
+    const size_t nq = pr.nq, nl = pr.nl;
+    const ra_dtype acc = pr.acc;
+    const ra_attn_fwd_params &f = pr.f;
     const double tol = fwd_tol(t);
     force_generic(generic);
-
-    Dev dq_(nq * esize(t)), dk_(nk * esize(t)), dv_(nk * esize(t)), dg(nq * esize(t));
-    Dev dout(nq * esize(t)), dout_acc(nq * esize(acc));
-    Dev dl(nl * esize(acc)), dl2(nl * esize(acc)), ddelta(nl * esize(acc));
-    Dev gq(nq * esize(t)), gk(nk * esize(t)), gv(nk * esize(t));
-    up(dq_, encode(q, t)); up(dk_, encode(k, t)); up(dv_, encode(v, t)); up(dg, encode(g, t));
-
-    // q, out (B, S_q, H, D); k, v (B, S_k, H_kv, D); lse (B, H, S_q)
-    ra_attn_fwd_params f = fwd_params(t, B, Sq, Sk, H, Hk, D, causal, qoff);
-    f.q = dq_.p; f.k = dk_.p; f.v = dv_.p; f.out = dout.p; f.lse = dl.p;
-    RK(ra_cuda_attn_fwd(&f, 0));
+    pr.forward();
     // the same into an accumulator-dtype output
+    Dev dout_acc(nq * esize(acc)), dl2(nl * esize(acc));
     ra_attn_fwd_params fa = f;
     fa.out = dout_acc.p; fa.out_dtype = acc; fa.lse = dl2.p;
     RK(ra_cuda_attn_fwd(&fa, 0));
     CK(cudaDeviceSynchronize());
-    bool ok = cmp("out", down(dout, nq, t), ro, tol) && cmp("lse", down(dl, nl, acc), rl, tol) &&
-              cmp("out(acc dtype)", down(dout_acc, nq, acc), ro, tol) &&
-              cmp("lse(acc dtype)", down(dl2, nl, acc), rl, tol);
+    bool ok = cmp("out", down(pr.dout, nq, t), pr.ro, tol) &&
+              cmp("lse", down(pr.dl, nl, acc), pr.rl, tol) &&
+              cmp("out(acc dtype)", down(dout_acc, nq, acc), pr.ro, tol) &&
+              cmp("lse(acc dtype)", down(dl2, nl, acc), pr.rl, tol);
 
-    ra_attn_bwd_params bp = bwd_params(f);
-    bp.q = dq_.p; bp.k = dk_.p; bp.v = dv_.p; bp.out = dout.p; bp.dout = dg.p; bp.lse = dl.p;
-    bp.delta = ddelta.p; bp.dq = gq.p; bp.dk = gk.p; bp.dv = gv.p;
-    RK(ra_cuda_attn_bwd_preprocess(&bp, 0));
-    RK(ra_cuda_attn_bwd(&bp, 0));
+    pr.backward();
     CK(cudaDeviceSynchronize());
     // the reference backward uses exact out; bf16/fp16 out rounding moves delta a little
     const double btol = tol * 2;
-    ok = ok && cmp("dq", down(gq, nq, t), rdq, btol) && cmp("dk", down(gk, nk, t), rdk, btol) &&
-         cmp("dv", down(gv, nk, t), rdv, btol);
+    ok = ok && cmp("dq", down(pr.gq, nq, t), pr.rdq, btol) &&
+         cmp("dk", down(pr.gk, pr.nk, t), pr.rdk, btol) &&
+         cmp("dv", down(pr.gv, pr.nk, t), pr.rdv, btol);
 
     // accumulate: two key chunks into a running state (acc dtype), the
     // second with its positions continued (a ring step)
@@ -153,12 +177,13 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
         a.out = so.p; a.lse = sl.p; a.out_dtype = acc; a.accumulate = 1;
         a.seqlen_k = split;
         RK(ra_cuda_attn_fwd(&a, 0));
-        a.k = (const unsigned char *)dk_.p + (size_t)split * f.k_seq_stride * esize(t);
-        a.v = (const unsigned char *)dv_.p + (size_t)split * f.k_seq_stride * esize(t);
+        a.k = (const unsigned char *)pr.dk_.p + (size_t)split * f.k_seq_stride * esize(t);
+        a.v = (const unsigned char *)pr.dv_.p + (size_t)split * f.k_seq_stride * esize(t);
         a.seqlen_k = Sk - split; a.k_pos_offset = split;
         RK(ra_cuda_attn_fwd(&a, 0));
         CK(cudaDeviceSynchronize());
-        ok = ok && cmp("acc out", down(so, nq, acc), ro, tol) && cmp("acc lse", down(sl, nl, acc), rl, tol);
+        ok = ok && cmp("acc out", down(so, nq, acc), pr.ro, tol) &&
+             cmp("acc lse", down(sl, nl, acc), pr.rl, tol);
     }
     force_generic(false);
     printf("%-4s %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d%s\n", ok ? "ok" : "FAIL",
@@ -329,38 +354,21 @@ static bool run_strided(ra_dtype t, const StridedCase &c) {
  * kernels round lse and the recomputed score differently at this size, so
  * only finiteness (and the forward) is asserted. */
 static bool run_huge(ra_dtype t, int D, bool causal, double factor, bool finite_only) {
-    const int B = 1, Sq = 70, Sk = 90, H = 2, Hk = 1;
     std::mt19937_64 rng(D * 7 + causal + (int)t);
-    const size_t nq = (size_t)B * Sq * H * D, nk = (size_t)B * Sk * Hk * D, nl = (size_t)B * H * Sq;
-    auto q = rounded(randn(rng, nq, factor), t), k = rounded(randn(rng, nk), t);
-    auto v = rounded(randn(rng, nk), t), g = rounded(randn(rng, nq), t);
-    const long qoff = Sk - Sq;
-    std::vector<double> ro, rl, rdq, rdk, rdv;
-    reference(B, Sq, Sk, H, Hk, D, causal, qoff, 0, q, k, v, g, ro, rl, rdq, rdk, rdv);
-    const ra_dtype acc = ra_acc_dtype(t);
-    Dev dq_(nq * esize(t)), dk_(nk * esize(t)), dv_(nk * esize(t)), dg(nq * esize(t));
-    Dev dout(nq * esize(t)), dl(nl * esize(acc)), ddelta(nl * esize(acc));
-    Dev gq(nq * esize(t)), gk(nk * esize(t)), gv(nk * esize(t));
-    up(dq_, encode(q, t)); up(dk_, encode(k, t)); up(dv_, encode(v, t)); up(dg, encode(g, t));
-    ra_attn_fwd_params f = fwd_params(t, B, Sq, Sk, H, Hk, D, causal, qoff);
-    f.q = dq_.p; f.k = dk_.p; f.v = dv_.p; f.out = dout.p; f.lse = dl.p;
-    RK(ra_cuda_attn_fwd(&f, 0));
-    ra_attn_bwd_params bp = bwd_params(f);
-    bp.q = dq_.p; bp.k = dk_.p; bp.v = dv_.p; bp.out = dout.p; bp.dout = dg.p; bp.lse = dl.p;
-    bp.delta = ddelta.p; bp.dq = gq.p; bp.dk = gk.p; bp.dv = gv.p;
-    RK(ra_cuda_attn_bwd_preprocess(&bp, 0));
-    RK(ra_cuda_attn_bwd(&bp, 0));
+    Problem pr(t, 1, 70, 90, 2, 1, D, causal, rng, factor);
+    pr.forward();
+    pr.backward();
     CK(cudaDeviceSynchronize());
-    const auto gdq = down(gq, nq, t), gdk = down(gk, nk, t), gdv = down(gv, nk, t);
+    const auto gdq = down(pr.gq, pr.nq, t), gdk = down(pr.gk, pr.nk, t), gdv = down(pr.gv, pr.nk, t);
     double qmax = 0;
-    for (double x : q) qmax = std::max(qmax, std::fabs(x));
+    for (double x : pr.q) qmax = std::max(qmax, std::fabs(x));
     const double tol = bwd_tol(t);
-    bool ok = cmp("out", down(dout, nq, t), ro, fwd_tol(t)) &&
-              cmp("lse", down(dl, nl, acc), rl, fwd_tol(t)) && all_finite("dq", gdq) &&
-              all_finite("dk", gdk) && all_finite("dv", gdv);
+    bool ok = cmp("out", down(pr.dout, pr.nq, t), pr.ro, fwd_tol(t)) &&
+              cmp("lse", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t)) &&
+              all_finite("dq", gdq) && all_finite("dk", gdk) && all_finite("dv", gdv);
     if (!finite_only)
-        ok = ok && cmp("dv", gdv, rdv, tol) && cmp("dq", gdq, rdq, tol) &&
-             cmp("dk", gdk, rdk, tol, qmax);
+        ok = ok && cmp("dv", gdv, pr.rdv, tol) && cmp("dq", gdq, pr.rdq, tol) &&
+             cmp("dk", gdk, pr.rdk, tol, qmax);
     printf("%-4s huge %-8s q*%g D=%d causal=%d%s\n", ok ? "ok" : "FAIL", ra_dtype_name(t), factor, D,
            (int)causal, finite_only ? " (finite only)" : "");
     return ok;
@@ -371,24 +379,18 @@ static bool run_huge(ra_dtype t, int D, bool causal, double factor, bool finite_
 /* The LSE merge of attention over keys [0, split) (out in t) and [split,
  * S_k) (out in the acc dtype), into t: equals attention over all keys. */
 static bool run_merge(ra_dtype t, int D) {
-    const int B = 2, Sq = 33, Sk = 90, H = 2, Hk = 2, split = 40;
+    const int B = 2, Sq = 33, Sk = 90, H = 2, split = 40;
     std::mt19937_64 rng(D + 11 * (int)t);
-    const size_t nq = (size_t)B * Sq * H * D, nk = (size_t)B * Sk * Hk * D, nl = (size_t)B * H * Sq;
-    auto q = rounded(randn(rng, nq), t), k = rounded(randn(rng, nk), t);
-    auto v = rounded(randn(rng, nk), t), g = randn(rng, nq);
-    std::vector<double> ro, rl, rdq, rdk, rdv;
-    reference(B, Sq, Sk, H, Hk, D, false, 0, 0, q, k, v, g, ro, rl, rdq, rdk, rdv);
-    const ra_dtype acc = ra_acc_dtype(t);
-    Dev dq_(nq * esize(t)), dk_(nk * esize(t)), dv_(nk * esize(t));
+    Problem pr(t, B, Sq, Sk, H, H, D, false, rng);
+    const size_t nq = pr.nq, nl = pr.nl;
+    const ra_dtype acc = pr.acc;
     Dev o1(nq * esize(t)), o2(nq * esize(acc)), o(nq * esize(t));
     Dev l1(nl * esize(acc)), l2(nl * esize(acc)), l(nl * esize(acc));
-    up(dq_, encode(q, t)); up(dk_, encode(k, t)); up(dv_, encode(v, t));
-    ra_attn_fwd_params f = fwd_params(t, B, Sq, split, H, Hk, D, false, 0);
-    f.q = dq_.p; f.k = dk_.p; f.v = dv_.p; f.out = o1.p; f.lse = l1.p;
-    f.k_batch_stride = f.v_batch_stride = (int64_t)Sk * Hk * D;
+    ra_attn_fwd_params f = pr.f;
+    f.seqlen_k = split; f.out = o1.p; f.lse = l1.p;
     RK(ra_cuda_attn_fwd(&f, 0));
-    f.k = (const unsigned char *)dk_.p + (size_t)split * f.k_seq_stride * esize(t);
-    f.v = (const unsigned char *)dv_.p + (size_t)split * f.k_seq_stride * esize(t);
+    f.k = (const unsigned char *)pr.dk_.p + (size_t)split * f.k_seq_stride * esize(t);
+    f.v = (const unsigned char *)pr.dv_.p + (size_t)split * f.k_seq_stride * esize(t);
     f.seqlen_k = Sk - split; f.out = o2.p; f.out_dtype = acc; f.lse = l2.p;
     RK(ra_cuda_attn_fwd(&f, 0));
     ra_merge_params m;
@@ -405,8 +407,8 @@ static bool run_merge(ra_dtype t, int D) {
     m.lse1_seq_stride = m.lse2_seq_stride = m.lse_seq_stride = 1;
     RK(ra_cuda_merge(&m, 0));
     CK(cudaDeviceSynchronize());
-    const bool ok = cmp("merged out", down(o, nq, t), ro, fwd_tol(t)) &&
-                    cmp("merged lse", down(l, nl, acc), rl, fwd_tol(t));
+    const bool ok = cmp("merged out", down(o, nq, t), pr.ro, fwd_tol(t)) &&
+                    cmp("merged lse", down(l, nl, acc), pr.rl, fwd_tol(t));
     printf("%-4s merge %-8s D=%d\n", ok ? "ok" : "FAIL", ra_dtype_name(t), D);
     return ok;
 }
