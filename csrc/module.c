@@ -4,9 +4,9 @@
  * through a hook declared in module.h; this file owns the module state and
  * its GC support.
  */
-#include "module.h"
-#include "dlpack.h"
-#include "ndarray.h"
+#include "core/module.h"
+#include "core/dlpack.h"
+#include "core/ndarray.h"
 
 static ra_module_state *ra_live_state = NULL;
 

@@ -13,9 +13,9 @@
 #ifndef RA_ATTN_CUDA_H
 #define RA_ATTN_CUDA_H
 
-#include "ra_common.h"
-#include "attn_params.h"
-#include "copy.h"
+#include "core/ra_common.h"
+#include "attn/attn_params.h"
+#include "core/copy.h"
 
 #ifdef __cplusplus
 extern "C" {

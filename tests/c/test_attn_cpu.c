@@ -18,8 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../csrc/attn_cpu.h"
-#include "../../csrc/attn_cpu_kern.h"
+#include "attn/attn_cpu.h"
+#include "attn/attn_cpu_kern.h"
 
 /* ---- random numbers ---------------------------------------------------- */
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
