@@ -50,19 +50,6 @@ ra_status ra_cuda_fill_state(void *out, void *lse, ra_dtype acc_dtype,
                              int64_t lse_batch_stride, int64_t lse_head_stride,
                              int64_t lse_seq_stride, void *stream);
 
-/* Make `device` current for the launchers above (they launch on the
- * current device; `stream` must belong to it), keeping the caller's device
- * in *prev; ra_cuda_leave_device(device, prev) restores it.  Defined in
- * csrc/cuda_rt.c. */
-ra_status ra_cuda_enter_device(int device, int *prev);
-void ra_cuda_leave_device(int device, int prev);
-
-/* The one mapping of a cudaError_t (as int) to an ra_status with an
- * ra_set_error message naming `what` and the source location.  Defined in
- * csrc/cuda_rt.c. */
-ra_status ra_cuda_status(int err, const char *what, const char *file,
-                         int line);
-
 #ifdef __cplusplus
 }
 #endif

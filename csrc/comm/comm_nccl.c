@@ -31,7 +31,6 @@
 
 #include <math.h>
 #include <time.h>
-#include "../../cuda/attn_cuda.h"
 
 #define WATCH_BUSY_S 0.001       /* watchdog period with transfers in flight */
 #define WATCH_IDLE_S 0.2         /* and without */

@@ -26,7 +26,6 @@
 #include <errno.h>
 #include <sched.h>
 #include <time.h>
-#include "../../cuda/attn_cuda.h"
 
 static void sleep_s(double s) {
     struct timespec ts;

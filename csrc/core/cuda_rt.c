@@ -19,7 +19,6 @@
  */
 #include "core/module.h"
 #include "core/cuda_rt.h"
-#include "../../cuda/attn_cuda.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -46,6 +46,19 @@ ra_status ra_cuda_memcpy(int device, void *dst, int dst_is_device,
                          int sync);
 ra_status ra_cuda_synchronize(int device);
 
+/* Make `device` current for a kernel launch (the launchers in cuda/ launch
+ * on the current device; their `stream` must belong to it), keeping the
+ * caller's device in *prev; ra_cuda_leave_device(device, prev) restores
+ * it. */
+ra_status ra_cuda_enter_device(int device, int *prev);
+void ra_cuda_leave_device(int device, int prev);
+
+/* The one mapping of a cudaError_t (as int) to an ra_status with an
+ * ra_set_error message naming `what` and the source location (cuda/'s
+ * CUDA_CHECK reports through it too). */
+ra_status ra_cuda_status(int err, const char *what, const char *file,
+                         int line);
+
 #ifdef __cplusplus
 }
 #endif
