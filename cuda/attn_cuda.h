@@ -15,7 +15,6 @@
 
 #include "core/ra_common.h"
 #include "attn/attn_params.h"
-#include "core/copy.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -37,9 +36,6 @@ ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream);
 
 /* out, lse = LSE merge of (out1, lse1) and (out2, lse2).  cuda/merge.cu */
 ra_status ra_cuda_merge(const ra_merge_params *p, void *stream);
-
-/* dst = cast(src), n-d strided, float dtypes.  cuda/copy.cu */
-ra_status ra_cuda_copy(const ra_copy_params *p, void *stream);
 
 /* Initialise a running forward state: out (acc dtype, BSHD strides) = 0 and
  * lse (acc dtype, (B, H, S) strides) = -inf.  cuda/merge.cu */

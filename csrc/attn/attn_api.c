@@ -16,57 +16,7 @@
 #include "attn/attn_args.h"
 #include "attn/attn_cpu.h"
 #include "core/buffer.h"
-#include "core/copy.h"
-#include "core/cuda_rt.h"
 #include "core/module.h"
-
-/* ---- strided copy between buffers (Buffer.copy_, astype, staging) ------ */
-
-ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
-    if (dst->readonly) {
-        ra_set_error(RA_ERR_VALUE, "copy: the destination is read-only");
-        return RA_ERR_VALUE;
-    }
-    if (dst->dtype == RA_DTYPE_OTHER || src->dtype == RA_DTYPE_OTHER) {
-        ra_set_error(RA_ERR_TYPE,
-                     "copy: expected float32, float64, float16 or bfloat16 "
-                     "buffers");
-        return RA_ERR_TYPE;
-    }
-    if (dst->ndim != src->ndim) goto shape_mismatch;
-    for (int i = 0; i < dst->ndim; i++)
-        if (dst->shape[i] != src->shape[i]) goto shape_mismatch;
-    if (dst->device_type != src->device_type ||
-        dst->device_id != src->device_id) {
-        ra_set_error(RA_ERR_VALUE,
-                     "copy: source and destination live on different devices");
-        return RA_ERR_VALUE;
-    }
-    ra_copy_params p;
-    memset(&p, 0, sizeof p);
-    p.ndim = dst->ndim;
-    for (int i = 0; i < dst->ndim; i++) {
-        p.shape[i] = dst->shape[i];
-        p.src_strides[i] = src->strides[i];
-        p.dst_strides[i] = dst->strides[i];
-    }
-    p.src = src->data;
-    p.dst = dst->data;
-    p.src_dtype = src->dtype;
-    p.dst_dtype = dst->dtype;
-    ra_status st;
-    if (dst->device_type == RA_DEV_CUDA) {
-        st = ra_cuda_run(dst->device_id, RA_CUDA_COPY, &p);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        st = ra_cpu_copy(&p);
-        Py_END_ALLOW_THREADS
-    }
-    return st;
-shape_mismatch:
-    ra_set_error(RA_ERR_VALUE, "copy: source and destination shapes differ");
-    return RA_ERR_VALUE;
-}
 
 /* ---- forward ------------------------------------------------------------ */
 

@@ -7,14 +7,11 @@
 #include <string.h>
 
 #include "attn/attn_args.h"
-#include "core/copy.h"
 #include "core/cuda_rt.h"
 #include "core/module.h"
 #ifdef RA_WITH_CUDA
 #include "attn_cuda.h"
 #endif
-
-ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
 
 /* ---- argument checking -------------------------------------------------- */
 
@@ -319,12 +316,6 @@ ra_buffer *alloc_out(int ndim, const int64_t *shape, ra_dtype t,
     return ra_buffer_empty(ndim, shape, t, d->device_type, d->device_id, zero);
 }
 
-ra_status cuda_unavailable(void) {
-    ra_set_error(RA_ERR_UNSUPPORTED,
-                 "the inputs live on a CUDA device but ringattn was built "
-                 "without CUDA");
-    return RA_ERR_UNSUPPORTED;
-}
 
 
 int load_bhs(tensor_arg *a, PyObject *obj, const char *name, const qkv_dims *d,
@@ -355,53 +346,53 @@ int load_bhs(tensor_arg *a, PyObject *obj, const char *name, const qkv_dims *d,
     return 0;
 }
 
-ra_status ra_cuda_run(int device, ra_cuda_op op, const void *params) {
+/* one ra_cuda_run call, as ra_cuda_launch passes it to launch_call */
+typedef struct {
+    ra_cuda_op op;
+    const void *params;
+} cuda_call;
+
 #ifdef RA_WITH_CUDA
-    void *stream = NULL;
-    int prev = -1;
-    ra_status st = ra_cuda_compute_stream(device, &stream);
-    if (st != RA_OK) return st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ra_cuda_enter_device(device, &prev);
-    if (st == RA_OK) {
-        switch (op) {
-        case RA_CUDA_FWD:
-            st = ra_cuda_attn_fwd((const ra_attn_fwd_params *)params, stream);
-            break;
-        case RA_CUDA_BWD_PRE:
-            st = ra_cuda_attn_bwd_preprocess((const ra_attn_bwd_params *)params,
-                                             stream);
-            break;
-        case RA_CUDA_BWD:
-            st = ra_cuda_attn_bwd((const ra_attn_bwd_params *)params, stream);
-            break;
-        case RA_CUDA_MERGE:
-            st = ra_cuda_merge((const ra_merge_params *)params, stream);
-            break;
-        case RA_CUDA_COPY:
-            st = ra_cuda_copy((const ra_copy_params *)params, stream);
-            break;
-        case RA_CUDA_STATE: {
-            const ra_state_params *s = (const ra_state_params *)params;
-            st = ra_cuda_fill_state(s->out, s->lse, s->acc, s->batch, s->seqlen,
-                                    s->heads, s->head_dim, s->out_batch_stride,
-                                    s->out_seq_stride, s->out_head_stride,
-                                    s->lse_batch_stride, s->lse_head_stride,
-                                    s->lse_seq_stride, stream);
-            break;
-        }
-        default:
-            ra_set_error(RA_ERR_INTERNAL, "unknown CUDA operation %d", (int)op);
-            st = RA_ERR_INTERNAL;
-        }
-        ra_cuda_leave_device(device, prev);
+/* the extern "C" launcher of call->op, on `stream` */
+static ra_status launch_call(const void *arg, void *stream) {
+    const cuda_call *call = (const cuda_call *)arg;
+    const void *params = call->params;
+    ra_status st;
+    switch (call->op) {
+    case RA_CUDA_FWD:
+        st = ra_cuda_attn_fwd((const ra_attn_fwd_params *)params, stream);
+        break;
+    case RA_CUDA_BWD_PRE:
+        st = ra_cuda_attn_bwd_preprocess((const ra_attn_bwd_params *)params,
+                                         stream);
+        break;
+    case RA_CUDA_BWD:
+        st = ra_cuda_attn_bwd((const ra_attn_bwd_params *)params, stream);
+        break;
+    case RA_CUDA_MERGE:
+        st = ra_cuda_merge((const ra_merge_params *)params, stream);
+        break;
+    case RA_CUDA_STATE: {
+        const ra_state_params *s = (const ra_state_params *)params;
+        st = ra_cuda_fill_state(s->out, s->lse, s->acc, s->batch, s->seqlen,
+                                s->heads, s->head_dim, s->out_batch_stride,
+                                s->out_seq_stride, s->out_head_stride,
+                                s->lse_batch_stride, s->lse_head_stride,
+                                s->lse_seq_stride, stream);
+        break;
     }
-    Py_END_ALLOW_THREADS
+    default:
+        ra_set_error(RA_ERR_INTERNAL, "unknown CUDA operation %d",
+                     (int)call->op);
+        st = RA_ERR_INTERNAL;
+    }
     return st;
+}
 #else
-    (void)device;
-    (void)op;
-    (void)params;
-    return cuda_unavailable();
+#define launch_call NULL /* ra_cuda_launch refuses without CUDA */
 #endif
+
+ra_status ra_cuda_run(int device, ra_cuda_op op, const void *params) {
+    cuda_call call = {op, params};
+    return ra_cuda_launch(device, launch_call, &call);
 }

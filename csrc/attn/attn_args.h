@@ -57,14 +57,12 @@ int parse_dilated_positions(PyObject *qoff, long long koff, const qkv_dims *d,
                             int64_t out[4]);
 ra_buffer *alloc_out(int ndim, const int64_t *shape, ra_dtype t,
                      const qkv_dims *d, int zero);
-ra_status cuda_unavailable(void);
 /* 3-d (B, H, S_q) acc-dtype tensor such as lse or delta */
 int load_bhs(tensor_arg *a, PyObject *obj, const char *name, const qkv_dims *d,
              int writable);
 
 /* segment_lengths / dilation_rates -> config (ValueError on bad values) */
 int ra_parse_dilated(PyObject *segs, PyObject *rates, ra_dilated_config *cfg);
-ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
 
 /* The CUDA launchers the entry points dispatch to. */
 typedef enum {
@@ -72,7 +70,6 @@ typedef enum {
     RA_CUDA_BWD_PRE,  /* ra_attn_bwd_params */
     RA_CUDA_BWD,      /* ra_attn_bwd_params */
     RA_CUDA_MERGE,    /* ra_merge_params */
-    RA_CUDA_COPY,     /* ra_copy_params */
     RA_CUDA_STATE     /* ra_state_params */
 } ra_cuda_op;
 

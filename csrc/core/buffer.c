@@ -25,8 +25,6 @@ PyObject *ra_buffer_dlpack(PyObject *self, PyObject *args, PyObject *kwds);
 PyObject *ra_buffer_dlpack_device(PyObject *self, PyObject *unused);
 ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
                                  intptr_t stream);
-/* attn_api.c: strided cast copy on the buffers' device */
-ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
 
 /* ---- blocks ------------------------------------------------------------ */
 
@@ -284,6 +282,63 @@ ra_buffer *ra_buffer_from_object(PyObject *obj, const char *name,
                  "object with __dlpack__), got %.200s",
                  name, Py_TYPE(obj)->tp_name);
     return NULL;
+}
+
+/* ---- strided copy between buffers (Buffer.copy_, astype, staging) ------ */
+
+#ifdef RA_WITH_CUDA
+/* cuda/copy.cu's launcher in the shape ra_cuda_launch takes */
+static ra_status copy_on_stream(const void *params, void *stream) {
+    return ra_cuda_copy((const ra_copy_params *)params, stream);
+}
+#else
+#define copy_on_stream NULL /* ra_cuda_launch refuses without CUDA */
+#endif
+
+ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
+    if (dst->readonly) {
+        ra_set_error(RA_ERR_VALUE, "copy: the destination is read-only");
+        return RA_ERR_VALUE;
+    }
+    if (dst->dtype == RA_DTYPE_OTHER || src->dtype == RA_DTYPE_OTHER) {
+        ra_set_error(RA_ERR_TYPE,
+                     "copy: expected float32, float64, float16 or bfloat16 "
+                     "buffers");
+        return RA_ERR_TYPE;
+    }
+    if (dst->ndim != src->ndim) goto shape_mismatch;
+    for (int i = 0; i < dst->ndim; i++)
+        if (dst->shape[i] != src->shape[i]) goto shape_mismatch;
+    if (dst->device_type != src->device_type ||
+        dst->device_id != src->device_id) {
+        ra_set_error(RA_ERR_VALUE,
+                     "copy: source and destination live on different devices");
+        return RA_ERR_VALUE;
+    }
+    ra_copy_params p;
+    memset(&p, 0, sizeof p);
+    p.ndim = dst->ndim;
+    for (int i = 0; i < dst->ndim; i++) {
+        p.shape[i] = dst->shape[i];
+        p.src_strides[i] = src->strides[i];
+        p.dst_strides[i] = dst->strides[i];
+    }
+    p.src = src->data;
+    p.dst = dst->data;
+    p.src_dtype = src->dtype;
+    p.dst_dtype = dst->dtype;
+    ra_status st;
+    if (dst->device_type == RA_DEV_CUDA) {
+        st = ra_cuda_launch(dst->device_id, copy_on_stream, &p);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        st = ra_cpu_copy(&p);
+        Py_END_ALLOW_THREADS
+    }
+    return st;
+shape_mismatch:
+    ra_set_error(RA_ERR_VALUE, "copy: source and destination shapes differ");
+    return RA_ERR_VALUE;
 }
 
 /* ---- the Python type --------------------------------------------------- */

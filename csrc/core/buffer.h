@@ -74,6 +74,11 @@ ra_buffer *ra_buffer_view(ra_buffer *base, void *data, int ndim,
 ra_buffer *ra_buffer_from_object(PyObject *obj, const char *name,
                                  intptr_t stream);
 
+/* dst[...] = src[...] converted to dst's dtype: same shape, same device,
+ * float dtypes, dst writable; on the buffers' device (the GIL released
+ * around the host copy).  RA_OK, or a status with ra_set_error's message. */
+ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
+
 int64_t ra_buffer_numel(const ra_buffer *b);
 ra_dtype ra_dtype_from_dl(DLDataType t);
 int ra_dtype_from_name(const char *name, ra_dtype *out);  /* 1 if known */

@@ -27,6 +27,11 @@ typedef struct ra_copy_params {
 } ra_copy_params;
 
 ra_status ra_cpu_copy(const ra_copy_params *p);
+#ifdef RA_WITH_CUDA
+/* The same on a CUDA device, queued on `stream` (a cudaStream_t) of the
+ * current device.  cuda/copy.cu */
+ra_status ra_cuda_copy(const ra_copy_params *p, void *stream);
+#endif
 /* float <-> half/bfloat16 scalar conversions (round to nearest even) */
 float ra_half_to_float(uint16_t h);
 uint16_t ra_float_to_half(float f);

@@ -396,6 +396,22 @@ exit:
     return st;
 }
 
+ra_status ra_cuda_launch(int device, ra_cuda_launcher launch,
+                         const void *params) {
+    void *stream = NULL;
+    int prev = -1;
+    ra_status st = ra_cuda_compute_stream(device, &stream);
+    if (st != RA_OK) return st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ra_cuda_enter_device(device, &prev);
+    if (st == RA_OK) {
+        st = launch(params, stream);
+        ra_cuda_leave_device(device, prev);
+    }
+    Py_END_ALLOW_THREADS
+    return st;
+}
+
 ra_status ra_cuda_synchronize(int device) {
     void *s = NULL;
     RA_CHECK(ra_cuda_compute_stream(device, &s));
@@ -470,6 +486,14 @@ ra_status ra_cuda_memcpy(int device, void *dst, int dst_is_device,
 ra_status ra_cuda_synchronize(int device) {
     (void)device;
     return no_cuda();
+}
+ra_status ra_cuda_launch(int device, ra_cuda_launcher launch,
+                         const void *params) {
+    (void)device; (void)launch; (void)params;
+    ra_set_error(RA_ERR_UNSUPPORTED,
+                 "the inputs live on a CUDA device but ringattn was built "
+                 "without CUDA");
+    return RA_ERR_UNSUPPORTED;
 }
 
 #endif /* RA_WITH_CUDA */

@@ -46,6 +46,18 @@ ra_status ra_cuda_memcpy(int device, void *dst, int dst_is_device,
                          int sync);
 ra_status ra_cuda_synchronize(int device);
 
+/* A kernel launcher: queue the work `params` describes on `stream` (a
+ * cudaStream_t) and return.  Callers adapt cuda/'s extern "C" launchers to
+ * this shape. */
+typedef ra_status (*ra_cuda_launcher)(const void *params, void *stream);
+
+/* Run `launch(params, stream)` on `device`'s compute stream with the device
+ * made current around it and the GIL released (call it holding the GIL).
+ * Without CUDA: RA_ERR_UNSUPPORTED before `launch` is looked at (it may be
+ * NULL there). */
+ra_status ra_cuda_launch(int device, ra_cuda_launcher launch,
+                         const void *params);
+
 /* Make `device` current for a kernel launch (the launchers in cuda/ launch
  * on the current device; their `stream` must belong to it), keeping the
  * caller's device in *prev; ra_cuda_leave_device(device, prev) restores
