@@ -20,12 +20,6 @@
 
 PyTypeObject *ra_BufferType = NULL;
 
-/* dlpack.c */
-PyObject *ra_buffer_dlpack(PyObject *self, PyObject *args, PyObject *kwds);
-PyObject *ra_buffer_dlpack_device(PyObject *self, PyObject *unused);
-ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
-                                 intptr_t stream);
-
 /* ---- blocks ------------------------------------------------------------ */
 
 ra_block *ra_block_alloc(int device_type, int device_id, size_t nbytes,
@@ -705,8 +699,6 @@ static PyType_Spec buffer_spec = {
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = buffer_slots,
 };
-
-extern PyMethodDef ra_buffer_functions[]; /* buffer_api.c */
 
 int ra_buffer_exec(PyObject *m, ra_module_state *st) {
     st->BufferType =

@@ -79,6 +79,18 @@ ra_buffer *ra_buffer_from_object(PyObject *obj, const char *name,
  * around the host copy).  RA_OK, or a status with ra_set_error's message. */
 ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
 
+/* DLPack, both ways (dlpack.c): Buffer.__dlpack__(*, stream=None,
+ * max_version=None, dl_device=None, copy=None), Buffer.__dlpack_device__(),
+ * and the import of any object with __dlpack__ (as ra_buffer_from_object). */
+PyObject *ra_buffer_dlpack(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *ra_buffer_dlpack_device(PyObject *self, PyObject *unused);
+ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
+                                 intptr_t stream);
+
+/* The module functions around Buffer: empty, zeros, from_dlpack,
+ * memory_stats, reset_peak_memory_stats (buffer_api.c). */
+extern PyMethodDef ra_buffer_functions[];
+
 int64_t ra_buffer_numel(const ra_buffer *b);
 ra_dtype ra_dtype_from_dl(DLDataType t);
 int ra_dtype_from_name(const char *name, ra_dtype *out);  /* 1 if known */
