@@ -13,6 +13,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "attn/attn_api.h"
 #include "attn/attn_args.h"
 #include "attn/attn_cpu.h"
 #include "core/buffer.h"
@@ -62,68 +63,6 @@ static void fill_fwd_params(ra_attn_fwd_params *p, const qkv_dims *d,
     p->k_pos_stride = pos[3];
     p->accumulate = accumulate;
     p->num_threads = num_threads;
-}
-
-/* dilated configuration from two Python sequences */
-int ra_parse_dilated(PyObject *segs, PyObject *rates,
-                         ra_dilated_config *cfg) {
-    PyObject *s = PySequence_Fast(segs, "segment_lengths: expected a sequence "
-                                        "of positive ints");
-    if (s == NULL) return -1;
-    PyObject *r = PySequence_Fast(rates, "dilation_rates: expected a sequence "
-                                         "of positive ints");
-    if (r == NULL) {
-        Py_DECREF(s);
-        return -1;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(s);
-    int rc = -1;
-    if (n != PySequence_Fast_GET_SIZE(r)) {
-        PyErr_Format(PyExc_ValueError,
-                     "dilation_rates: expected %zd values (one per segment "
-                     "length), got %zd",
-                     n, PySequence_Fast_GET_SIZE(r));
-        goto done;
-    }
-    if (n < 1 || n > RA_MAX_BRANCHES) {
-        PyErr_Format(PyExc_ValueError,
-                     "segment_lengths: expected 1 to %d branches, got %zd",
-                     RA_MAX_BRANCHES, n);
-        goto done;
-    }
-    cfg->n_branches = (int)n;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *pair[2] = {PySequence_Fast_GET_ITEM(s, i),
-                             PySequence_Fast_GET_ITEM(r, i)};
-        const char *names[2] = {"segment_lengths", "dilation_rates"};
-        int64_t vals[2];
-        for (int j = 0; j < 2; j++) {
-            if (!PyLong_Check(pair[j]) || PyBool_Check(pair[j])) {
-                PyErr_Format(PyExc_ValueError,
-                             "%s: expected positive ints, got %.100s at "
-                             "position %zd",
-                             names[j], Py_TYPE(pair[j])->tp_name, i);
-                goto done;
-            }
-            int overflow = 0;
-            long long x = PyLong_AsLongLongAndOverflow(pair[j], &overflow);
-            if (overflow || x < 1) {
-                PyErr_Format(PyExc_ValueError,
-                             "%s: expected positive ints, got %R at position "
-                             "%zd",
-                             names[j], pair[j], i);
-                goto done;
-            }
-            vals[j] = x;
-        }
-        cfg->segment_lengths[i] = vals[0];
-        cfg->dilation_rates[i] = vals[1];
-    }
-    rc = 0;
-done:
-    Py_DECREF(s);
-    Py_DECREF(r);
-    return rc;
 }
 
 static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
@@ -355,8 +294,6 @@ static PyMethodDef attn_functions[] = {
      "threads the CPU kernels use by default"},
     {NULL, NULL, 0, NULL},
 };
-
-extern PyMethodDef ra_attn_bwd_functions[];
 
 int ra_attn_exec(PyObject *m, ra_module_state *st) {
     (void)st;

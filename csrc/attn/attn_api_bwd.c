@@ -8,6 +8,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "attn/attn_api.h"
 #include "attn/attn_args.h"
 #include "attn/attn_cpu.h"
 #include "core/cuda_rt.h"

@@ -37,7 +37,7 @@ int dtype_error(const char *name, ra_buffer *b) {
 
 /* Convert `obj` into a Buffer with a float dtype and `ndim` dimensions
  * whose last dimension is contiguous (copying if it is not). */
-int load_tensor_ex(tensor_arg *a, PyObject *obj, const char *name,
+static int load_tensor_ex(tensor_arg *a, PyObject *obj, const char *name,
                           int ndim, const char *dims_doc, int allow_copy) {
     a->name = name;
     a->buf = ra_buffer_from_object(obj, name, -1);
@@ -287,7 +287,6 @@ int parse_positions(PyObject *qoff, long long qstride, long long koff,
     return 0;
 }
 
-/* Allocate an output like `shape` on the inputs' device. */
 int parse_dilated_positions(PyObject *qoff, long long koff, const qkv_dims *d,
                             int64_t out[4]) {
     if (d->device_type == RA_DEV_CUDA) {
@@ -311,6 +310,69 @@ int parse_dilated_positions(PyObject *qoff, long long koff, const qkv_dims *d,
     return 0;
 }
 
+/* dilated configuration from two Python sequences */
+int ra_parse_dilated(PyObject *segs, PyObject *rates,
+                     ra_dilated_config *cfg) {
+    PyObject *s = PySequence_Fast(segs, "segment_lengths: expected a sequence "
+                                        "of positive ints");
+    if (s == NULL) return -1;
+    PyObject *r = PySequence_Fast(rates, "dilation_rates: expected a sequence "
+                                         "of positive ints");
+    if (r == NULL) {
+        Py_DECREF(s);
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(s);
+    int rc = -1;
+    if (n != PySequence_Fast_GET_SIZE(r)) {
+        PyErr_Format(PyExc_ValueError,
+                     "dilation_rates: expected %zd values (one per segment "
+                     "length), got %zd",
+                     n, PySequence_Fast_GET_SIZE(r));
+        goto done;
+    }
+    if (n < 1 || n > RA_MAX_BRANCHES) {
+        PyErr_Format(PyExc_ValueError,
+                     "segment_lengths: expected 1 to %d branches, got %zd",
+                     RA_MAX_BRANCHES, n);
+        goto done;
+    }
+    cfg->n_branches = (int)n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair[2] = {PySequence_Fast_GET_ITEM(s, i),
+                             PySequence_Fast_GET_ITEM(r, i)};
+        const char *names[2] = {"segment_lengths", "dilation_rates"};
+        int64_t vals[2];
+        for (int j = 0; j < 2; j++) {
+            if (!PyLong_Check(pair[j]) || PyBool_Check(pair[j])) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: expected positive ints, got %.100s at "
+                             "position %zd",
+                             names[j], Py_TYPE(pair[j])->tp_name, i);
+                goto done;
+            }
+            int overflow = 0;
+            long long x = PyLong_AsLongLongAndOverflow(pair[j], &overflow);
+            if (overflow || x < 1) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: expected positive ints, got %R at position "
+                             "%zd",
+                             names[j], pair[j], i);
+                goto done;
+            }
+            vals[j] = x;
+        }
+        cfg->segment_lengths[i] = vals[0];
+        cfg->dilation_rates[i] = vals[1];
+    }
+    rc = 0;
+done:
+    Py_DECREF(s);
+    Py_DECREF(r);
+    return rc;
+}
+
+/* Allocate an output like `shape` on the inputs' device. */
 ra_buffer *alloc_out(int ndim, const int64_t *shape, ra_dtype t,
                             const qkv_dims *d, int zero) {
     return ra_buffer_empty(ndim, shape, t, d->device_type, d->device_id, zero);
