@@ -26,6 +26,10 @@ typedef struct RequestObject {
 
 /* ---- comm.c ------------------------------------------------------------- */
 
+/* Add Comm, Request, ThreadsGroup and the constructors to the module
+ * (called by module exec). */
+int ra_comm_exec(PyObject *m, ra_module_state *st);
+
 /* __reduce__ of every communicator type: a TypeError naming the type. */
 PyObject *ra_refuse_pickle(PyObject *self, PyObject *unused);
 /* None -> -1 (backend default); else a positive finite float. */
