@@ -1,8 +1,10 @@
 /*
- * attn_cuda.h -- the C entry points of ringattn's CUDA kernels (the .cu
- * files under cuda/).
- * csrc/attn_api.c fills a params struct after every argument check and
- * calls these when the inputs are CUDA buffers.  `stream` is a cudaStream_t
+ * attn_cuda.h -- the C entry points of ringattn's attention kernels (the
+ * .cu files under cuda/), the one cuda/ header that C code includes.
+ * csrc/attn/ fills a params struct after every argument check and calls
+ * these through ra_cuda_run (attn_args.c) when the inputs are CUDA buffers.
+ * cuda/ may use csrc/core/ (status, the CUDA runtime, the copy params) and
+ * csrc/attn/attn_params.h, nothing else of csrc/.  `stream` is a cudaStream_t
  * passed as void* (ringattn's compute stream, ra_cuda_compute_stream).
  * Every launcher picks its kernel (tensor-core or generic) from the params,
  * checks what the kernels need, launches asynchronously and returns RA_OK,

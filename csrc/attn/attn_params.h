@@ -1,6 +1,6 @@
 /*
  * attn_params.h -- the plain parameter structs every attention kernel takes,
- * CPU and CUDA alike.  csrc/attn_api.c fills them in one place from the
+ * CPU and CUDA alike.  attn_api.c fills them in one place from the
  * Python arguments after every check has passed, so kernels may trust them.
  *
  * Layout (BSHD, as flash-attn and JAX):

@@ -7,7 +7,7 @@
  * on with a deadline.  barrier and allgather are built on that primitive in
  * comm_core.c unless a backend brings its own.
  *
- * Layers:
+ * Layers (files of csrc/comm/, which uses csrc/core/ and nothing of attn/):
  *   comm.c          Python type Comm: argument checks, GIL handling,
  *                   dispatch through the vtable (comm_py.h shares it with
  *                   comm_request.c, Request, and comm_create.c,

@@ -1,9 +1,10 @@
 /*
  * cuda_rt.h -- the CUDA runtime as the C core sees it: device memory (with a
- * caching pool), ringattn's compute stream per device, and stream ordering
- * for DLPack.  Implemented in csrc/cuda_rt.c.  When ringattn is built
- * without CUDA (RA_WITH_CUDA undefined) every function still exists and
- * returns RA_ERR_UNSUPPORTED with a message saying why.
+ * caching pool), ringattn's compute stream per device, kernel launches on
+ * it, and stream ordering for DLPack.  Implemented in cuda_rt.c.  When
+ * ringattn is built without CUDA (RA_WITH_CUDA undefined) every function
+ * still exists and returns RA_ERR_UNSUPPORTED with a message saying why.
+ * cuda/ reads this header too (nvcc): it stays free of Python.
  *
  * Importing ringattn never needs a GPU, a driver or NCCL: the CUDA runtime
  * is linked statically and only touched when a CUDA function is called.

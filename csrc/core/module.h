@@ -38,7 +38,7 @@ void ra_state_clear(ra_module_state *st);
 
 /* Turn (status, ra_last_error()) into a Python exception; returns NULL so
  * callers can `return ra_raise(st);`.  The one place that maps library
- * status codes to exceptions (csrc/errors.c). */
+ * status codes to exceptions (errors.c). */
 PyObject *ra_raise(ra_status st);
 /* Same, with an explicit message. */
 PyObject *ra_raise_msg(ra_status st, const char *msg);

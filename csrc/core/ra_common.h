@@ -2,7 +2,7 @@
  * ra_common.h -- types, status codes and helpers shared by every C file of
  * the ringattn core.  Nothing here touches Python: kernels, transports and
  * allocators return an ra_status and leave a message with ra_set_error();
- * csrc/errors.c turns that pair into a Python exception in one place.
+ * core/errors.c turns that pair into a Python exception in one place.
  */
 #ifndef RA_COMMON_H
 #define RA_COMMON_H

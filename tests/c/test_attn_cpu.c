@@ -1,6 +1,6 @@
 /*
  * test_attn_cpu.c -- standalone harness for the CPU attention kernels
- * (csrc/attn_cpu_*.c): checks forward, backward (preprocess + main), merge
+ * (csrc/attn/attn_cpu_*.c): checks forward, backward (preprocess + main), merge
  * and dilated attention against a naive double-precision reference on
  * random inputs of odd sizes, layouts and dtypes; and times the float32
  * kernels (`bench` mode).
