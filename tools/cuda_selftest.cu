@@ -4,7 +4,7 @@
  * (tools/cuda_selftest_ref.h), independent of the Python layer.  Built and
  * run by tools/gpu_check.sh (stage "selftest"):
  *   nvcc -O2 -std=c++17 -Icsrc -Icuda -DRA_WITH_CUDA tools/cuda_selftest.cu
- *        cuda/*.o csrc/status.c -o selftest && ./selftest [quick|full]
+ *        cuda/*.o csrc/core/status.c -o selftest && ./selftest [quick|full]
  *
  * What runs (each case prints one line "ok ..." or "FAIL ..."):
  *   run_case      forward (out in the input dtype and in the accumulator
@@ -33,7 +33,7 @@
 
 #include "cuda_selftest_ref.h"
 
-/* the test binary does not link csrc/cuda_rt.c (it needs Python) */
+/* the test binary does not link csrc/core/cuda_rt.c (it needs Python) */
 extern "C" ra_status ra_cuda_status(int err, const char *what, const char *file, int line) {
     if (err == 0) return RA_OK;
     ra_set_error(RA_ERR_CUDA, "CUDA error in %s (%s:%d): %s", what, file, line,

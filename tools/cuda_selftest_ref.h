@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "core/copy.h"     /* ra_copy_params, ra_cuda_copy */
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
     printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(2); } } while (0)

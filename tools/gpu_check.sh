@@ -180,8 +180,9 @@ selftest_binary() {
     local dir="$WORK/selftest" arch="${ARCHS%%[;, ]*}"
     arch="${arch#sm_}"
     local hash
-    hash="$( (cd "$REPO" && cat tools/cuda_selftest.cu tools/cuda_selftest_ref.h csrc/*.h cuda/*) |
-        sha256sum | cut -c1-16)-$arch"
+    hash="$( (cd "$REPO" && find tools/cuda_selftest.cu tools/cuda_selftest_ref.h csrc cuda \
+        -type f \( -name '*.h' -o -name '*.cuh' -o -name '*.cu' -o -name 'status.c' \) \
+        -print0 | sort -z | xargs -0 cat) | sha256sum | cut -c1-16)-$arch"
     if [ -x "$dir/selftest" ] && [ "$(cat "$dir/hash" 2>/dev/null)" = "$hash" ]; then
         echo "$dir/selftest"
         return 0
@@ -207,7 +208,7 @@ selftest_binary() {
         for pid in "${pids[@]}"; do wait "$pid" || bad=1; done
         [ $bad -eq 0 ] || return 1
     fi
-    gcc -c -O2 -std=gnu11 -I"$REPO/csrc" "$REPO/csrc/status.c" -o "$dir/obj/status_c.o" &&
+    gcc -c -O2 -std=gnu11 -I"$REPO/csrc" "$REPO/csrc/core/status.c" -o "$dir/obj/status_c.o" &&
         "$nvcc" "${flags[@]}" "$REPO/tools/cuda_selftest.cu" "${objs[@]}" "$dir/obj/status_c.o" \
             -o "$dir/selftest" || return 1
     echo "$hash" >"$dir/hash"
