@@ -3,17 +3,17 @@
 # 10-minute call of the device tool.  Run from anywhere; it works on the
 # repository it lives in.
 #
-# The three device calls (timeout_s 600 each; about 24 device-minutes in
-# all with the machine starts; a machine is bare again 30 s after a call,
-# so every call builds):
+# The three device calls (timeout_s 600 each; about 21 minutes of commands
+# plus three machine starts, about 25 device-minutes; a machine is bare
+# again 30 s after a call, so every call builds):
 #
 #   1. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build selftest tests
-#        build ~2.5 min, selftest ~2 min, tests ~3 min          (~7.5 min)
+#        build ~2 min, selftest ~1.5 min, tests ~2.5 min          (~6 min)
 #   2. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build sanitize
-#        build ~2.5 min, sanitize ~5 min                        (~7.5 min)
+#        build ~2 min, sanitize ~5 min                             (~7 min)
 #   3. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build nccl bench ringbench
-#        build ~2.5 min, nccl ~2 min, bench ~2.5 min, ringbench ~1.5 min
-#                                                                (~8.5 min)
+#        build ~2 min, nccl ~2 min, bench ~2.5 min, ringbench ~1.5 min
+#                                                                  (~8 min)
 #
 # Stages (any order, any subset; "all" = every stage):
 #   build      pip install --no-build-isolation --no-deps . with the CUDA
@@ -47,7 +47,8 @@
 # Environment: PYTHON (default python3: the interpreter with torch there),
 # RINGATTN_CUDA_ARCHS (default 90), REBUILD=1, GPU_CHECK_WORK,
 # GPU_CHECK_BUDGET, SANITIZE_TOOLS (default "memcheck racecheck synccheck
-# initcheck"), CUDA_HOME.  Exit status: 0 when every stage passed.
+# initcheck"; a subset reruns one that ran out of time), CUDA_HOME.
+# Exit status: 0 when every stage passed.
 set -u -o pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -146,7 +147,7 @@ stage_build() {
         record build PASS "installed CUDA build already there (no rebuild)"
         return 0
     fi
-    note "== build: pip install --no-build-isolation (RINGATTN_CUDA=1, archs $ARCHS, $(nproc) jobs; ~2.5 min)"
+    note "== build: pip install --no-build-isolation (RINGATTN_CUDA=1, archs $ARCHS, $(nproc) jobs; ~2 min)"
     local t0=$SECONDS
     run_logged build 420 env -C "$REPO" RINGATTN_CUDA=1 RINGATTN_BUILD_JOBS="$(nproc)" \
         "$PY" -m pip install --no-build-isolation --no-deps --no-index \
@@ -231,7 +232,7 @@ build_selftest() {
 }
 
 stage_selftest() {
-    note "== selftest: every kernel variant vs float64, full grid (~2 min)"
+    note "== selftest: every kernel variant vs float64, full grid (~1.5 min)"
     local bin rc
     if ! bin="$(build_selftest)"; then
         record selftest FAIL "the selftest did not build (selftest_build.log)"
@@ -292,19 +293,21 @@ PY
     read -r passed failed skipped <<<"$counts"
     local text="$passed passed, $failed failed, $skipped skipped"
     if [ "$rc" -eq 0 ] && [ "${passed:-0}" -gt 0 ] && [ "${failed:-0}" -eq 0 ]; then
+        # what was skipped and why (multi-rank NCCL, a missing framework, ...)
+        grep -E '^SKIPPED' "$LOGDIR/$name.log" | head -n 8 | cut -c1-200
         record "$name" PASS "$text"
     else
         [ "${passed:-0}" -eq 0 ] && text="$text: no GPU test ran"
         [ "$rc" -eq 124 ] && text="timed out; $text"
         record "$name" FAIL "rc=$rc; $text"
-        grep -E '^(FAILED|ERROR|SKIPPED)' "$LOGDIR/$name.log" | head -n 15 | cut -c1-300
+        grep -E '^(FAILED|ERROR)' "$LOGDIR/$name.log" | head -n 15 | cut -c1-300
         show_tail "$name" 15
         return 1
     fi
 }
 
 stage_tests() {
-    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py (~3 min)"
+    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py (~2.5 min)"
     pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_interop.py"
 }
 
