@@ -146,14 +146,16 @@ def numpy_include():
 
 ext = Extension(
     "ringattn._C",
-    sources=sorted(glob.glob(os.path.join("csrc", "*.c"))),
+    sources=sorted(glob.glob(os.path.join("csrc", "*.c")) +
+                   glob.glob(os.path.join("csrc", "xla", "*.c"))),
     include_dirs=["csrc", numpy_include()],
     extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno",
                         "-fno-trapping-math", "-fvisibility=hidden", "-Wall",
                         "-Wno-unknown-pragmas"],
     extra_link_args=["-fopenmp"],
     libraries=["dl", "pthread"],
-    depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),
+    depends=sorted(glob.glob(os.path.join("csrc", "*.h")) +
+                   glob.glob(os.path.join("csrc", "xla", "*.h"))),
 )
 
 setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

@@ -35,6 +35,7 @@ static int ra_module_exec(PyObject *m) {
     if (ra_attn_exec(m, st) < 0) goto fail;
     if (ra_comm_exec(m, st) < 0) goto fail;
     if (ra_cuda_exec(m, st) < 0) goto fail;
+    if (ra_xla_exec(m, st) < 0) goto fail;
     if (PyModule_AddIntConstant(m, "DLPACK_MAJOR", RA_DLPACK_MAJOR) < 0)
         goto fail;
     return 0;

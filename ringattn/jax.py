@@ -1,11 +1,16 @@
 """JAX autodiff for ringattn (``import ringattn.jax``; imports JAX lazily).
 
-Each function is a ``jax.custom_vjp`` whose forward and backward call the
-ringattn kernels through host callbacks, so it works under ``jax.jit`` and
-``jax.grad``.  On the CPU the arrays cross zero-copy; device arrays are
-staged through the host (correct, not fast: on a GPU call ``ra.attention`` on
-the device arrays directly).  The ring variants use ordered ``io_callback``
-so every rank issues its communication in program order.
+``attention`` and ``dilated_attention`` run the kernels as XLA FFI custom
+calls (ringattn/jax_ffi.py): under ``jax.jit`` they work on XLA's own
+buffers and stream, forward and ``jax.grad``, and ``jax.vmap`` batches them.
+``ring_attention(q, k, v, axis_name=...)`` is the ring inside a JAX program
+(under ``jax.shard_map``; ringattn/jax_ring.py).
+
+The comm-object ring wrappers (``ring_attention(q, k, v, comm)``,
+``ring_dilated_attention``) are a ``jax.custom_vjp`` whose forward and
+backward call ringattn's ring through ordered ``io_callback``, so every rank
+issues its communication in program order; device arrays are staged through
+the host there.
 
 Shapes as ``ringattn.attention``: q (B, S_q, H, D); k, v (B, S_k, H_kv, D).
 """
@@ -16,14 +21,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
 
-from .attention import attention as _attention_fwd
-from .attention import attention_backward as _attention_bwd
 from . import dilated as _dilated
+from . import jax_ffi as _ffi
+from . import jax_ring as _jax_ring
 from . import ring as _ring
 from . import ring_dilated as _ring_dilated
 
 __all__ = ["attention", "dilated_attention", "ring_attention",
-           "ring_dilated_attention"]
+           "ring_dilated_attention", "merge"]
+
+_ffi.register()
+merge = _ffi.merge
 
 
 def _sds(x):
@@ -69,19 +77,15 @@ def _make(forward, backward, ordered):
 
 
 def attention(q, k, v, *, causal=False, scale=None):
-    """Differentiable ``ringattn.attention`` for JAX arrays."""
-    f = _make(
-        lambda q, k, v: _attention_fwd(q, k, v, causal=causal,
-                                             scale=scale, return_lse=True),
-        lambda do, q, k, v, o, l: _attention_bwd(
-            do, q, k, v, o, l, causal=causal, scale=scale),
-        ordered=False)
-    return f(q, k, v)
+    """Differentiable ``ringattn.attention`` for JAX arrays (one XLA FFI
+    custom call forward, two backward)."""
+    return _ffi.attention(q, k, v, causal=causal, scale=scale)
 
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
                       causal=False, scale=None):
-    """Differentiable ``ringattn.dilated_attention`` for JAX arrays."""
+    """Differentiable ``ringattn.dilated_attention`` for JAX arrays (XLA FFI
+    custom calls on the CPU; host callbacks on other platforms)."""
     segs, rates = _dilated.check_config(segment_lengths, dilation_rates)
     f = _make(
         lambda q, k, v: _dilated.dilated_attention(
@@ -89,12 +93,25 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
         lambda do, q, k, v, o, l: _dilated.dilated_attention_backward(
             do, q, k, v, o, l, segs, rates, causal=causal, scale=scale),
         ordered=False)
-    return f(q, k, v)
+    return _ffi.dilated_attention(q, k, v, segs, rates, causal=causal,
+                                  scale=scale, host_fallback=f)
 
 
-def ring_attention(q, k, v, comm, *, causal=False, scale=None,
-                   layout="contiguous", seq_len=None):
-    """Differentiable ``ringattn.ring_attention`` on this rank's shard."""
+def ring_attention(q, k, v, comm=None, *, axis_name=None, causal=False,
+                   scale=None, layout="contiguous", seq_len=None):
+    """Differentiable ``ringattn.ring_attention``.
+
+    With ``axis_name``: the ring inside a JAX program, called under
+    ``jax.shard_map`` over that mesh axis (see ``ringattn.jax_ring``).
+    With ``comm``: this rank's shard over ringattn's communicator.
+    """
+    if (comm is None) == (axis_name is None):
+        raise TypeError("ring_attention: pass exactly one of comm (ringattn's "
+                        "communicator) or axis_name (a shard_map mesh axis)")
+    if axis_name is not None:
+        return _jax_ring.ring_attention(q, k, v, axis_name=axis_name,
+                                        causal=causal, scale=scale,
+                                        layout=layout, seq_len=seq_len)
     kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len)
     f = _make(
         lambda q, k, v: _ring.ring_attention(q, k, v, comm, return_lse=True,
