@@ -41,11 +41,13 @@ static void leave_device(int dev, int prev) {
 }
 #endif
 
+#ifndef RA_WITH_CUDA
 static ra_status no_cuda(void) {
     ra_set_error(RA_ERR_UNSUPPORTED,
                  "ringattn was built without CUDA: no CUDA handlers");
     return RA_ERR_UNSUPPORTED;
 }
+#endif
 
 static int on_cuda(const ra_xla_call *c) { return c->device_type == RA_DEV_CUDA; }
 

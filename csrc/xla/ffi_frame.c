@@ -50,7 +50,7 @@ ra_ffi_error *ra_xla_finish(const ra_xla_call *c, ra_status st) {
         api->error_create == NULL)
         return NULL;  /* no way to report: cannot happen with a real XLA */
     char msg[1200];
-    snprintf(msg, sizeof msg, "ringattn %s: %s", c->op, ra_last_error());
+    snprintf(msg, sizeof msg, "%s: %s", c->op, ra_last_error());
     ra_ffi_error_create_args a;
     memset(&a, 0, sizeof a);
     a.struct_size = RA_FFI_STRUCT_SIZE(ra_ffi_error_create_args, errc);

@@ -57,7 +57,7 @@ ra_status ra_xla_begin(ra_xla_call *c, ra_ffi_call_frame *frame,
                        int nargs_max, int nrets);
 
 /* The handler's return value: NULL for RA_OK, else an XLA error carrying
- * "ringattn <op>: " + ra_last_error(). */
+ * "<target name>: " + ra_last_error(). */
 ra_ffi_error *ra_xla_finish(const ra_xla_call *c, ra_status st);
 
 /* Argument i / result i as a tensor of `core` dims (plus leading dims). */

@@ -1,0 +1,83 @@
+"""Runs ``ringattn.jax.ring_attention`` under ``jax.shard_map`` on p CPU
+devices, for tests/test_jax_ring.py.
+
+A separate process because XLA_FLAGS=--xla_force_host_platform_device_count
+must be set before JAX is imported, and the rest of the test suite must
+keep its one CPU device.  The parent writes the cases (global q, k, v, dout
+in natural order) to an .npz; this writes back, per case, out and dq, dk,
+dv (as float64, natural order) and what the lowered forward+backward
+program contains.
+
+usage: python jax_ring_worker.py CASES.npz RESULTS.npz
+"""
+
+import json
+import sys
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import ringattn as ra
+import ringattn.jax as rj
+from ringattn.testing import np_dtype
+
+
+def shard_map(f, mesh, spec):
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec)
+    from jax.experimental.shard_map import shard_map as legacy
+
+    return legacy(f, mesh=mesh, in_specs=spec, out_specs=spec)
+
+
+def run_case(case, arrays):
+    p, layout = case["p"], case["layout"]
+    q, k, v, dout = (arrays[f"{case['name']}/{x}"] for x in ("q", "k", "v", "dout"))
+    dt = np_dtype(case["dtype"])
+    n = q.shape[1]
+    order = np.concatenate(ra.shard_indices(n, p, layout))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:p]), ("sp",))
+    spec = P(None, "sp")
+    place = lambda x: jax.device_put(jnp.asarray(x[:, order].astype(dt)),
+                                     NamedSharding(mesh, spec))
+    ring = shard_map(lambda q, k, v: rj.ring_attention(
+        q, k, v, axis_name="sp", causal=case["causal"], layout=layout,
+        seq_len=n), mesh, spec)
+
+    def out_and_grads(q, k, v, dout):
+        out, pullback = jax.vjp(ring, q, k, v)
+        return (out,) + tuple(pullback(dout))
+
+    args = [place(x) for x in (q, k, v, dout)]
+    step = jax.jit(out_and_grads)
+    text = step.lower(*args).as_text()
+    results = step(*args)
+    back = np.argsort(order)
+    got = {name: np.asarray(r.astype(jnp.float32) if dt.itemsize == 2 else r,
+                            dtype=np.float64)[:, back]
+           for name, r in zip(("out", "dq", "dk", "dv"), results)}
+    got["targets"] = np.array(sorted({t for t in (
+        "ringattn_attn_fwd", "ringattn_attn_fwd_acc", "ringattn_attn_bwd_pre",
+        "ringattn_attn_bwd", "ringattn_attn_bwd_acc") if f"@{t}(" in text}))
+    got["callbacks"] = np.array("callback" in text)
+    got["permutes"] = np.array(text.count("collective_permute"))
+    return got
+
+
+def main():
+    cases_path, out_path = sys.argv[1], sys.argv[2]
+    arrays = dict(np.load(cases_path))
+    cases = json.loads(str(arrays.pop("cases")))
+    jax.config.update("jax_enable_x64", True)
+    out = {}
+    for case in cases:
+        for key, value in run_case(case, arrays).items():
+            out[f"{case['name']}/{key}"] = value
+    np.savez(out_path, **out)
+
+
+if __name__ == "__main__":
+    main()
