@@ -266,6 +266,10 @@ def run_ring(args):
 def run(args):
     did = False
     status = 0
+    if args.jax:
+        from .bench_jax import run as run_jax
+
+        return run_jax(args)
     if args.cpu or not (args.ring or args.dilated or args.gpu):
         status |= run_cpu(args)
         did = True

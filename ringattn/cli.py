@@ -37,6 +37,8 @@ def _bench_parser(sub):
     b.add_argument("--dilated", action="store_true",
                    help="dilated vs dense attention table")
     b.add_argument("--gpu", action="store_true", help="GPU kernel table")
+    b.add_argument("--jax", action="store_true",
+                   help="ringattn inside JAX programs vs JAX baselines")
     b.add_argument("--threads", type=int, default=0,
                    help="CPU threads (0: run single- and multi-threaded)")
     b.add_argument("--seq-lens", default="",

@@ -142,6 +142,9 @@ def ring_attention(q, k, v, *, axis_name, causal=False, scale=None,
     if any(len(ix) != n_r for ix in _layout.shard_indices(n, p, layout)):
         raise ValueError(f"seq_len: {layout} shards of {n} tokens over {p} "
                          f"devices are not all {n_r} long")
+    if n >= 2 ** 31 and not jax.config.jax_enable_x64:
+        raise ValueError(f"seq_len: {n} positions need int64: enable "
+                         "jax_enable_x64")
     ring = _Ring(axis_name, p, bool(causal), scale, position_table(n, p, layout))
 
     @jax.custom_vjp

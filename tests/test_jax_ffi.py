@@ -224,18 +224,25 @@ def test_future_block_leaves_state_untouched(rng):
     assert np.array_equal(np.asarray(got[1]), lse)
 
 
-def test_ring_on_one_device_in_process(rng):
-    """shard_map over a 1-device mesh: the ring is local attention."""
+@pytest.mark.parametrize("x64", [True, False])
+def test_ring_on_one_device_in_process(rng, x64):
+    """shard_map over a 1-device mesh: the ring is local attention.  Without
+    jax_enable_x64 the position table is int32."""
     from jax.sharding import PartitionSpec as P
 
-    q, k, v = random_qkv(rng, 1, 13, 13, 4, 2, 8, "float64")
+    dtype = "float64" if x64 else "float32"
+    q, k, v = random_qkv(rng, 1, 13, 13, 4, 2, 8, dtype)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sp",))
     f = jax.shard_map(lambda q, k, v: rj.ring_attention(
         q, k, v, axis_name="sp", causal=True, layout="zigzag"), mesh=mesh,
         in_specs=P(None, "sp"), out_specs=P(None, "sp"))
-    got = jax.jit(f)(q, k, v)
+    jax.config.update("jax_enable_x64", x64)
+    try:
+        got = jax.jit(f)(q, k, v)
+    finally:
+        jax.config.update("jax_enable_x64", True)
     assert_close(np.asarray(got), ref_attention(q, k, v, causal=True)[0],
-                 "float64", "out")
+                 dtype, "out")
 
 
 # ---- errors ---------------------------------------------------------------------

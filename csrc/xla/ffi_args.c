@@ -116,10 +116,11 @@ ra_status ra_xla_positions_arg(const ra_xla_call *c, int i,
     *nq = 1;
     if (i >= c->frame->args.size) return RA_OK;
     RA_CHECK(ra_xla_arg(c, i, "positions", 2, pos));
-    if (pos->ffi_dtype != RA_FFI_S64 || ra_xla_dim(pos, 1) != 3) {
+    if ((pos->ffi_dtype != RA_FFI_S64 && pos->ffi_dtype != RA_FFI_S32) ||
+        ra_xla_dim(pos, 1) != 3) {
         ra_set_error(RA_ERR_TYPE,
-                     "positions: expected an int64 table of (length, start, "
-                     "stride) rows");
+                     "positions: expected an int64 (or int32) table of "
+                     "(length, start, stride) rows");
         return RA_ERR_TYPE;
     }
     int64_t n = 0;
@@ -190,8 +191,10 @@ ra_status ra_xla_load_pieces(const ra_xla_call *c, const ra_xla_tensor *pos,
     }
     int64_t rows[3 * 2 * RA_XLA_MAX_PIECES];
     const int64_t n = ra_xla_dim(pos, 0);
+    const int wide = pos->ffi_dtype == RA_FFI_S64;
     const int64_t off = l == NULL ? 0 : ra_xla_lead_offset(l, pos, idx);
-    RA_CHECK(ra_xla_read_ints(c, (const int64_t *)pos->data + off, rows, 3 * n));
+    RA_CHECK(ra_xla_read_ints(c, (const char *)pos->data + off * (wide ? 8 : 4),
+                              wide, rows, 3 * n));
     pp->nq = nq;
     pp->nk = (int)n - nq;
     RA_CHECK(cut(rows, pp->nq, Sq, "q", pp->q));

@@ -168,26 +168,35 @@ ra_status ra_xla_copy(const ra_xla_call *c, void *dst, const void *src,
 #endif
 }
 
-ra_status ra_xla_read_ints(const ra_xla_call *c, const void *src,
+ra_status ra_xla_read_ints(const ra_xla_call *c, const void *src, int wide,
                            int64_t *dst, int64_t n) {
-    const size_t nbytes = (size_t)n * sizeof(int64_t);
-    if (n == 0) return RA_OK;
-    if (!on_cuda(c)) {
-        memcpy(dst, src, nbytes);
-        return RA_OK;
+    const size_t es = wide ? 8 : 4, nbytes = (size_t)n * es;
+    int64_t raw[64];
+    if (n <= 0) return RA_OK;
+    if (n > 64) {
+        ra_set_error(RA_ERR_INTERNAL, "reading %lld integers, at most 64",
+                     (long long)n);
+        return RA_ERR_INTERNAL;
     }
+    if (!on_cuda(c)) {
+        memcpy(raw, src, nbytes);
+    } else {
 #ifdef RA_WITH_CUDA
-    /* The positions of a ring block depend on the rank, a value XLA holds
-     * on the device; the launch parameters need them on the host. */
-    int dev = -1, prev = -1;
-    RA_CHECK(enter_device_of(src, &dev, &prev));
-    cudaError_t e = cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToHost,
-                                    (cudaStream_t)c->stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize((cudaStream_t)c->stream);
-    leave_device(dev, prev);
-    return ra_cuda_status((int)e, "reading positions (cudaMemcpyAsync)",
-                          __FILE__, __LINE__);
+        /* The positions of a ring block depend on the rank, a value XLA
+         * holds on the device; the launch parameters need them on the host. */
+        int dev = -1, prev = -1;
+        RA_CHECK(enter_device_of(src, &dev, &prev));
+        cudaError_t e = cudaMemcpyAsync(raw, src, nbytes, cudaMemcpyDeviceToHost,
+                                        (cudaStream_t)c->stream);
+        if (e == cudaSuccess) e = cudaStreamSynchronize((cudaStream_t)c->stream);
+        leave_device(dev, prev);
+        RA_CHECK(ra_cuda_status((int)e, "reading positions (cudaMemcpyAsync)",
+                                __FILE__, __LINE__));
 #else
-    return no_cuda();
+        return no_cuda();
 #endif
+    }
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = wide ? raw[i] : (int64_t)((const int32_t *)raw)[i];
+    return RA_OK;
 }
