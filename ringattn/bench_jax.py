@@ -21,7 +21,8 @@ them.
 import importlib.util
 import os
 import sys
-import time
+
+from .bench import _median_time
 
 DEVICES = 4
 Q_CHUNK, K_CHUNK = 128, 64   # RA_CPU_BQ, RA_CPU_BK (csrc/attn_cpu_kern.h)
@@ -34,18 +35,6 @@ def _setup_devices():
     flag = f"--xla_force_host_platform_device_count={DEVICES}"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-def _time(fn, repeat):
-    """Median wall time of fn() (which blocks on its result) after a warm-up
-    call that also compiles."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def _authors_ring():
@@ -98,7 +87,7 @@ def run_local(jax, rj, seq_lens, repeat):
                                              argnums=(0, 1, 2)))
                     else:
                         g = jax.jit(f)
-                    t[key] = _time(lambda: jax.block_until_ready(g(q, k, v)), repeat)
+                    t[key] = _median_time(lambda: jax.block_until_ready(g(q, k, v)), repeat)
                 lines.append(f"| {S} | {'yes' if causal else 'no'} | {name} | "
                              f"{t['ringattn'] * 1e3:.1f} | {t['xla'] * 1e3:.1f} | "
                              f"{t['xla'] / t['ringattn']:.1f}x |")
@@ -110,6 +99,8 @@ def run_ring(jax, rj, seq_lens, repeat):
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from .jax_ring import shard_map
 
     B, H, D = 1, 8, 64
     theirs, why = _authors_ring()
@@ -144,8 +135,7 @@ def run_ring(jax, rj, seq_lens, repeat):
                 impls["authors"] = lambda q, k, v: theirs(
                     q, k, v, None, None, None, "sp", True, blockwise)
             # the authors' code predates shard_map's varying-axes checks
-            rings = {key: jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec,
-                                        check_vma=key == "ringattn")
+            rings = {key: shard_map(f, mesh, spec, spec, check=key == "ringattn")
                      for key, f in impls.items()}
             outs = {key: np.asarray(jax.jit(r)(q, k, v)) for key, r in rings.items()}
             diff = (f"{np.abs(outs['ringattn'] - outs['authors']).max():.1e}"
@@ -158,7 +148,7 @@ def run_ring(jax, rj, seq_lens, repeat):
                     else:
                         g = jax.jit(jax.grad(lambda q, k, v, r=r: jnp.sum(r(q, k, v) * w),
                                              argnums=(0, 1, 2)))
-                    t[key] = _time(lambda: jax.block_until_ready(g(q, k, v)), repeat)
+                    t[key] = _median_time(lambda: jax.block_until_ready(g(q, k, v)), repeat)
                 other = (f"{t['authors'] * 1e3:.1f} | {t['authors'] / t['ringattn']:.1f}x"
                          if "authors" in t else "n/a | n/a")
                 lines.append(f"| {n} | {'yes' if causal else 'no'} | {name} | "

@@ -38,6 +38,18 @@ from . import jax_ffi as _ffi
 from . import layout as _layout
 
 
+def shard_map(f, mesh, in_specs, out_specs, check=True):
+    """``jax.shard_map`` (``jax.experimental.shard_map.shard_map`` on older
+    JAX); check=False turns off its replication/varying-axes checks."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs,
+                             out_specs=out_specs, check_vma=check)
+    from jax.experimental.shard_map import shard_map as legacy
+
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                  check_rep=check)
+
+
 def _axis_size(axis_name):
     size = getattr(jax.lax, "axis_size", None)
     if size is not None:

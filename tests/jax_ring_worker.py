@@ -22,15 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ringattn as ra
 import ringattn.jax as rj
+from ringattn.jax_ring import shard_map
 from ringattn.testing import np_dtype
-
-
-def shard_map(f, mesh, spec):
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec)
-    from jax.experimental.shard_map import shard_map as legacy
-
-    return legacy(f, mesh=mesh, in_specs=spec, out_specs=spec)
 
 
 def run_case(case, arrays):
@@ -45,7 +38,7 @@ def run_case(case, arrays):
                                      NamedSharding(mesh, spec))
     ring = shard_map(lambda q, k, v: rj.ring_attention(
         q, k, v, axis_name="sp", causal=case["causal"], layout=layout,
-        seq_len=n), mesh, spec)
+        seq_len=n), mesh, spec, spec)
 
     def out_and_grads(q, k, v, dout):
         out, pullback = jax.vjp(ring, q, k, v)

@@ -21,6 +21,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 rj = pytest.importorskip("ringattn.jax")
 from ringattn import jax_ffi  # noqa: E402  (after the JAX skip)
+from ringattn.jax_ring import shard_map  # noqa: E402
 
 SEGS, RATES = [4, 16], [1, 2]
 
@@ -233,9 +234,9 @@ def test_ring_on_one_device_in_process(rng, x64):
     dtype = "float64" if x64 else "float32"
     q, k, v = random_qkv(rng, 1, 13, 13, 4, 2, 8, dtype)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sp",))
-    f = jax.shard_map(lambda q, k, v: rj.ring_attention(
-        q, k, v, axis_name="sp", causal=True, layout="zigzag"), mesh=mesh,
-        in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    f = shard_map(lambda q, k, v: rj.ring_attention(
+        q, k, v, axis_name="sp", causal=True, layout="zigzag"), mesh,
+        P(None, "sp"), P(None, "sp"))
     jax.config.update("jax_enable_x64", x64)
     try:
         got = jax.jit(f)(q, k, v)
@@ -271,9 +272,9 @@ def test_ring_checks_its_arguments(rng):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sp",))
 
     def run(**kw):
-        return jax.shard_map(lambda q, k, v: rj.ring_attention(
-            q, k, v, axis_name="sp", **kw), mesh=mesh, in_specs=P(None, "sp"),
-            out_specs=P(None, "sp"))(q, k, v)
+        return shard_map(lambda q, k, v: rj.ring_attention(
+            q, k, v, axis_name="sp", **kw), mesh, P(None, "sp"),
+            P(None, "sp"))(q, k, v)
 
     with pytest.raises(ValueError, match="seq_len: expected 8"):
         run(seq_len=9)

@@ -90,9 +90,10 @@ def test_shard_map_ring_on_gpus(gpus, rng, layout, causal):
     spec = P(None, "sp")
     place = lambda x: jax.device_put(jnp.asarray(x[:, order]),
                                      NamedSharding(mesh, spec))
-    ring = jax.shard_map(lambda q, k, v: rj.ring_attention(
-        q, k, v, axis_name="sp", causal=causal, layout=layout), mesh=mesh,
-        in_specs=spec, out_specs=spec)
+    from ringattn.jax_ring import shard_map
+
+    ring = shard_map(lambda q, k, v: rj.ring_attention(
+        q, k, v, axis_name="sp", causal=causal, layout=layout), mesh, spec, spec)
     step = jax.jit(lambda q, k, v, g: (lambda o, pb: (o,) + pb(g))(
         *jax.vjp(ring, q, k, v)))
     got = [np.asarray(x)[:, np.argsort(order)]

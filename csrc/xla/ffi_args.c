@@ -201,19 +201,37 @@ ra_status ra_xla_load_pieces(const ra_xla_call *c, const ra_xla_tensor *pos,
     return cut(rows + 3 * nq, pp->nk, Sk, "k", pp->k);
 }
 
-int ra_xla_pair(const ra_xla_piece *qp, const ra_xla_piece *kp, int causal,
-                int64_t *i0, int64_t *kn) {
-    *i0 = 0;
-    *kn = kp->len;
-    if (qp->len == 0 || kp->len == 0) return 0;
-    if (!causal) return 1;
-    const int64_t q_last = qp->start + qp->stride * (qp->len - 1);
-    if (kp->start > q_last) return 0;            /* all in the future */
-    /* keys some row sees: pos_k <= q_last */
-    const int64_t seen = (q_last - kp->start) / kp->stride + 1;
-    if (seen < *kn) *kn = seen;
-    /* rows that see a key: pos_q >= kp->start */
-    if (kp->start > qp->start)
-        *i0 = (kp->start - qp->start + qp->stride - 1) / qp->stride;
-    return *i0 < qp->len;
+int ra_xla_single_block(const ra_xla_pieces *pp, ra_xla_block *block) {
+    if (pp->nq != 1 || pp->nk != 1) return 0;
+    const ra_xla_piece *qp = &pp->q[0], *kp = &pp->k[0];
+    *block = (ra_xla_block){qp->off, qp->len, qp->start, qp->stride,
+                            kp->off, kp->len, kp->start, kp->stride};
+    return 1;
+}
+
+int ra_xla_state_blocks(const ra_xla_pieces *pp, int causal,
+                        ra_xla_block *blocks) {
+    int n = 0;
+    for (int a = 0; a < pp->nq; a++) {
+        for (int b = 0; b < pp->nk; b++) {
+            const ra_xla_piece *qp = &pp->q[a], *kp = &pp->k[b];
+            int64_t i0 = 0, kn = kp->len;
+            if (qp->len == 0 || kp->len == 0) continue;
+            if (causal) {
+                const int64_t q_last = qp->start + qp->stride * (qp->len - 1);
+                if (kp->start > q_last) continue;       /* all in the future */
+                /* keys some row sees: pos_k <= q_last */
+                const int64_t seen = (q_last - kp->start) / kp->stride + 1;
+                if (seen < kn) kn = seen;
+                /* rows that see a key: pos_q >= kp->start */
+                if (kp->start > qp->start)
+                    i0 = (kp->start - qp->start + qp->stride - 1) / qp->stride;
+                if (i0 >= qp->len) continue;
+            }
+            blocks[n++] = (ra_xla_block){qp->off + i0, qp->len - i0,
+                                         qp->start + i0 * qp->stride, qp->stride,
+                                         kp->off, kn, kp->start, kp->stride};
+        }
+    }
+    return n;
 }

@@ -64,11 +64,25 @@ ra_status ra_xla_load_pieces(const ra_xla_call *c, const ra_xla_tensor *pos,
                              int nq, const ra_xla_lead *l, int64_t idx,
                              int64_t Sq, int64_t Sk, ra_xla_pieces *pp);
 
-/* The part of a (q piece, k piece) pair that matters when merging into a
- * running state: query rows [*i0, len) that see at least one key of the
- * piece and its keys [0, *kn) that some row sees.  Returns 0 when the pair
- * is empty or, with causal, entirely in the future (skipped: no work). */
-int ra_xla_pair(const ra_xla_piece *qp, const ra_xla_piece *kp, int causal,
-                int64_t *i0, int64_t *kn);
+/* One kernel call: q rows [q_off, q_off + nq) at positions q_start +
+ * q_stride * i, against k/v rows [k_off, k_off + nk) at k_start +
+ * k_stride * j. */
+typedef struct ra_xla_block {
+    int64_t q_off, nq, q_start, q_stride;
+    int64_t k_off, nk, k_start, k_stride;
+} ra_xla_block;
+
+#define RA_XLA_MAX_BLOCKS (RA_XLA_MAX_PIECES * RA_XLA_MAX_PIECES)
+
+/* The kernel calls that merge a call's pieces into a running state: one
+ * per (q piece, k piece) pair that has a visible key, trimmed to the query
+ * rows that see a key of the piece and the keys some row sees; pairs empty
+ * or (causal) entirely in the future are left out, costing nothing.
+ * Returns how many blocks it wrote. */
+int ra_xla_state_blocks(const ra_xla_pieces *pp, int causal,
+                        ra_xla_block *blocks);
+/* A call over a single pair of pieces without a running state: one block
+ * of every row (what ringattn.attention runs). */
+int ra_xla_single_block(const ra_xla_pieces *pp, ra_xla_block *block);
 
 #endif /* RA_XLA_FFI_ARGS_H */

@@ -28,19 +28,20 @@ typedef struct bwd_job {
     const ra_xla_opts *o;
 } bwd_job;
 
-static void bwd_params(ra_attn_bwd_params *p, const bwd_job *j, int64_t i0,
-                       int64_t nq, int64_t j0, int64_t nk, int accumulate) {
+static void bwd_params(ra_attn_bwd_params *p, const bwd_job *j,
+                       const ra_xla_block *blk, int accumulate) {
     const ra_xla_qkv *d = j->d;
     const size_t es = ra_dtype_size(d->dtype), gs = ra_dtype_size(j->grad_dtype),
                  ls = ra_dtype_size(d->acc);
-    const size_t qrow = (size_t)(i0 * d->H * d->D), krow = (size_t)(j0 * d->Hkv * d->D);
+    const size_t qrow = (size_t)(blk->q_off * d->H * d->D),
+                 krow = (size_t)(blk->k_off * d->Hkv * d->D);
     memset(p, 0, sizeof *p);
     p->q = j->q + qrow * es;
     p->dout = j->dout + qrow * es;
     p->k = j->k + krow * es;
     p->v = j->v + krow * es;
-    p->lse = j->lse + (size_t)i0 * ls;
-    p->delta = (char *)j->delta + (size_t)i0 * ls;
+    p->lse = j->lse + (size_t)blk->q_off * ls;
+    p->delta = (char *)j->delta + (size_t)blk->q_off * ls;
     p->dq = j->dq + qrow * gs;
     p->dk = j->dk + krow * gs;
     p->dv = j->dv + krow * gs;
@@ -48,8 +49,8 @@ static void bwd_params(ra_attn_bwd_params *p, const bwd_job *j, int64_t i0,
     p->out_dtype = d->dtype;
     p->grad_dtype = j->grad_dtype;
     p->batch = j->B;
-    p->seqlen_q = nq;
-    p->seqlen_k = nk;
+    p->seqlen_q = blk->nq;
+    p->seqlen_k = blk->nk;
     p->heads = d->H;
     p->heads_kv = d->Hkv;
     p->head_dim = d->D;
@@ -70,22 +71,24 @@ static void bwd_params(ra_attn_bwd_params *p, const bwd_job *j, int64_t i0,
     p->lse_seq_stride = 1;
     p->scale = j->o->scale;
     p->causal = j->o->causal;
-    p->q_pos_stride = p->k_pos_stride = 1;
+    p->q_pos_offset = blk->q_start;
+    p->q_pos_stride = blk->q_stride;
+    p->k_pos_offset = blk->k_start;
+    p->k_pos_stride = blk->k_stride;
     p->accumulate = accumulate;
     p->deterministic = 1;
     p->num_threads = j->o->num_threads;
 }
 
+/* As fwd_pieces: one plain call, or blocks added into the gradients (zeroed
+ * first for a call without gradient inputs). */
 static ra_status bwd_pieces(const ra_xla_call *c, const bwd_job *j,
                             const ra_xla_pieces *pp, int accumulate) {
     const ra_xla_qkv *d = j->d;
     ra_attn_bwd_params p;
-    if (!accumulate && pp->nq == 1 && pp->nk == 1) {
-        bwd_params(&p, j, 0, d->Sq, 0, d->Sk, 0);
-        p.q_pos_offset = pp->q[0].start;
-        p.q_pos_stride = pp->q[0].stride;
-        p.k_pos_offset = pp->k[0].start;
-        p.k_pos_stride = pp->k[0].stride;
+    ra_xla_block blocks[RA_XLA_MAX_BLOCKS];
+    if (!accumulate && ra_xla_single_block(pp, &blocks[0])) {
+        bwd_params(&p, j, &blocks[0], 0);
         return ra_xla_run_bwd(c, &p);
     }
     if (!accumulate) {
@@ -101,18 +104,10 @@ static ra_status bwd_pieces(const ra_xla_call *c, const bwd_job *j,
         RA_CHECK(ra_xla_zero(c, j->dk, (size_t)(j->B * d->Sk * d->Hkv * d->D) * gs));
         RA_CHECK(ra_xla_zero(c, j->dv, (size_t)(j->B * d->Sk * d->Hkv * d->D) * gs));
     }
-    for (int a = 0; a < pp->nq; a++) {
-        for (int b = 0; b < pp->nk; b++) {
-            const ra_xla_piece *qp = &pp->q[a], *kp = &pp->k[b];
-            int64_t i0, kn;
-            if (!ra_xla_pair(qp, kp, j->o->causal, &i0, &kn)) continue;
-            bwd_params(&p, j, qp->off + i0, qp->len - i0, kp->off, kn, 1);
-            p.q_pos_offset = qp->start + i0 * qp->stride;
-            p.q_pos_stride = qp->stride;
-            p.k_pos_offset = kp->start;
-            p.k_pos_stride = kp->stride;
-            RA_CHECK(ra_xla_run_bwd(c, &p));
-        }
+    const int n = ra_xla_state_blocks(pp, j->o->causal, blocks);
+    for (int i = 0; i < n; i++) {
+        bwd_params(&p, j, &blocks[i], 1);
+        RA_CHECK(ra_xla_run_bwd(c, &p));
     }
     return RA_OK;
 }
@@ -207,8 +202,9 @@ ra_status ra_xla_dilated_bwd(ra_xla_call *c) {
     const int64_t iters = l.folded ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {
         bwd_job j = make_job(&l, t, g, &d, &o, it, l.folded);
+        const ra_xla_block all = {0, d.Sq, 0, 1, 0, d.Sk, 0, 1};
         ra_attn_bwd_params p;
-        bwd_params(&p, &j, 0, d.Sq, 0, d.Sk, 0);
+        bwd_params(&p, &j, &all, 0);
         RA_CHECK(ra_xla_run_dilated_bwd(c, &p, &cfg));
     }
     return RA_OK;

@@ -31,22 +31,22 @@ typedef struct fwd_job {
     const ra_xla_opts *o;
 } fwd_job;
 
-static void fwd_params(ra_attn_fwd_params *p, const fwd_job *j, int64_t i0,
-                       int64_t nq, int64_t j0, int64_t nk, int accumulate) {
+static void fwd_params(ra_attn_fwd_params *p, const fwd_job *j,
+                       const ra_xla_block *blk, int accumulate) {
     const ra_xla_qkv *d = j->d;
     const size_t es = ra_dtype_size(d->dtype), os = ra_dtype_size(j->out_dtype),
                  ls = ra_dtype_size(d->acc);
     memset(p, 0, sizeof *p);
-    p->q = j->q + (size_t)(i0 * d->H * d->D) * es;
-    p->k = j->k + (size_t)(j0 * d->Hkv * d->D) * es;
-    p->v = j->v + (size_t)(j0 * d->Hkv * d->D) * es;
-    p->out = j->out + (size_t)(i0 * d->H * d->D) * os;
-    p->lse = j->lse + (size_t)i0 * ls;
+    p->q = j->q + (size_t)(blk->q_off * d->H * d->D) * es;
+    p->k = j->k + (size_t)(blk->k_off * d->Hkv * d->D) * es;
+    p->v = j->v + (size_t)(blk->k_off * d->Hkv * d->D) * es;
+    p->out = j->out + (size_t)(blk->q_off * d->H * d->D) * os;
+    p->lse = j->lse + (size_t)blk->q_off * ls;
     p->dtype = d->dtype;
     p->out_dtype = j->out_dtype;
     p->batch = j->B;
-    p->seqlen_q = nq;
-    p->seqlen_k = nk;
+    p->seqlen_q = blk->nq;
+    p->seqlen_k = blk->nk;
     p->heads = d->H;
     p->heads_kv = d->Hkv;
     p->head_dim = d->D;
@@ -62,23 +62,23 @@ static void fwd_params(ra_attn_fwd_params *p, const fwd_job *j, int64_t i0,
     p->lse_seq_stride = 1;
     p->scale = j->o->scale;
     p->causal = j->o->causal;
+    p->q_pos_offset = blk->q_start;
+    p->q_pos_stride = blk->q_stride;
+    p->k_pos_offset = blk->k_start;
+    p->k_pos_stride = blk->k_stride;
     p->accumulate = accumulate;
     p->num_threads = j->o->num_threads;
 }
 
-/* Run one job over its position pieces.  A single pair without a running
- * state is one plain kernel call (as ringattn.attention makes); otherwise
- * every pair merges into the state, skipping future pairs and trimming
- * rows and keys that see nothing. */
+/* Run one job over its position pieces: a single pair without a running
+ * state is one plain kernel call; otherwise every block merges into the
+ * state (a fresh one for a call without a state input). */
 static ra_status fwd_pieces(const ra_xla_call *c, const fwd_job *j,
                             const ra_xla_pieces *pp, int accumulate) {
     ra_attn_fwd_params p;
-    if (!accumulate && pp->nq == 1 && pp->nk == 1) {
-        fwd_params(&p, j, 0, j->d->Sq, 0, j->d->Sk, 0);
-        p.q_pos_offset = pp->q[0].start;
-        p.q_pos_stride = pp->q[0].stride;
-        p.k_pos_offset = pp->k[0].start;
-        p.k_pos_stride = pp->k[0].stride;
+    ra_xla_block blocks[RA_XLA_MAX_BLOCKS];
+    if (!accumulate && ra_xla_single_block(pp, &blocks[0])) {
+        fwd_params(&p, j, &blocks[0], 0);
         return ra_xla_run_fwd(c, &p);
     }
     if (!accumulate) {
@@ -92,18 +92,10 @@ static ra_status fwd_pieces(const ra_xla_call *c, const fwd_job *j,
         RA_CHECK(ra_xla_fill_state(c, j->out, j->lse, j->d->acc, j->B, j->d->Sq,
                                    j->d->H, j->d->D));
     }
-    for (int a = 0; a < pp->nq; a++) {
-        for (int b = 0; b < pp->nk; b++) {
-            const ra_xla_piece *qp = &pp->q[a], *kp = &pp->k[b];
-            int64_t i0, kn;
-            if (!ra_xla_pair(qp, kp, j->o->causal, &i0, &kn)) continue;
-            fwd_params(&p, j, qp->off + i0, qp->len - i0, kp->off, kn, 1);
-            p.q_pos_offset = qp->start + i0 * qp->stride;
-            p.q_pos_stride = qp->stride;
-            p.k_pos_offset = kp->start;
-            p.k_pos_stride = kp->stride;
-            RA_CHECK(ra_xla_run_fwd(c, &p));
-        }
+    const int n = ra_xla_state_blocks(pp, j->o->causal, blocks);
+    for (int i = 0; i < n; i++) {
+        fwd_params(&p, j, &blocks[i], 1);
+        RA_CHECK(ra_xla_run_fwd(c, &p));
     }
     return RA_OK;
 }
@@ -224,9 +216,9 @@ ra_status ra_xla_dilated_fwd(ra_xla_call *c) {
                      ra_xla_item(&l, &out, it, l.folded),
                      ra_xla_item(&l, &lse, it, l.folded),
                      out.dtype, &o};
+        const ra_xla_block all = {0, d.Sq, 0, 1, 0, d.Sk, 0, 1};
         ra_attn_fwd_params p;
-        fwd_params(&p, &j, 0, d.Sq, 0, d.Sk, 0);
-        p.q_pos_stride = p.k_pos_stride = 1;
+        fwd_params(&p, &j, &all, 0);
         RA_CHECK(ra_xla_run_dilated_fwd(c, &p, &cfg));
     }
     return RA_OK;
