@@ -189,14 +189,7 @@ ra_status ra_xla_dilated_bwd(ra_xla_call *c) {
     ra_xla_lead l;
     ra_dilated_config cfg;
     RA_CHECK(load_bwd(c, t, g, &d, &o, 0));
-    if (d.Sk != d.Sq) {
-        ra_set_error(RA_ERR_VALUE,
-                     "k: dilated attention expects the sequence length of q "
-                     "(%lld), got %lld",
-                     (long long)d.Sq, (long long)d.Sk);
-        return RA_ERR_VALUE;
-    }
-    RA_CHECK(ra_xla_read_dilated(c, &cfg));
+    RA_CHECK(ra_xla_read_dilated(c, &d, &cfg));
     RA_CHECK(ra_xla_lead_plan(&l, &g[0], g, 3));
     RA_CHECK(ra_xla_lead_plan(&l, &g[0], t, 6));
     const int64_t iters = l.folded ? 1 : l.count;

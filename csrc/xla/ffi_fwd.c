@@ -155,9 +155,17 @@ ra_status ra_xla_attn_fwd_acc(ra_xla_call *c) { return attn_fwd(c, 1); }
 
 /* ---- dilated ---------------------------------------------------------------- */
 
-ra_status ra_xla_read_dilated(const ra_xla_call *c, ra_dilated_config *cfg) {
+ra_status ra_xla_read_dilated(const ra_xla_call *c, const ra_xla_qkv *d,
+                              ra_dilated_config *cfg) {
     int ns = 0, nr = 0;
     memset(cfg, 0, sizeof *cfg);
+    if (d->Sk != d->Sq) {
+        ra_set_error(RA_ERR_VALUE,
+                     "k: dilated attention expects the sequence length of q "
+                     "(%lld), got %lld",
+                     (long long)d->Sq, (long long)d->Sk);
+        return RA_ERR_VALUE;
+    }
     RA_CHECK(ra_xla_attr_ints(c, "segment_lengths", cfg->segment_lengths,
                               RA_MAX_BRANCHES, &ns));
     RA_CHECK(ra_xla_attr_ints(c, "dilation_rates", cfg->dilation_rates,
@@ -193,19 +201,12 @@ ra_status ra_xla_dilated_fwd(ra_xla_call *c) {
     RA_CHECK(ra_xla_arg(c, 1, "k", 4, &t[1]));
     RA_CHECK(ra_xla_arg(c, 2, "v", 4, &t[2]));
     RA_CHECK(ra_xla_check_qkv(&t[0], &t[1], &t[2], &d));
-    if (d.Sk != d.Sq) {
-        ra_set_error(RA_ERR_VALUE,
-                     "k: dilated attention expects the sequence length of q "
-                     "(%lld), got %lld",
-                     (long long)d.Sq, (long long)d.Sk);
-        return RA_ERR_VALUE;
-    }
     RA_CHECK(ra_xla_ret(c, 0, "out", 4, &out));
     RA_CHECK(ra_xla_ret(c, 1, "lse", 3, &lse));
     RA_CHECK(ra_xla_check_rows(&out, &d, d.Sq, d.H, d.dtype, d.acc));
     RA_CHECK(ra_xla_check_bhs(&lse, &d));
     RA_CHECK(ra_xla_read_opts(c, d.D, &o));
-    RA_CHECK(ra_xla_read_dilated(c, &cfg));
+    RA_CHECK(ra_xla_read_dilated(c, &d, &cfg));
     RA_CHECK(ra_xla_lead_plan(&l, &out, t, 3));
     const int64_t iters = l.folded ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {

@@ -8,8 +8,7 @@
 #ifndef RA_XLA_FFI_HANDLERS_H
 #define RA_XLA_FFI_HANDLERS_H
 
-#include "attn_params.h"
-#include "ffi_frame.h"
+#include "ffi_args.h"
 
 ra_status ra_xla_attn_fwd(ra_xla_call *c);
 ra_status ra_xla_attn_fwd_acc(ra_xla_call *c);
@@ -20,7 +19,8 @@ ra_status ra_xla_attn_bwd(ra_xla_call *c);
 ra_status ra_xla_attn_bwd_acc(ra_xla_call *c);
 ra_status ra_xla_dilated_bwd(ra_xla_call *c);
 
-/* segment_lengths / dilation_rates attributes (ffi_fwd.c) */
-ra_status ra_xla_read_dilated(const ra_xla_call *c, ra_dilated_config *cfg);
+/* segment_lengths / dilation_rates attributes, and S_q == S_k (ffi_fwd.c) */
+ra_status ra_xla_read_dilated(const ra_xla_call *c, const ra_xla_qkv *d,
+                              ra_dilated_config *cfg);
 
 #endif /* RA_XLA_FFI_HANDLERS_H */
