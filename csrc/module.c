@@ -7,6 +7,7 @@
 #include "module.h"
 #include "dlpack.h"
 #include "ndarray.h"
+#include "xla/ffi_targets.h"
 
 static ra_module_state *ra_live_state = NULL;
 

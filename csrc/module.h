@@ -40,7 +40,6 @@ int ra_buffer_exec(PyObject *m, ra_module_state *st);   /* buffer.c   */
 int ra_attn_exec(PyObject *m, ra_module_state *st);     /* attn_api.c */
 int ra_comm_exec(PyObject *m, ra_module_state *st);     /* comm.c     */
 int ra_cuda_exec(PyObject *m, ra_module_state *st);     /* cuda_rt.c  */
-int ra_xla_exec(PyObject *m, ra_module_state *st);      /* xla/ffi_targets.c */
 
 #ifdef __cplusplus
 }

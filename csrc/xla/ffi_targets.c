@@ -11,7 +11,7 @@
  * API in this file only; it never includes jaxlib's headers, so building
  * ringattn never needs JAX.
  */
-#include "module.h"
+#include "ffi_targets.h"
 
 #include "ffi_handlers.h"
 
