@@ -210,32 +210,42 @@ def dilated_bwd(dout, q, k, v, lse, delta, segs, rates, *, causal=False,
 
 # ---- differentiable local attention ----------------------------------------
 
-def _vjp(forward, backward):
-    """custom_vjp over (q, k, v): forward(q, k, v) -> (out, lse);
-    backward(dout, q, k, v, lse, delta) -> (dq, dk, dv)."""
+def _vjp(forward, backward, return_lse):
+    """custom_vjp over (q, k, v) returning out, or (out, lse):
+    forward(q, k, v) -> (out, lse); backward(dout, q, k, v, lse, delta) ->
+    (dq, dk, dv).  A cotangent g of lse enters as delta - g (the gradient of
+    lse_i with respect to score s_ij is P_ij), so one backward kernel serves
+    both."""
     @jax.custom_vjp
     def f(q, k, v):
-        return forward(q, k, v)[0]
+        out, lse = forward(q, k, v)
+        return (out, lse) if return_lse else out
 
     def f_fwd(q, k, v):
         out, lse = forward(q, k, v)
-        return out, (q, k, v, out, lse)
+        return ((out, lse) if return_lse else out), (q, k, v, out, lse)
 
-    def f_bwd(res, dout):
+    def f_bwd(res, cotangent):
         q, k, v, out, lse = res
+        dout, dlse = cotangent if return_lse else (cotangent, None)
         dout = dout.astype(out.dtype)
-        return tuple(backward(dout, q, k, v, lse, bwd_preprocess(dout, out)))
+        delta = bwd_preprocess(dout, out)
+        if dlse is not None:
+            delta = delta - dlse.astype(delta.dtype)
+        return tuple(backward(dout, q, k, v, lse, delta))
 
     f.defvjp(f_fwd, f_bwd)
     return f
 
 
-def attention(q, k, v, *, causal=False, scale=None):
-    """Differentiable attention: out (B, S_q, H, D) in q's dtype."""
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+    """Differentiable attention: out (B, S_q, H, D) in q's dtype, or (out,
+    lse) with return_lse (lse (B, H, S_q) float32, float64 for float64)."""
     check_qkv(q, k, v)
     return _vjp(
         lambda q, k, v: fwd(q, k, v, causal=causal, scale=scale),
-        lambda *a: bwd(*a, causal=causal, scale=scale))(q, k, v)
+        lambda *a: bwd(*a, causal=causal, scale=scale),
+        bool(return_lse))(q, k, v)
 
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
@@ -251,7 +261,8 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
     native = _vjp(
         lambda q, k, v: dilated_fwd(q, k, v, segs, rates, causal=causal,
                                     scale=scale),
-        lambda *a: dilated_bwd(*a, segs, rates, causal=causal, scale=scale))
+        lambda *a: dilated_bwd(*a, segs, rates, causal=causal, scale=scale),
+        False)
     if host_fallback is None:
         return native(q, k, v)
     return jax.lax.platform_dependent(q, k, v, cpu=native, default=host_fallback)

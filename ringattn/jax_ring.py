@@ -21,7 +21,9 @@ value inside shard_map, so the positions reach the kernels as a small int64
 operand (one (length, start, stride) row per run of positions, from
 ``ringattn.layout.shard_progressions``).  Pieces entirely in the causal
 future are skipped by the handler without work; partly visible ones are
-trimmed to the rows and keys that see each other.
+trimmed to the rows and keys that see each other.  On a GPU the handler
+reads that small table to the host (a copy and a wait on XLA's stream per
+causal block call); non-causal rings pass no positions.
 
 Shapes (local): q (B, n_r, H, D); k, v (B, n_r, H_kv, D).
 """
