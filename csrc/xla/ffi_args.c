@@ -3,12 +3,12 @@
  * handlers (ffi_args.h).  Every check names the operand, the expected and
  * the actual value.
  */
-#include "ffi_args.h"
+#include "xla/ffi_args.h"
 
 #include <math.h>
 #include <string.h>
 
-#include "ffi_device.h"
+#include "xla/ffi_device.h"
 
 static const char *BSHD = "(batch, seq, heads, head_dim)";
 

@@ -14,8 +14,8 @@
 #ifndef RA_XLA_FFI_ARGS_H
 #define RA_XLA_FFI_ARGS_H
 
-#include "attn_params.h"
-#include "ffi_frame.h"
+#include "attn/attn_params.h"
+#include "xla/ffi_frame.h"
 
 #define RA_XLA_MAX_PIECES 8
 

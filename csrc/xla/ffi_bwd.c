@@ -15,9 +15,9 @@
  */
 #include <string.h>
 
-#include "ffi_args.h"
-#include "ffi_device.h"
-#include "ffi_handlers.h"
+#include "xla/ffi_args.h"
+#include "xla/ffi_device.h"
+#include "xla/ffi_handlers.h"
 
 typedef struct bwd_job {
     const ra_xla_qkv *d;

@@ -8,16 +8,17 @@
  * owns the output is made current around each operation and the caller's
  * restored afterwards (the launchers do the same for kernels).
  */
-#include "ffi_device.h"
+#include "xla/ffi_device.h"
 
 #include <math.h>
 #include <string.h>
 
-#include "attn_cpu.h"
+#include "attn/attn_cpu.h"
 
 #ifdef RA_WITH_CUDA
 #include <cuda_runtime.h>
 #include "attn_cuda.h"
+#include "core/cuda_rt.h"
 
 #define XLA_CUDA_CHECK(call)                                                  \
     do {                                                                      \

@@ -8,8 +8,8 @@
 #ifndef RA_XLA_FFI_DEVICE_H
 #define RA_XLA_FFI_DEVICE_H
 
-#include "attn_params.h"
-#include "ffi_frame.h"
+#include "attn/attn_params.h"
+#include "xla/ffi_frame.h"
 
 ra_status ra_xla_run_fwd(const ra_xla_call *c, const ra_attn_fwd_params *p);
 ra_status ra_xla_run_bwd_preprocess(const ra_xla_call *c,

@@ -1,7 +1,7 @@
 /*
  * ffi_frame.c -- reading XLA FFI call frames (see ffi_frame.h).
  */
-#include "ffi_frame.h"
+#include "xla/ffi_frame.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -10,8 +10,8 @@
 #ifndef RA_XLA_FFI_FRAME_H
 #define RA_XLA_FFI_FRAME_H
 
-#include "ra_common.h"
-#include "xla_ffi.h"
+#include "core/ra_common.h"
+#include "xla/xla_ffi.h"
 
 #define RA_XLA_MAX_LEAD 8     /* leading (vmap) dims a handler accepts */
 

@@ -16,9 +16,9 @@
  */
 #include <string.h>
 
-#include "ffi_args.h"
-#include "ffi_device.h"
-#include "ffi_handlers.h"
+#include "xla/ffi_args.h"
+#include "xla/ffi_device.h"
+#include "xla/ffi_handlers.h"
 
 /* One (leading index of a) forward call: q, k, v, out, lse at the right
  * offsets, B rows of batch. */

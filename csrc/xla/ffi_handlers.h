@@ -8,7 +8,7 @@
 #ifndef RA_XLA_FFI_HANDLERS_H
 #define RA_XLA_FFI_HANDLERS_H
 
-#include "ffi_args.h"
+#include "xla/ffi_args.h"
 
 ra_status ra_xla_attn_fwd(ra_xla_call *c);
 ra_status ra_xla_attn_fwd_acc(ra_xla_call *c);

@@ -11,9 +11,9 @@
  * API in this file only; it never includes jaxlib's headers, so building
  * ringattn never needs JAX.
  */
-#include "ffi_targets.h"
+#include "xla/ffi_targets.h"
 
-#include "ffi_handlers.h"
+#include "xla/ffi_handlers.h"
 
 /* One plain C handler per (target, platform): answer XLA's metadata query,
  * else set the call up, run the body and turn its status into an error. */

@@ -5,7 +5,7 @@
 #ifndef RA_XLA_FFI_TARGETS_H
 #define RA_XLA_FFI_TARGETS_H
 
-#include "module.h"
+#include "core/module.h"
 
 /* Adds ffi_targets() -> {platform: {target name: PyCapsule}}. */
 int ra_xla_exec(PyObject *m, ra_module_state *st);
