@@ -100,51 +100,60 @@ static ra_status fwd_pieces(const ra_xla_call *c, const fwd_job *j,
     return RA_OK;
 }
 
+/* q, k, v: arguments 0..2; out, lse: results 0, 1 (out in `out_dtype` or
+ * the acc dtype). */
+static ra_status load_fwd(ra_xla_call *c, ra_xla_tensor *t, ra_xla_tensor *r,
+                          ra_xla_qkv *d, ra_xla_opts *o, int state) {
+    RA_CHECK(ra_xla_arg(c, 0, "q", 4, &t[0]));
+    RA_CHECK(ra_xla_arg(c, 1, "k", 4, &t[1]));
+    RA_CHECK(ra_xla_arg(c, 2, "v", 4, &t[2]));
+    RA_CHECK(ra_xla_check_qkv(&t[0], &t[1], &t[2], d));
+    RA_CHECK(ra_xla_ret(c, 0, "out", 4, &r[0]));
+    RA_CHECK(ra_xla_ret(c, 1, "lse", 3, &r[1]));
+    RA_CHECK(ra_xla_check_rows(&r[0], d, d->Sq, d->H, state ? d->acc : d->dtype,
+                               d->acc));
+    RA_CHECK(ra_xla_check_bhs(&r[1], d));
+    return ra_xla_read_opts(c, d->D, o);
+}
+
+static fwd_job make_job(const ra_xla_lead *l, const ra_xla_tensor *t,
+                        const ra_xla_tensor *r, const ra_xla_qkv *d,
+                        const ra_xla_opts *o, int64_t it, int whole) {
+    fwd_job j = {d, whole ? l->count * d->B : d->B,
+                 ra_xla_item(l, &t[0], it, whole), ra_xla_item(l, &t[1], it, whole),
+                 ra_xla_item(l, &t[2], it, whole), ra_xla_item(l, &r[0], it, whole),
+                 ra_xla_item(l, &r[1], it, whole), r[0].dtype, o};
+    return j;
+}
+
 static ra_status attn_fwd(ra_xla_call *c, int accumulate) {
     const int base = accumulate ? 5 : 3;
-    ra_xla_tensor t[5], out, lse, pos;
+    ra_xla_tensor t[5], r[2], pos;
     ra_xla_qkv d;
     ra_xla_opts o;
     ra_xla_lead l;
     int nq = 1;
-    RA_CHECK(ra_xla_arg(c, 0, "q", 4, &t[0]));
-    RA_CHECK(ra_xla_arg(c, 1, "k", 4, &t[1]));
-    RA_CHECK(ra_xla_arg(c, 2, "v", 4, &t[2]));
-    RA_CHECK(ra_xla_check_qkv(&t[0], &t[1], &t[2], &d));
-    RA_CHECK(ra_xla_ret(c, 0, "out", 4, &out));
-    RA_CHECK(ra_xla_ret(c, 1, "lse", 3, &lse));
-    RA_CHECK(ra_xla_check_rows(&out, &d, d.Sq, d.H, accumulate ? d.acc : d.dtype,
-                               d.acc));
-    RA_CHECK(ra_xla_check_bhs(&lse, &d));
+    RA_CHECK(load_fwd(c, t, r, &d, &o, accumulate));
     if (accumulate) {
         RA_CHECK(ra_xla_arg(c, 3, "running out", 4, &t[3]));
         RA_CHECK(ra_xla_arg(c, 4, "running lse", 3, &t[4]));
-        RA_CHECK(ra_xla_check_alias(&t[3], &out));
-        RA_CHECK(ra_xla_check_alias(&t[4], &lse));
+        RA_CHECK(ra_xla_check_alias(&t[3], &r[0]));
+        RA_CHECK(ra_xla_check_alias(&t[4], &r[1]));
     }
-    RA_CHECK(ra_xla_read_opts(c, d.D, &o));
-    RA_CHECK(ra_xla_lead_plan(&l, &out, t, base));
-    RA_CHECK(ra_xla_positions_arg(c, base, &out, &pos, &nq));
+    RA_CHECK(ra_xla_lead_plan(&l, &r[0], t, base));
+    RA_CHECK(ra_xla_positions_arg(c, base, &r[0], &pos, &nq));
     if (accumulate) {   /* XLA aliases them; copy if it could not */
-        RA_CHECK(ra_xla_copy(c, out.data, t[3].data,
-                             (size_t)(l.count * ra_xla_core_numel(&out)) *
-                                 ra_dtype_size(d.acc)));
-        RA_CHECK(ra_xla_copy(c, lse.data, t[4].data,
-                             (size_t)(l.count * ra_xla_core_numel(&lse)) *
-                                 ra_dtype_size(d.acc)));
+        for (int i = 0; i < 2; i++)
+            RA_CHECK(ra_xla_copy(c, r[i].data, t[3 + i].data,
+                                 (size_t)(l.count * ra_xla_core_numel(&r[i])) *
+                                     ra_dtype_size(d.acc)));
     }
     const int one = l.folded && (pos.data == NULL || ra_xla_lead_shared(&pos));
     const int64_t iters = one ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {
         ra_xla_pieces pp;
         RA_CHECK(ra_xla_load_pieces(c, &pos, nq, &l, it, d.Sq, d.Sk, &pp));
-        fwd_job j = {&d, one ? l.count * d.B : d.B,
-                     ra_xla_item(&l, &t[0], it, one),
-                     ra_xla_item(&l, &t[1], it, one),
-                     ra_xla_item(&l, &t[2], it, one),
-                     ra_xla_item(&l, &out, it, one),
-                     ra_xla_item(&l, &lse, it, one),
-                     out.dtype, &o};
+        fwd_job j = make_job(&l, t, r, &d, &o, it, one);
         RA_CHECK(fwd_pieces(c, &j, &pp, accumulate));
     }
     return RA_OK;
@@ -192,31 +201,17 @@ ra_status ra_xla_read_dilated(const ra_xla_call *c, const ra_xla_qkv *d,
 }
 
 ra_status ra_xla_dilated_fwd(ra_xla_call *c) {
-    ra_xla_tensor t[3], out, lse;
+    ra_xla_tensor t[3], r[2];
     ra_xla_qkv d;
     ra_xla_opts o;
     ra_xla_lead l;
     ra_dilated_config cfg;
-    RA_CHECK(ra_xla_arg(c, 0, "q", 4, &t[0]));
-    RA_CHECK(ra_xla_arg(c, 1, "k", 4, &t[1]));
-    RA_CHECK(ra_xla_arg(c, 2, "v", 4, &t[2]));
-    RA_CHECK(ra_xla_check_qkv(&t[0], &t[1], &t[2], &d));
-    RA_CHECK(ra_xla_ret(c, 0, "out", 4, &out));
-    RA_CHECK(ra_xla_ret(c, 1, "lse", 3, &lse));
-    RA_CHECK(ra_xla_check_rows(&out, &d, d.Sq, d.H, d.dtype, d.acc));
-    RA_CHECK(ra_xla_check_bhs(&lse, &d));
-    RA_CHECK(ra_xla_read_opts(c, d.D, &o));
+    RA_CHECK(load_fwd(c, t, r, &d, &o, 0));
     RA_CHECK(ra_xla_read_dilated(c, &d, &cfg));
-    RA_CHECK(ra_xla_lead_plan(&l, &out, t, 3));
+    RA_CHECK(ra_xla_lead_plan(&l, &r[0], t, 3));
     const int64_t iters = l.folded ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {
-        fwd_job j = {&d, l.folded ? l.count * d.B : d.B,
-                     ra_xla_item(&l, &t[0], it, l.folded),
-                     ra_xla_item(&l, &t[1], it, l.folded),
-                     ra_xla_item(&l, &t[2], it, l.folded),
-                     ra_xla_item(&l, &out, it, l.folded),
-                     ra_xla_item(&l, &lse, it, l.folded),
-                     out.dtype, &o};
+        fwd_job j = make_job(&l, t, r, &d, &o, it, l.folded);
         const ra_xla_block all = {0, d.Sq, 0, 1, 0, d.Sk, 0, 1};
         ra_attn_fwd_params p;
         fwd_params(&p, &j, &all, 0);
