@@ -9,7 +9,8 @@
 --ring  ring time over single-rank time for p = 1, 2, 4 local ranks on the
         same total work, and the share of transfer time hidden behind
         compute.
---dilated, --gpu: see ringattn.bench_dilated / ringattn.bench_gpu.
+--dilated, --gpu, --ring --gpu: see ringattn.bench_dilated /
+        ringattn.bench_gpu / ringattn.bench_gpu_ring (the NCCL ring).
 """
 
 import os
@@ -273,7 +274,7 @@ def run(args):
     if args.cpu or not (args.ring or args.dilated or args.gpu):
         status |= run_cpu(args)
         did = True
-    if args.ring:
+    if args.ring and not args.gpu:
         status |= run_ring(args)
         did = True
     if args.dilated:
@@ -282,8 +283,10 @@ def run(args):
         status |= run_dilated(args)
         did = True
     if args.gpu:
-        from .bench_gpu import run as run_gpu
-
-        print(run_gpu(args))
+        if args.ring:
+            from .bench_gpu_ring import run as run_gpu
+        else:
+            from .bench_gpu import run as run_gpu
+        status |= run_gpu(args)
         did = True
     return status if did else 2
