@@ -74,8 +74,7 @@ from .ring_dilated import (ring_dilated_attention,
 from .interop import empty, from_dlpack, zeros
 from .layout import shard_indices
 from .sharding import shard, unshard
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def memory_stats():

@@ -68,24 +68,27 @@ def _sdpa_fns(q, k, v, dout, causal, backend):
     return fwd, bwd
 
 
+class Unavailable(RuntimeError):
+    """This machine cannot run the GPU table (the message says why)."""
+
+
 def run(args=None) -> str:
     import ringattn as ra
 
     if not ra.cuda_available():
-        return ("bench --gpu: no usable GPU: "
-                f"{ra.cuda_info()['reason']}\n")
+        raise Unavailable(f"no usable GPU: {ra.cuda_info()['reason']}")
     try:
         import torch
     except ImportError:
-        return ("bench --gpu: PyTorch is needed for the SDPA baselines and "
-                "the CUDA events (pip install torch)\n")
+        raise Unavailable("PyTorch is needed for the SDPA baselines and the "
+                          "CUDA events (pip install torch)") from None
 
     warmup = getattr(args, "warmup", 3) if args is not None else 3
     repeats = getattr(args, "repeats", 10) if args is not None else 10
     seqlens = getattr(args, "seqlens", None) or SEQLENS
     dims = getattr(args, "head_dims", None) or HEAD_DIMS
     if not torch.cuda.is_available():
-        return "bench --gpu: PyTorch sees no CUDA device\n"
+        raise Unavailable("PyTorch sees no CUDA device")
 
     head = (f"{'pass':4} {'causal':6} {'D':>4} {'S':>6} {'B':>3} {'H':>3} "
             f"{'ringattn':>9} {'flash':>9} {'cudnn':>9} {'ra/flash':>8}  (TFLOP/s)")
@@ -139,4 +142,7 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--seqlens", type=int, nargs="*")
     ap.add_argument("--head-dims", dest="head_dims", type=int, nargs="*")
-    run(ap.parse_args())
+    try:
+        run(ap.parse_args())
+    except Unavailable as e:
+        raise SystemExit(f"bench --gpu: {e}")
