@@ -82,5 +82,5 @@ def draw(path, cpu_tables, ring_rows):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=72)
     plt.close(fig)

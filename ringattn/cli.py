@@ -33,22 +33,18 @@ def _int(text):
             f"expected an integer, got {text!r}") from None
 
 
-def positive_int(text):
-    """argparse type: an integer >= 1."""
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected an integer >= 1, got {text!r}")
-    return value
+def _int_at_least(minimum):
+    def check(text):
+        value = _int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {minimum}, got {text!r}")
+        return value
+    return check
 
 
-def nonnegative_int(text):
-    """argparse type: an integer >= 0."""
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(
-            f"expected an integer >= 0, got {text!r}")
-    return value
+positive_int = _int_at_least(1)          # argparse type: an integer >= 1
+nonnegative_int = _int_at_least(0)       # argparse type: an integer >= 0
 
 
 def port(text):

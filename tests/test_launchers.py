@@ -1,19 +1,15 @@
-"""Launchers: ``ra.init()`` reads torchrun, Open MPI, MPICH/PMI and Slurm
-environments and refuses to guess a rendezvous an MPI launcher did not set;
-``ringattn launch`` runs one job over several "nodes" (here: two launches on
-this machine); and a real ``mpirun`` where Open MPI is installed."""
+"""Launchers' environments: ``ra.init()`` reads torchrun, Open MPI,
+MPICH/PMI and Slurm variables and refuses to guess a rendezvous an MPI
+launcher did not set; ``ringattn launch`` checks its node flags.  Real
+processes (several nodes, mpirun) are in test_launch.py."""
 
-import os
-import shutil
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 import ringattn as ra
 from ringattn.comm import LAUNCHER_ENV, _rank_and_size, launcher_env
-from ringattn.launch import free_port
 
 ALL_VARS = {v for row in LAUNCHER_ENV for v in row[1:] if v} | {
     "SLURM_NNODES", "MASTER_ADDR", "MASTER_PORT", "RINGATTN_MASTER_PORT",
@@ -99,67 +95,7 @@ def test_bad_launcher_variable_is_named(clean_env):
         _rank_and_size(None, None)
 
 
-# ---- real processes ---------------------------------------------------------
-
-RING_SCRIPT = textwrap.dedent("""
-    import os, sys
-    import numpy as np
-    import ringattn as ra
-    comm = ra.init(timeout=60)
-    send = np.full(3, float(comm.rank))
-    recv = np.empty(3)
-    comm.sendrecv(send, (comm.rank + 1) % comm.size, recv,
-                  (comm.rank - 1) % comm.size)
-    with open(os.path.join(sys.argv[1], f"rank{comm.rank}.txt"), "w") as f:
-        f.write(f"{comm.size} {recv[0]:.0f}")
-    comm.barrier()
-    comm.close()
-""")
-
-
-def _ring_files(folder, size):
-    return sorted((folder / f"rank{r}.txt").read_text() for r in range(size))
-
-
-def _expected(size):
-    return sorted(f"{size} {(r - 1) % size}" for r in range(size))
-
-
-def _port_pair():
-    """A port P with P + 1 free too (ringattn's rendezvous is P + 1)."""
-    for _ in range(20):
-        p = free_port()
-        if p < 65535 and p + 1 == _try_bind(p + 1):
-            return p
-    pytest.skip("no free pair of adjacent ports")
-
-
-def _try_bind(p):
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", p))
-        except OSError:
-            return None
-    return p
-
-
-@pytest.mark.timeout(120)
-def test_launch_over_two_nodes(tmp_path, clean_env):
-    """Two `ringattn launch` on this machine, one per node: 4 ranks."""
-    script = tmp_path / "job.py"
-    script.write_text(RING_SCRIPT)
-    port = _port_pair()
-    env = dict(os.environ, RINGATTN_TOKEN="shared-secret-of-this-test")
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "ringattn", "launch", "--nnodes", "2",
-         "--node-rank", str(node), "-n", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "--timeout", "90", str(script),
-         str(tmp_path)], env=env, cwd=tmp_path) for node in (0, 1)]
-    codes = [p.wait(timeout=110) for p in procs]
-    assert codes == [0, 0] and _ring_files(tmp_path, 4) == _expected(4)
-
+# ---- ringattn launch's node flags -------------------------------------------
 
 @pytest.mark.parametrize("args, flag", [
     (["--nnodes", "2", "--master-port", "29500"], "--master-addr"),
@@ -176,49 +112,3 @@ def test_launch_node_flags_are_checked(tmp_path, args, flag):
     ok = (proc.returncode == 2 and len(lines) == 1 and flag in lines[0]
           and "Traceback" not in proc.stderr)
     assert ok, proc.stderr
-
-
-MPIRUN = shutil.which("mpirun")
-needs_mpirun = pytest.mark.skipif(
-    MPIRUN is None, reason="mpirun not installed (Debian: openmpi-bin)")
-
-
-def _mpirun(nprocs, script, *args, extra_env=()):
-    cmd = [MPIRUN, "-n", str(nprocs), "--oversubscribe"]
-    env = dict(os.environ)
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1",
-                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    for var in extra_env:
-        cmd += ["-x", var]
-    for var in ALL_VARS:
-        if var not in extra_env:
-            env.pop(var, None)
-    env.update(extra_env)
-    return subprocess.run(cmd + [sys.executable, str(script), *args],
-                          env=env, capture_output=True, text=True, timeout=100)
-
-
-@needs_mpirun
-@pytest.mark.timeout(120)
-def test_real_mpirun_ring(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(RING_SCRIPT)
-    proc = _mpirun(3, script, str(tmp_path),
-                   extra_env={"MASTER_PORT": str(_port_pair())})
-    ok = proc.returncode == 0 and _ring_files(tmp_path, 3) == _expected(3)
-    assert ok, proc.stdout + proc.stderr
-
-
-@needs_mpirun
-@pytest.mark.timeout(120)
-def test_real_mpirun_without_a_port_says_what_to_set(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(RING_SCRIPT)
-    proc = _mpirun(2, script, str(tmp_path))
-    out = proc.stdout + proc.stderr
-    ok = (proc.returncode != 0 and "Open MPI started this process" in out
-          and "set MASTER_PORT" in out
-          and not (tmp_path / "rank0.txt").exists())
-    assert ok, out
