@@ -9,7 +9,6 @@ Environment:
   RINGATTN_BUILD_JOBS=N     parallel compile jobs (default: CPU count)
 """
 
-import glob
 import os
 import shutil
 import subprocess
@@ -97,10 +96,10 @@ class BuildExt(build_ext):
 
     def add_cuda(self, ext, home, jobs):
         nvcc = os.path.join(home, "bin", "nvcc")
-        sources = sorted(glob.glob(os.path.join(ROOT, "cuda", "*.cu")))
-        headers = (glob.glob(os.path.join(ROOT, "cuda", "*.cuh")) +
-                   glob.glob(os.path.join(ROOT, "cuda", "*.h")) +
-                   glob.glob(os.path.join(ROOT, "csrc", "*.h")))
+        sources = [os.path.join(ROOT, f) for f in tree_files("cuda", ".cu")]
+        headers = [os.path.join(ROOT, f)
+                   for f in tree_files("cuda", ".cuh", ".h") +
+                   tree_files("csrc", ".h")]
         newest_header = max((os.path.getmtime(h) for h in headers), default=0)
         objdir = os.path.join(self.build_temp, "cuda")
         os.makedirs(objdir, exist_ok=True)
@@ -112,7 +111,8 @@ class BuildExt(build_ext):
         objects = []
         todo = []
         for src in sources:
-            obj = os.path.join(objdir, os.path.basename(src) + ".o")
+            name = os.path.relpath(src, os.path.join(ROOT, "cuda"))
+            obj = os.path.join(objdir, name.replace(os.sep, "__") + ".o")
             objects.append(obj)
             if (not os.path.exists(obj) or
                     os.path.getmtime(obj) < max(os.path.getmtime(src),
@@ -138,6 +138,18 @@ class BuildExt(build_ext):
         ext.libraries += ["cudart_static", "dl", "rt", "pthread", "stdc++"]
 
 
+def tree_files(folder, *suffixes):
+    """Every file under `folder` (recursively) ending in one of `suffixes`,
+    as sorted paths relative to the project root: the C core is whatever
+    csrc/ holds, so a MANIFEST.in line such as `graft csrc` carries it."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
+        dirnames.sort()
+        found += [os.path.relpath(os.path.join(dirpath, f), ROOT)
+                  for f in filenames if f.endswith(suffixes)]
+    return sorted(found)
+
+
 def numpy_include():
     import numpy
 
@@ -146,14 +158,14 @@ def numpy_include():
 
 ext = Extension(
     "ringattn._C",
-    sources=sorted(glob.glob(os.path.join("csrc", "*.c"))),
+    sources=tree_files("csrc", ".c"),
     include_dirs=["csrc", numpy_include()],
     extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno",
                         "-fno-trapping-math", "-fvisibility=hidden", "-Wall",
                         "-Wno-unknown-pragmas"],
     extra_link_args=["-fopenmp"],
     libraries=["dl", "pthread"],
-    depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),
+    depends=tree_files("csrc", ".h"),
 )
 
 setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

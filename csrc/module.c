@@ -1,20 +1,18 @@
 /*
- * module.c -- ringattn._C: multi-phase module initialisation.  Each concept
- * file (buffer, attn_api, comm, cuda_rt) adds its own types and functions
- * through a hook declared in module.h; this file owns the module state and
- * its GC support.
+ * module.c -- ringattn._C: multi-phase module initialisation.  The one file
+ * that sees every folder: core/ (Buffer, the CUDA runtime), attn/ and comm/
+ * each add their types and functions through a hook declared in their own
+ * header; the module's state and its GC support live in core/.
  */
-#include "module.h"
-#include "dlpack.h"
-#include "ndarray.h"
-
-static ra_module_state *ra_live_state = NULL;
-
-ra_module_state *ra_state_get(void) { return ra_live_state; }
+#include "attn/attn_api.h"
+#include "comm/comm_py.h"
+#include "core/dlpack.h"
+#include "core/module.h"
+#include "core/ndarray.h"
 
 static int ra_module_exec(PyObject *m) {
     ra_module_state *st = (ra_module_state *)PyModule_GetState(m);
-    if (ra_live_state != NULL) {
+    if (ra_state_get() != NULL) {
         PyErr_SetString(PyExc_ImportError,
                         "ringattn._C can be loaded only once per process");
         return -1;
@@ -29,7 +27,7 @@ static int ra_module_exec(PyObject *m) {
         PyExc_RuntimeError, NULL);
     if (st->CommError == NULL) return -1;
     if (PyModule_AddObjectRef(m, "CommError", st->CommError) < 0) return -1;
-    ra_live_state = st;
+    ra_state_set(st);
 
     if (ra_buffer_exec(m, st) < 0) goto fail;
     if (ra_attn_exec(m, st) < 0) goto fail;
@@ -39,31 +37,23 @@ static int ra_module_exec(PyObject *m) {
         goto fail;
     return 0;
 fail:
-    ra_live_state = NULL;
+    ra_state_set(NULL);
     return -1;
 }
 
 static int ra_module_traverse(PyObject *m, visitproc visit, void *arg) {
-    ra_module_state *st = (ra_module_state *)PyModule_GetState(m);
-    Py_VISIT(st->BufferType);
-    Py_VISIT(st->CommType);
-    Py_VISIT(st->RequestType);
-    Py_VISIT(st->CommError);
-    return 0;
+    return ra_state_traverse((ra_module_state *)PyModule_GetState(m), visit,
+                             arg);
 }
 
 static int ra_module_clear(PyObject *m) {
-    ra_module_state *st = (ra_module_state *)PyModule_GetState(m);
-    Py_CLEAR(st->BufferType);
-    Py_CLEAR(st->CommType);
-    Py_CLEAR(st->RequestType);
-    Py_CLEAR(st->CommError);
+    ra_state_clear((ra_module_state *)PyModule_GetState(m));
     return 0;
 }
 
 static void ra_module_free(void *m) {
     ra_module_clear((PyObject *)m);
-    if (ra_live_state == PyModule_GetState((PyObject *)m)) ra_live_state = NULL;
+    if (ra_state_get() == PyModule_GetState((PyObject *)m)) ra_state_set(NULL);
 }
 
 static PyModuleDef_Slot ra_module_slots[] = {

@@ -1,8 +1,10 @@
 /*
- * attn_cuda.h -- the C entry points of ringattn's CUDA kernels (the .cu
- * files under cuda/).
- * csrc/attn_api.c fills a params struct after every argument check and
- * calls these when the inputs are CUDA buffers.  `stream` is a cudaStream_t
+ * attn_cuda.h -- the C entry points of ringattn's attention kernels (the
+ * .cu files under cuda/), the one cuda/ header that C code includes.
+ * csrc/attn/ fills a params struct after every argument check and calls
+ * these through ra_cuda_run (attn_args.c) when the inputs are CUDA buffers.
+ * cuda/ may use csrc/core/ (status, the CUDA runtime, the copy params) and
+ * csrc/attn/attn_params.h, nothing else of csrc/.  `stream` is a cudaStream_t
  * passed as void* (ringattn's compute stream, ra_cuda_compute_stream).
  * Every launcher picks its kernel (tensor-core or generic) from the params,
  * checks what the kernels need, launches asynchronously and returns RA_OK,
@@ -13,9 +15,8 @@
 #ifndef RA_ATTN_CUDA_H
 #define RA_ATTN_CUDA_H
 
-#include "ra_common.h"
-#include "attn_params.h"
-#include "copy.h"
+#include "core/ra_common.h"
+#include "attn/attn_params.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -38,9 +39,6 @@ ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream);
 /* out, lse = LSE merge of (out1, lse1) and (out2, lse2).  cuda/merge.cu */
 ra_status ra_cuda_merge(const ra_merge_params *p, void *stream);
 
-/* dst = cast(src), n-d strided, float dtypes.  cuda/copy.cu */
-ra_status ra_cuda_copy(const ra_copy_params *p, void *stream);
-
 /* Initialise a running forward state: out (acc dtype, BSHD strides) = 0 and
  * lse (acc dtype, (B, H, S) strides) = -inf.  cuda/merge.cu */
 ra_status ra_cuda_fill_state(void *out, void *lse, ra_dtype acc_dtype,
@@ -49,19 +47,6 @@ ra_status ra_cuda_fill_state(void *out, void *lse, ra_dtype acc_dtype,
                              int64_t out_seq_stride, int64_t out_head_stride,
                              int64_t lse_batch_stride, int64_t lse_head_stride,
                              int64_t lse_seq_stride, void *stream);
-
-/* Make `device` current for the launchers above (they launch on the
- * current device; `stream` must belong to it), keeping the caller's device
- * in *prev; ra_cuda_leave_device(device, prev) restores it.  Defined in
- * csrc/cuda_rt.c. */
-ra_status ra_cuda_enter_device(int device, int *prev);
-void ra_cuda_leave_device(int device, int prev);
-
-/* The one mapping of a cudaError_t (as int) to an ra_status with an
- * ra_set_error message naming `what` and the source location.  Defined in
- * csrc/cuda_rt.c. */
-ra_status ra_cuda_status(int err, const char *what, const char *file,
-                         int line);
 
 #ifdef __cplusplus
 }

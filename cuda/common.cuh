@@ -12,6 +12,7 @@
 #include <math_constants.h>
 #include <stdint.h>
 
+#include "core/cuda_rt.h"
 #include "attn_cuda.h"
 
 /* Return the mapped status of a failing CUDA call. */

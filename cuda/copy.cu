@@ -9,6 +9,7 @@
  * Launch: 256 threads per block, one thread per element, grid-stride over
  * the row-major linear index; the index is decomposed innermost-first.
  */
+#include "core/copy.h"
 #include "common.cuh"
 
 namespace {

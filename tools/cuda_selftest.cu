@@ -3,7 +3,7 @@
  * float64 CPU reference, independent of the Python layer.  Built and run by
  * tools/gpu_check.sh:
  *   nvcc -O2 -std=c++17 -Icsrc -Icuda -DRA_WITH_CUDA tools/cuda_selftest.cu
- *        cuda/*.o csrc/status.c -o selftest && ./selftest
+ *        cuda/*.o csrc/core/status.c -o selftest && ./selftest
  * For each dtype, head_dim, shape and causal flag: forward (out, lse),
  * backward (dq, dk, dv) and an accumulate continuation over two key chunks
  * (running state from ra_cuda_fill_state, positions continued by offsets).
@@ -20,7 +20,7 @@
 
 #include "common.cuh"
 
-/* the test binary does not link csrc/cuda_rt.c (it needs Python) */
+/* the test binary does not link csrc/core/cuda_rt.c (it needs Python) */
 extern "C" ra_status ra_cuda_status(int err, const char *what, const char *file, int line) {
     if (err == 0) return RA_OK;
     ra_set_error(RA_ERR_CUDA, "CUDA error in %s (%s:%d): %s", what, file, line,

@@ -30,7 +30,7 @@ SELF="$LOG/selftest_build"; mkdir -p "$SELF"
 build_selftest() {
     local flags="-O3 -std=c++17 -Xcompiler -fPIC --expt-relaxed-constexpr -Icsrc -Icuda -DRA_WITH_CUDA -arch=native"
     ls cuda/*.cu | xargs -P 8 -I{} sh -c "$NVCC $flags -c {} -o $SELF/\$(basename {} .cu).o" &&
-    gcc -c -O2 -std=gnu11 -Icsrc csrc/status.c -o "$SELF/status_c.o" &&
+    gcc -c -O2 -std=gnu11 -Icsrc csrc/core/status.c -o "$SELF/status_c.o" &&
     $NVCC $flags tools/cuda_selftest.cu "$SELF"/*.o -o "$SELF/selftest"
 }
 stage selftest_build build_selftest

@@ -3,7 +3,7 @@
  * Python: host ranks are fork()ed processes, threads ranks are pthreads.
  * Build and run: sh tests/c/run_comm_harness.sh
  */
-#include "../../csrc/comm.h"
+#include "comm/comm.h"
 
 #include <signal.h>
 #include <stdio.h>

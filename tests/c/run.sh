@@ -9,8 +9,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 out=${TMPDIR:-/tmp}/ringattn_test_attn_cpu
 mkdir -p "$out"
-srcs="$root/csrc/attn_cpu_*.c $root/csrc/alloc.c $root/csrc/status.c"
-flags="-O3 -std=gnu11 -fopenmp -fno-math-errno -fno-trapping-math -Wall"
+srcs="$root/csrc/attn/attn_cpu_*.c $root/csrc/core/alloc.c $root/csrc/core/status.c"
+flags="-O3 -std=gnu11 -fopenmp -fno-math-errno -fno-trapping-math -Wall -I$root/csrc"
 mode=${1:-full}
 if [ "$mode" = asan ]; then
     gcc $flags -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \

@@ -4,9 +4,9 @@ set -e
 here=$(dirname "$0")
 root=$here/../..
 out=${TMPDIR:-/tmp}/ra_comm_harness
-cc -O1 -g -Wall -Wextra -pthread -o "$out" "$here/comm_harness.c" \
-   "$root/csrc/comm_core.c" "$root/csrc/comm_host.c" \
-   "$root/csrc/comm_host_boot.c" \
-   "$root/csrc/comm_threads.c" "$root/csrc/comm_auth.c" \
-   "$root/csrc/status.c" "$root/csrc/alloc.c" -lm
+cc -O1 -g -Wall -Wextra -pthread -I"$root/csrc" -o "$out" "$here/comm_harness.c" \
+   "$root/csrc/comm/comm_core.c" "$root/csrc/comm/comm_host.c" \
+   "$root/csrc/comm/comm_host_boot.c" \
+   "$root/csrc/comm/comm_threads.c" "$root/csrc/comm/comm_auth.c" \
+   "$root/csrc/core/status.c" "$root/csrc/core/alloc.c" -lm
 exec "$out"

@@ -1,6 +1,6 @@
 /*
  * test_attn_cpu.c -- standalone harness for the CPU attention kernels
- * (csrc/attn_cpu_*.c): checks forward, backward (preprocess + main), merge
+ * (csrc/attn/attn_cpu_*.c): checks forward, backward (preprocess + main), merge
  * and dilated attention against a naive double-precision reference on
  * random inputs of odd sizes, layouts and dtypes; and times the float32
  * kernels (`bench` mode).
@@ -18,8 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../csrc/attn_cpu.h"
-#include "../../csrc/attn_cpu_kern.h"
+#include "attn/attn_cpu.h"
+#include "attn/attn_cpu_kern.h"
 
 /* ---- random numbers ---------------------------------------------------- */
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;

@@ -1,0 +1,436 @@
+/*
+ * attn_api_bwd.c -- the Python boundary of the backward kernels and the LSE
+ * merge.  Same flow as attn_api.c: Buffers -> checks -> params -> kernel.
+ *
+ *   dout, out, q, dq : (B, S_q, H, D)     k, v, dk, dv : (B, S_k, H_kv, D)
+ *   lse, delta       : (B, H, S_q) float32 (float64 for float64 inputs)
+ */
+#include <math.h>
+#include <string.h>
+
+#include "attn/attn_api.h"
+#include "attn/attn_args.h"
+#include "attn/attn_cpu.h"
+#include "core/cuda_rt.h"
+#include "core/module.h"
+
+static void fill_bwd_params(ra_attn_bwd_params *p, const qkv_dims *d,
+                            tensor_arg *t, double scale, int causal,
+                            const int64_t pos[4], int accumulate,
+                            int deterministic, int num_threads) {
+    /* t: q, k, v, out, dout, lse, delta, dq, dk, dv */
+    ra_buffer *q = t[0].buf, *k = t[1].buf, *v = t[2].buf, *o = t[3].buf,
+              *dout = t[4].buf, *lse = t[5].buf, *delta = t[6].buf,
+              *dq = t[7].buf, *dk = t[8].buf, *dv = t[9].buf;
+    memset(p, 0, sizeof *p);
+    p->q = q->data;
+    p->k = k->data;
+    p->v = v->data;
+    p->out = o ? o->data : NULL;
+    p->dout = dout->data;
+    p->lse = lse ? lse->data : NULL;
+    p->delta = delta->data;
+    p->dq = dq ? dq->data : NULL;
+    p->dk = dk ? dk->data : NULL;
+    p->dv = dv ? dv->data : NULL;
+    p->dtype = d->dtype;
+    p->out_dtype = dout->dtype;
+    p->grad_dtype = dq ? dq->dtype : d->dtype;
+    p->batch = d->B;
+    p->seqlen_q = d->Sq;
+    p->seqlen_k = d->Sk;
+    p->heads = d->H;
+    p->heads_kv = d->Hkv;
+    p->head_dim = d->D;
+#define RA_STRIDES(field, buf)                                                 \
+    if (buf) {                                                                 \
+        p->field##_batch_stride = (buf)->strides[0];                           \
+        p->field##_seq_stride = (buf)->strides[1];                             \
+        p->field##_head_stride = (buf)->strides[2];                            \
+    }
+    RA_STRIDES(q, q)
+    RA_STRIDES(k, k)
+    RA_STRIDES(v, v)
+    RA_STRIDES(out, o)
+    RA_STRIDES(dout, dout)
+    RA_STRIDES(dq, dq)
+    RA_STRIDES(dk, dk)
+    RA_STRIDES(dv, dv)
+#undef RA_STRIDES
+    /* lse and delta share strides: delta is always allocated compact, and
+     * a caller-provided lse is copied compact when they differ. */
+    p->lse_batch_stride = delta->strides[0];
+    p->lse_head_stride = delta->strides[1];
+    p->lse_seq_stride = delta->strides[2];
+    p->scale = scale;
+    p->causal = causal;
+    p->q_pos_offset = pos[0];
+    p->q_pos_stride = pos[1];
+    p->k_pos_offset = pos[2];
+    p->k_pos_stride = pos[3];
+    p->accumulate = accumulate;
+    p->deterministic = deterministic;
+    p->num_threads = num_threads;
+}
+
+/* Make `a` (a (B,H,S) buffer) use the same strides as `like`, copying when
+ * they differ (lse and delta share one stride set in the params). */
+static int match_strides(tensor_arg *a, ra_buffer *like) {
+    ra_buffer *b = a->buf;
+    int same = 1;
+    for (int i = 0; i < 3; i++)
+        if (b->shape[i] > 1 && b->strides[i] != like->strides[i]) same = 0;
+    return same ? 0 : replace_with_copy(a);
+}
+
+static ra_status run_preprocess(const ra_attn_bwd_params *p, int device_type,
+                                int device_id) {
+    ra_status st = RA_OK;
+    if (device_type == RA_DEV_CUDA) {
+        st = ra_cuda_run(device_id, RA_CUDA_BWD_PRE, p);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        st = ra_cpu_attn_bwd_preprocess(p);
+        Py_END_ALLOW_THREADS
+    }
+    return st;
+}
+
+static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
+    static char *kwlist_dense[] = {
+        "dout", "q", "k", "v", "out", "lse", "causal", "scale", "dq", "dk",
+        "dv", "delta", "accumulate", "deterministic", "q_pos_offset",
+        "q_pos_stride", "k_pos_offset", "k_pos_stride", "num_threads", NULL};
+    static char *kwlist_dil[] = {
+        "dout", "q", "k", "v", "out", "lse", "segment_lengths",
+        "dilation_rates", "causal", "scale", "dq", "dk", "dv", "delta",
+        "accumulate", "deterministic", "q_pos_offset", "k_pos_offset",
+        "num_threads", NULL};
+    PyObject *douto, *qo, *ko, *vo, *outo, *lseo, *scale_o = Py_None,
+             *dqo = Py_None, *dko = Py_None, *dvo = Py_None,
+             *deltao = Py_None, *qoff_o = Py_None, *segs = NULL,
+             *rates = NULL;
+    int causal = 0, accumulate = 0, deterministic = 0, num_threads = 0;
+    long long qstride = 1, koff = 0, kstride = 1;
+    ra_dilated_config cfg;
+    tensor_arg t[10];
+    memset(t, 0, sizeof t);
+    PyObject *result = NULL;
+
+    if (dilated) {
+        if (!PyArg_ParseTupleAndKeywords(
+                args, kwds, "OOOOOOOO|$pOOOOOppOLi:dilated_bwd", kwlist_dil,
+                &douto, &qo, &ko, &vo, &outo, &lseo, &segs, &rates, &causal,
+                &scale_o, &dqo, &dko, &dvo, &deltao, &accumulate,
+                &deterministic, &qoff_o, &koff, &num_threads))
+            return NULL;
+        if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
+    } else {
+        if (!PyArg_ParseTupleAndKeywords(
+                args, kwds, "OOOOOO|$pOOOOOppOLLLi:attn_bwd", kwlist_dense,
+                &douto, &qo, &ko, &vo, &outo, &lseo, &causal, &scale_o, &dqo,
+                &dko, &dvo, &deltao, &accumulate, &deterministic, &qoff_o,
+                &qstride, &koff, &kstride, &num_threads))
+            return NULL;
+    }
+    if (load_tensor(&t[0], qo, "q", 4, BSHD) < 0) goto done;
+    if (load_tensor(&t[1], ko, "k", 4, BSHD) < 0) goto done;
+    if (load_tensor(&t[2], vo, "v", 4, BSHD) < 0) goto done;
+    qkv_dims d;
+    if (check_qkv(&t[0], &t[1], &t[2], &d) < 0) goto done;
+    if (load_tensor(&t[4], douto, "dout", 4, BSHD) < 0) goto done;
+    if (check_shape4_like(&t[4], &t[0]) < 0 || check_same_device(&t[0], &t[4]) < 0)
+        goto done;
+    if (t[4].buf->dtype != d.dtype && t[4].buf->dtype != ra_acc_dtype(d.dtype)) {
+        PyErr_Format(PyExc_TypeError, "dout: expected dtype %s (the dtype of "
+                                      "q), got %s",
+                     ra_dtype_name(d.dtype), ra_dtype_name(t[4].buf->dtype));
+        goto done;
+    }
+    if (deltao == Py_None || outo != Py_None) {
+        if (outo == Py_None) {
+            PyErr_SetString(PyExc_ValueError,
+                            "out: the forward output is needed (or pass "
+                            "delta=)");
+            goto done;
+        }
+        if (load_tensor(&t[3], outo, "out", 4, BSHD) < 0) goto done;
+        if (check_shape4_like(&t[3], &t[0]) < 0 ||
+            check_same_device(&t[0], &t[3]) < 0)
+            goto done;
+        if (t[3].buf->dtype != t[4].buf->dtype) {
+            PyErr_Format(PyExc_TypeError,
+                         "out: expected dtype %s (the dtype of dout), got %s",
+                         ra_dtype_name(t[4].buf->dtype),
+                         ra_dtype_name(t[3].buf->dtype));
+            goto done;
+        }
+    }
+    if (load_bhs(&t[5], lseo, "lse", &d, 0) < 0) goto done;
+    double scale;
+    if (parse_scale(scale_o, d.D, &scale) < 0) goto done;
+    int64_t pos[4];
+    if ((dilated ? parse_dilated_positions(qoff_o, koff, &d, pos)
+                 : parse_positions(qoff_o, qstride, koff, kstride, &d, pos)) < 0)
+        goto done;
+    ra_dtype acc = ra_acc_dtype(d.dtype);
+    int64_t bhs[3] = {d.B, d.H, d.Sq};
+    if (deltao != Py_None) {
+        if (load_bhs(&t[6], deltao, "delta", &d, 0) < 0) goto done;
+    } else {
+        t[6].name = "delta";
+        t[6].buf = alloc_out(3, bhs, acc, &d, 0);
+        if (t[6].buf == NULL) goto done;
+    }
+    if (match_strides(&t[5], t[6].buf) < 0) goto done;
+    /* gradients: given (then accumulate may add into them) or allocated in
+     * the inputs' dtype */
+    PyObject *grad_objs[3] = {dqo, dko, dvo};
+    const char *grad_names[3] = {"dq", "dk", "dv"};
+    for (int i = 0; i < 3; i++) {
+        tensor_arg *g = &t[7 + i];
+        tensor_arg *like = &t[i];
+        if (grad_objs[i] != Py_None) {
+            if (load_output(g, grad_objs[i], grad_names[i], 4, BSHD) < 0)
+                goto done;
+            if (check_shape4_like(g, like) < 0 || check_same_device(like, g) < 0 ||
+                check_writable(g) < 0)
+                goto done;
+            ra_dtype want = accumulate ? acc : g->buf->dtype;
+            if (g->buf->dtype != want ||
+                (g->buf->dtype != d.dtype && g->buf->dtype != acc)) {
+                PyErr_Format(PyExc_TypeError,
+                             "%s: expected dtype %s, got %s", grad_names[i],
+                             ra_dtype_name(accumulate ? acc : d.dtype),
+                             ra_dtype_name(g->buf->dtype));
+                goto done;
+            }
+        } else if (accumulate) {
+            PyErr_Format(PyExc_ValueError,
+                         "accumulate=True needs %s= to add into",
+                         grad_names[i]);
+            goto done;
+        } else {
+            g->name = grad_names[i];
+            g->buf = alloc_out(4, like->buf->shape, d.dtype, &d, 0);
+            if (g->buf == NULL) goto done;
+        }
+    }
+    if (t[8].buf->dtype != t[7].buf->dtype || t[9].buf->dtype != t[7].buf->dtype) {
+        PyErr_SetString(PyExc_TypeError,
+                        "dq, dk, dv: expected one dtype for all three");
+        goto done;
+    }
+
+    ra_attn_bwd_params p;
+    fill_bwd_params(&p, &d, t, scale, causal, pos, accumulate, deterministic,
+                    num_threads);
+    ra_status st = RA_OK;
+    if (deltao == Py_None) {
+        st = run_preprocess(&p, d.device_type, d.device_id);
+        if (st != RA_OK) {
+            ra_raise(st);
+            goto done;
+        }
+    }
+    if (d.device_type == RA_DEV_CUDA) {
+        st = ra_cuda_run(d.device_id, RA_CUDA_BWD, &p);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        st = dilated ? ra_cpu_dilated_bwd(&p, &cfg) : ra_cpu_attn_bwd(&p);
+        Py_END_ALLOW_THREADS
+    }
+    if (st != RA_OK) {
+        ra_raise(st);
+        goto done;
+    }
+    result = PyTuple_Pack(3, (PyObject *)t[7].buf, (PyObject *)t[8].buf,
+                          (PyObject *)t[9].buf);
+done:
+    release_args(t, 10);
+    return result;
+}
+
+static PyObject *mod_attn_bwd(PyObject *m, PyObject *args, PyObject *kwds) {
+    (void)m;
+    return bwd_common(args, kwds, 0);
+}
+
+static PyObject *mod_dilated_bwd(PyObject *m, PyObject *args, PyObject *kwds) {
+    (void)m;
+    return bwd_common(args, kwds, 1);
+}
+
+/* delta = rowsum(dout * out): (B, H, S_q) acc dtype */
+static PyObject *mod_bwd_preprocess(PyObject *m, PyObject *args,
+                                    PyObject *kwds) {
+    static char *kwlist[] = {"dout", "out", "delta", "num_threads", NULL};
+    PyObject *douto, *outo, *deltao = Py_None;
+    int num_threads = 0;
+    tensor_arg t[10];
+    memset(t, 0, sizeof t);
+    PyObject *result = NULL;
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$Oi:attn_bwd_preprocess",
+                                     kwlist, &douto, &outo, &deltao,
+                                     &num_threads))
+        return NULL;
+    if (load_tensor(&t[4], douto, "dout", 4, BSHD) < 0) goto done;
+    if (load_tensor(&t[3], outo, "out", 4, BSHD) < 0) goto done;
+    if (check_shape4_like(&t[3], &t[4]) < 0 || check_same_dtype(&t[4], &t[3]) < 0 ||
+        check_same_device(&t[4], &t[3]) < 0)
+        goto done;
+    qkv_dims d;
+    dims_of_rows(t[4].buf, ra_acc_dtype(t[4].buf->dtype), &d);
+    int64_t bhs[3] = {d.B, d.H, d.Sq};
+    if (deltao != Py_None) {
+        if (load_bhs(&t[6], deltao, "delta", &d, 1) < 0) goto done;
+    } else {
+        t[6].name = "delta";
+        t[6].buf = alloc_out(3, bhs, ra_acc_dtype(d.dtype), &d, 0);
+        if (t[6].buf == NULL) goto done;
+    }
+    /* the kernel reads only out/dout/delta; q, k, v slots alias dout */
+    t[0].buf = t[4].buf; Py_INCREF(t[0].buf);
+    t[1].buf = t[4].buf; Py_INCREF(t[1].buf);
+    t[2].buf = t[4].buf; Py_INCREF(t[2].buf);
+    t[5].buf = t[6].buf; Py_INCREF(t[5].buf);
+    ra_attn_bwd_params p;
+    int64_t pos[4] = {0, 1, 0, 1};
+    d.dtype = t[4].buf->dtype;
+    fill_bwd_params(&p, &d, t, 1.0, 0, pos, 0, 0, num_threads);
+    ra_status st = run_preprocess(&p, d.device_type, d.device_id);
+    if (st != RA_OK) {
+        ra_raise(st);
+        goto done;
+    }
+    result = (PyObject *)t[6].buf;
+    Py_INCREF(result);
+done:
+    release_args(t, 10);
+    return result;
+}
+
+/* ---- merge --------------------------------------------------------------- */
+
+static PyObject *mod_merge(PyObject *m, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"out1", "lse1", "out2", "lse2", "out", "lse",
+                             "num_threads", NULL};
+    PyObject *o1, *l1, *o2, *l2, *oo = Py_None, *lo = Py_None;
+    int num_threads = 0;
+    tensor_arg t[6];
+    memset(t, 0, sizeof t);
+    PyObject *result = NULL;
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOi:merge", kwlist, &o1,
+                                     &l1, &o2, &l2, &oo, &lo, &num_threads))
+        return NULL;
+    if (load_tensor(&t[0], o1, "out1", 4, BSHD) < 0) goto done;
+    if (load_tensor(&t[2], o2, "out2", 4, BSHD) < 0) goto done;
+    if (check_shape4_like(&t[2], &t[0]) < 0 || check_same_device(&t[0], &t[2]) < 0)
+        goto done;
+    qkv_dims d;
+    dims_of_rows(t[0].buf, RA_FLOAT32, &d);
+    /* lse dtype decides: float64 lse means float64 state */
+    {
+        ra_buffer *probe = ra_buffer_from_object(l1, "lse1", -1);
+        if (probe == NULL) goto done;
+        d.dtype = probe->dtype == RA_FLOAT64 ? RA_FLOAT64 : RA_FLOAT32;
+        Py_DECREF(probe);
+    }
+    if (load_bhs(&t[1], l1, "lse1", &d, 0) < 0) goto done;
+    if (load_bhs(&t[3], l2, "lse2", &d, 0) < 0) goto done;
+    ra_dtype out_dtype = t[0].buf->dtype;
+    if (t[2].buf->dtype == RA_FLOAT64 || t[2].buf->dtype == RA_FLOAT32)
+        if (ra_dtype_size(t[2].buf->dtype) > ra_dtype_size(out_dtype))
+            out_dtype = t[2].buf->dtype;
+    if (oo != Py_None) {
+        if (load_output(&t[4], oo, "out", 4, BSHD) < 0) goto done;
+        if (check_shape4_like(&t[4], &t[0]) < 0 ||
+            check_same_device(&t[0], &t[4]) < 0 || check_writable(&t[4]) < 0)
+            goto done;
+    } else {
+        t[4].name = "out";
+        t[4].buf = alloc_out(4, t[0].buf->shape, out_dtype, &d, 0);
+        if (t[4].buf == NULL) goto done;
+    }
+    if (lo != Py_None) {
+        if (load_bhs(&t[5], lo, "lse", &d, 1) < 0) goto done;
+    } else {
+        int64_t bhs[3] = {d.B, d.H, d.Sq};
+        t[5].name = "lse";
+        t[5].buf = alloc_out(3, bhs, ra_acc_dtype(d.dtype), &d, 0);
+        if (t[5].buf == NULL) goto done;
+    }
+    ra_merge_params p;
+    memset(&p, 0, sizeof p);
+    p.out1 = t[0].buf->data;
+    p.lse1 = t[1].buf->data;
+    p.out2 = t[2].buf->data;
+    p.lse2 = t[3].buf->data;
+    p.out = t[4].buf->data;
+    p.lse = t[5].buf->data;
+    p.out1_dtype = t[0].buf->dtype;
+    p.out2_dtype = t[2].buf->dtype;
+    p.out_dtype = t[4].buf->dtype;
+    p.lse_dtype = t[1].buf->dtype;
+    p.batch = d.B;
+    p.seqlen = d.Sq;
+    p.heads = d.H;
+    p.head_dim = d.D;
+#define RA_S4(f, b)                                                            \
+    p.f##_batch_stride = (b)->strides[0];                                      \
+    p.f##_seq_stride = (b)->strides[1];                                        \
+    p.f##_head_stride = (b)->strides[2];
+#define RA_S3(f, b)                                                            \
+    p.f##_batch_stride = (b)->strides[0];                                      \
+    p.f##_head_stride = (b)->strides[1];                                       \
+    p.f##_seq_stride = (b)->strides[2];
+    RA_S4(out1, t[0].buf)
+    RA_S4(out2, t[2].buf)
+    RA_S4(out, t[4].buf)
+    RA_S3(lse1, t[1].buf)
+    RA_S3(lse2, t[3].buf)
+    RA_S3(lse, t[5].buf)
+#undef RA_S4
+#undef RA_S3
+    p.num_threads = num_threads;
+    ra_status st;
+    if (d.device_type == RA_DEV_CUDA) {
+        st = ra_cuda_run(d.device_id, RA_CUDA_MERGE, &p);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        st = ra_cpu_merge(&p);
+        Py_END_ALLOW_THREADS
+    }
+    if (st != RA_OK) {
+        ra_raise(st);
+        goto done;
+    }
+    result = PyTuple_Pack(2, (PyObject *)t[4].buf, (PyObject *)t[5].buf);
+done:
+    release_args(t, 6);
+    return result;
+}
+
+PyMethodDef ra_attn_bwd_functions[] = {
+    {"attn_bwd", (PyCFunction)(void (*)(void))mod_attn_bwd,
+     METH_VARARGS | METH_KEYWORDS,
+     "attn_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, dq=None, "
+     "dk=None, dv=None, delta=None, accumulate=False, deterministic=False, "
+     "q_pos_offset=None, q_pos_stride=1, k_pos_offset=0, k_pos_stride=1, "
+     "num_threads=0) -> (dq, dk, dv)"},
+    {"dilated_bwd", (PyCFunction)(void (*)(void))mod_dilated_bwd,
+     METH_VARARGS | METH_KEYWORDS,
+     "dilated_bwd(dout, q, k, v, out, lse, segment_lengths, dilation_rates, "
+     "*, causal=False, scale=None, dq=None, dk=None, dv=None, delta=None, "
+     "accumulate=False, deterministic=False, q_pos_offset=None, "
+     "k_pos_offset=0, num_threads=0) -> (dq, dk, dv)"},
+    {"attn_bwd_preprocess", (PyCFunction)(void (*)(void))mod_bwd_preprocess,
+     METH_VARARGS | METH_KEYWORDS,
+     "attn_bwd_preprocess(dout, out, *, delta=None) -> delta (B, H, S_q)"},
+    {"merge", (PyCFunction)(void (*)(void))mod_merge,
+     METH_VARARGS | METH_KEYWORDS,
+     "merge(out1, lse1, out2, lse2, *, out=None, lse=None) -> (out, lse)"},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,89 @@
+/*
+ * attn_args.h -- argument checks shared by the attention entry points
+ * (attn_api.c: forward, dilated; attn_api_bwd.c: backward, merge).  Each
+ * check raises a Python exception naming the argument with the expected and
+ * the actual value, and returns -1.
+ */
+#ifndef RA_ATTN_ARGS_H
+#define RA_ATTN_ARGS_H
+
+#include "attn/attn_params.h"
+#include "core/buffer.h"
+
+typedef struct {
+    const char *name;
+    ra_buffer *buf; /* owned reference */
+} tensor_arg;
+
+/* q/k/v checks shared by forward and backward; fills the sizes. */
+typedef struct {
+    int64_t B, Sq, Sk, H, Hkv, D;
+    ra_dtype dtype;
+    int device_type, device_id;
+} qkv_dims;
+
+extern const char *BSHD; /* "(batch, seq, heads, head_dim)" */
+extern const char *BHS;  /* "(batch, heads, seq_q)" */
+
+void release_args(tensor_arg *a, int n);
+const char *ra_device_name(int device_type);
+int dtype_error(const char *name, ra_buffer *b);
+int load_tensor(tensor_arg *a, PyObject *obj, const char *name, int ndim,
+                const char *dims_doc);  /* copies a strided last dim */
+int load_output(tensor_arg *a, PyObject *obj, const char *name, int ndim,
+                const char *dims_doc);  /* refuses a strided last dim */
+/* swap a->buf for a compact (row-major) copy of itself; -1 on error */
+int replace_with_copy(tensor_arg *a);
+int check_same_dtype(tensor_arg *ref, tensor_arg *a);
+int check_same_device(tensor_arg *ref, tensor_arg *a);
+int check_dim(tensor_arg *a, int dim, const char *what, int64_t want,
+              const char *source);
+int check_writable(tensor_arg *a);
+int check_shape3(tensor_arg *a, int64_t d0, int64_t d1, int64_t d2,
+                 const char *doc);
+int check_shape4_like(tensor_arg *a, tensor_arg *ref);
+int check_acc_dtype(tensor_arg *a, ra_dtype want, const char *why);
+/* dims of a (B, S, H, D) row tensor such as out or dout, for checks of
+ * the (B, H, S) tensors that go with it: S_k = 0, H_kv = H, dtype as given */
+void dims_of_rows(const ra_buffer *rows, ra_dtype dtype, qkv_dims *d);
+int check_qkv(tensor_arg *q, tensor_arg *k, tensor_arg *v, qkv_dims *d);
+int parse_scale(PyObject *obj, int64_t D, double *scale);
+int parse_positions(PyObject *qoff, long long qstride, long long koff,
+                    long long kstride, const qkv_dims *d, int64_t out[4]);
+/* positions of a dilated call (stride 1; q offset 0 by default; S_q must
+ * equal S_k unless offsets are given) -- and dilated attention runs on the
+ * CPU only: a CUDA input is refused here, before any work.  -1 on error. */
+int parse_dilated_positions(PyObject *qoff, long long koff, const qkv_dims *d,
+                            int64_t out[4]);
+ra_buffer *alloc_out(int ndim, const int64_t *shape, ra_dtype t,
+                     const qkv_dims *d, int zero);
+/* 3-d (B, H, S_q) acc-dtype tensor such as lse or delta */
+int load_bhs(tensor_arg *a, PyObject *obj, const char *name, const qkv_dims *d,
+             int writable);
+
+/* segment_lengths / dilation_rates -> config (ValueError on bad values) */
+int ra_parse_dilated(PyObject *segs, PyObject *rates, ra_dilated_config *cfg);
+
+/* The CUDA launchers the entry points dispatch to. */
+typedef enum {
+    RA_CUDA_FWD,      /* ra_attn_fwd_params */
+    RA_CUDA_BWD_PRE,  /* ra_attn_bwd_params */
+    RA_CUDA_BWD,      /* ra_attn_bwd_params */
+    RA_CUDA_MERGE,    /* ra_merge_params */
+    RA_CUDA_STATE     /* ra_state_params */
+} ra_cuda_op;
+
+/* (out, lse) := (0, -inf) over (B, S, H, D) / (B, H, S) */
+typedef struct ra_state_params {
+    void *out, *lse;
+    ra_dtype acc;
+    int64_t batch, seqlen, heads, head_dim;
+    int64_t out_batch_stride, out_seq_stride, out_head_stride;
+    int64_t lse_batch_stride, lse_head_stride, lse_seq_stride;
+} ra_state_params;
+
+/* Run one launcher on `device`'s compute stream with the GIL released, the
+ * device made current around it.  Without CUDA: RA_ERR_UNSUPPORTED. */
+ra_status ra_cuda_run(int device, ra_cuda_op op, const void *params);
+
+#endif

@@ -1,0 +1,125 @@
+/*
+ * attn_params.h -- the plain parameter structs every attention kernel takes,
+ * CPU and CUDA alike.  attn_api.c fills them in one place from the
+ * Python arguments after every check has passed, so kernels may trust them.
+ *
+ * Layout (BSHD, as flash-attn and JAX):
+ *   q, out, dout, dq : (B, S_q, H,    D)
+ *   k, v, dk, dv     : (B, S_k, H_kv, D)
+ *   lse, delta       : (B, H, S_q)   float32 (float64 when dtype is float64)
+ * Strides are in elements; the last (D) dimension is always contiguous.
+ * Query head h reads kv head h / (H / H_kv).
+ *
+ * Positions are affine so ring shards and dilated views reuse one kernel:
+ *   pos_q(i) = q_pos_offset + i * q_pos_stride
+ *   pos_k(j) = k_pos_offset + j * k_pos_stride
+ * With causal set, key j is visible to query i iff pos_k(j) <= pos_q(i).
+ * Both strides are >= 1, so positions increase along the sequence.
+ * A query row that sees no key gets out = 0 and lse = -inf, never NaN.
+ */
+#ifndef RA_ATTN_PARAMS_H
+#define RA_ATTN_PARAMS_H
+
+#include "core/ra_common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RA_MAX_HEAD_DIM 256
+#define RA_MAX_BRANCHES 16
+
+typedef struct ra_attn_fwd_params {
+    const void *q, *k, *v;
+    void *out;                 /* out_dtype */
+    void *lse;                 /* ra_acc_dtype(dtype) */
+    ra_dtype dtype;            /* of q, k, v */
+    ra_dtype out_dtype;        /* == dtype, or ra_acc_dtype(dtype) */
+
+    int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim;
+
+    int64_t q_batch_stride, q_seq_stride, q_head_stride;
+    int64_t k_batch_stride, k_seq_stride, k_head_stride;
+    int64_t v_batch_stride, v_seq_stride, v_head_stride;
+    int64_t out_batch_stride, out_seq_stride, out_head_stride;
+    int64_t lse_batch_stride, lse_head_stride, lse_seq_stride;
+
+    double scale;              /* multiplies q.k */
+    int causal;
+    int64_t q_pos_offset, q_pos_stride;
+    int64_t k_pos_offset, k_pos_stride;
+
+    /* accumulate = 1: out (out_dtype == ra_acc_dtype(dtype)) and lse hold a
+     * running state -- the normalised output and lse over keys already seen
+     * (lse = -inf, out = 0 for "nothing yet").  The kernel merges this call's
+     * keys into it by the LSE rule in place.  accumulate = 0: overwrite. */
+    int accumulate;
+
+    int num_threads;           /* CPU: 0 = RINGATTN_NUM_THREADS / OpenMP default */
+} ra_attn_fwd_params;
+
+typedef struct ra_attn_bwd_params {
+    const void *q, *k, *v, *out, *dout;
+    const void *lse;           /* acc dtype, (B, H, S_q): the FINAL lse over all keys */
+    void *delta;               /* acc dtype, (B, H, S_q): rowsum(dout * out) */
+    void *dq, *dk, *dv;        /* grad_dtype */
+    ra_dtype dtype;            /* of q, k, v */
+    ra_dtype out_dtype;        /* of out and dout */
+    ra_dtype grad_dtype;       /* of dq, dk, dv: == dtype, or ra_acc_dtype(dtype) */
+
+    int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim;
+
+    int64_t q_batch_stride, q_seq_stride, q_head_stride;
+    int64_t k_batch_stride, k_seq_stride, k_head_stride;
+    int64_t v_batch_stride, v_seq_stride, v_head_stride;
+    int64_t out_batch_stride, out_seq_stride, out_head_stride;
+    int64_t dout_batch_stride, dout_seq_stride, dout_head_stride;
+    int64_t dq_batch_stride, dq_seq_stride, dq_head_stride;
+    int64_t dk_batch_stride, dk_seq_stride, dk_head_stride;
+    int64_t dv_batch_stride, dv_seq_stride, dv_head_stride;
+    int64_t lse_batch_stride, lse_head_stride, lse_seq_stride; /* also delta's */
+
+    double scale;
+    int causal;
+    int64_t q_pos_offset, q_pos_stride;
+    int64_t k_pos_offset, k_pos_stride;
+
+    /* accumulate = 1: dq, dk, dv are added into (grad_dtype must then be the
+     * acc dtype); 0: they are overwritten. */
+    int accumulate;
+    int deterministic;         /* same bits for the same inputs on every run */
+    int num_threads;
+} ra_attn_bwd_params;
+
+/* out = merge of (out1, lse1) and (out2, lse2) by the LSE rule (DESIGN 3).
+ * outs: (B, S, H, D) any float dtype each; lses: (B, H, S) acc dtype.
+ * out/lse may alias out1/lse1 (in-place merge). */
+typedef struct ra_merge_params {
+    const void *out1, *lse1, *out2, *lse2;
+    void *out, *lse;
+    ra_dtype out1_dtype, out2_dtype, out_dtype;
+    ra_dtype lse_dtype;        /* RA_FLOAT32 or RA_FLOAT64, all three lse */
+    int64_t batch, seqlen, heads, head_dim;
+    int64_t out1_batch_stride, out1_seq_stride, out1_head_stride;
+    int64_t out2_batch_stride, out2_seq_stride, out2_head_stride;
+    int64_t out_batch_stride, out_seq_stride, out_head_stride;
+    int64_t lse1_batch_stride, lse1_head_stride, lse1_seq_stride;
+    int64_t lse2_batch_stride, lse2_head_stride, lse2_seq_stride;
+    int64_t lse_batch_stride, lse_head_stride, lse_seq_stride;
+    int num_threads;
+} ra_merge_params;
+
+/* LongNet dilated attention configuration (DESIGN 2, "Dilated attention").
+ * Branch i cuts positions into segments [s*w_i, (s+1)*w_i) counted from
+ * position 0 and, for query head h, selects offset o = h mod r_i inside each
+ * segment.  Branch results merge by the LSE rule. */
+typedef struct ra_dilated_config {
+    int n_branches;
+    int64_t segment_lengths[RA_MAX_BRANCHES];
+    int64_t dilation_rates[RA_MAX_BRANCHES];
+} ra_dilated_config;
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* RA_ATTN_PARAMS_H */

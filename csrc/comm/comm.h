@@ -1,0 +1,259 @@
+/*
+ * comm.h -- the communicator core, independent of Python.
+ *
+ * A communicator (ra_comm) joins `size` ranks.  Its one data primitive is
+ * sendrecv: send a contiguous byte range to rank `dst` and receive one from
+ * rank `src`, both at once, started asynchronously (a request) and waited
+ * on with a deadline.  barrier and allgather are built on that primitive in
+ * comm_core.c unless a backend brings its own.
+ *
+ * Layers (files of csrc/comm/, which uses csrc/core/ and nothing of attn/):
+ *   comm.c          Python type Comm: argument checks, GIL handling,
+ *                   dispatch through the vtable (comm_py.h shares it with
+ *                   comm_request.c, Request, and comm_create.c,
+ *                   ThreadsGroup and the host_comm/nccl_comm constructors)
+ *   comm_core.c     failure state, deadlines, generic collectives
+ *   comm_host.c     TCP backend ("host"): framed transport, progress
+ *                   thread; comm_host_boot.c joins its full mesh
+ *   comm_threads.c  in-process backend ("threads")
+ *   comm_auth.c     SHA-256 / HMAC for the host handshake
+ *   comm_nccl.c     NCCL backend ("nccl"), device pointers on a CUDA stream:
+ *                   bootstrap, watchdog, close; comm_nccl_xfer.c one
+ *                   transfer; nccl_loader.c opens libnccl
+ *
+ * Threading: every function here may run without the GIL.  Error text is
+ * kept in the request or the communicator (not the thread-local last error)
+ * while work happens on a progress thread; the functions a caller thread
+ * calls copy it into ra_set_error() before returning a failing status.
+ */
+#ifndef RA_COMM_H
+#define RA_COMM_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include "core/ra_common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RA_COMM_DEFAULT_TIMEOUT 300.0
+#define RA_COMM_MSG_LEN 512
+/* allgather items are small host values (shard lengths, pickled summaries) */
+#define RA_ALLGATHER_MAX ((size_t)1 << 20)
+
+/* What a transfer carries; the kind travels in the frame header so that a
+ * barrier never matches a data transfer. */
+typedef enum ra_xfer_kind {
+    RA_XFER_DATA = 1,
+    RA_XFER_BARRIER = 2,
+    RA_XFER_GATHER = 3
+} ra_xfer_kind;
+
+/* One sendrecv: either side may be absent (peer < 0).  Pointers are host
+ * memory for host/threads, device memory of `device_id` for nccl.  nccl:
+ * the transfer runs on the communicator's own stream after the work queued
+ * so far on `stream` (a cudaStream_t; NULL = ringattn's compute stream of
+ * the device), and waiting orders `stream` after the transfer.  Host
+ * pointers (device_type RA_DEV_CPU) on nccl are staged through device
+ * memory; comm_core.c's generic collectives use that. */
+typedef struct ra_xfer {
+    int kind;                 /* ra_xfer_kind */
+    int64_t step;             /* ring step, checked against the peer's */
+    const void *send;
+    size_t send_nbytes;
+    int dst;                  /* -1: nothing to send */
+    void *recv;
+    size_t recv_nbytes;
+    int src;                  /* -1: nothing to receive */
+    int device_type;          /* ra_device_type */
+    int device_id;
+    void *stream;
+} ra_xfer;
+
+typedef enum ra_req_state {
+    RA_REQ_PENDING = 0,
+    RA_REQ_DONE = 1,
+    RA_REQ_FAILED = 2
+} ra_req_state;
+
+typedef struct ra_comm ra_comm;
+
+/* A request in flight.  Owned by two parties (the caller and the backend
+ * that progresses it); freed when both released it.  Memory comes from
+ * PyMem_RawMalloc-compatible ra_host_alloc since threads without the GIL
+ * touch it. */
+typedef struct ra_req {
+    ra_comm *comm;
+    ra_xfer x;
+    const char *op;           /* "sendrecv", "barrier", "allgather" */
+    double timeout;           /* seconds, for messages */
+    double deadline;          /* absolute, ra_now() clock */
+    _Atomic int state;        /* ra_req_state */
+    ra_status status;
+    char msg[RA_COMM_MSG_LEN];
+    _Atomic int refs;
+    struct ra_req *next;      /* backend queue link (threads: send queue) */
+    struct ra_req *next_recv; /* threads: receive queue link */
+    /* backend progress state */
+    size_t sent, received;
+    int send_done, recv_done;
+    int copying;              /* threads: copies running outside the lock */
+    int doomed;               /* threads: fail once the copies finished */
+    void *impl;               /* backend extra (nccl: CUDA event) */
+} ra_req;
+
+/* The backend vtable.  All functions run without the GIL.  Deadlines are
+ * absolute times on the ra_now() clock.  A failing call returns a status
+ * and leaves the message in the request (req-level calls) or calls
+ * ra_comm_fail (comm-level), never ra_set_error from a foreign thread. */
+typedef struct ra_comm_vtable {
+    const char *name;
+    /* Device memory the backend moves: RA_DEV_CPU for host/threads
+     * (CUDA host memory is accepted too), RA_DEV_CUDA for nccl. */
+    int device_type;
+    ra_status (*sendrecv_start)(ra_comm *c, ra_req *req);
+    /* Wait until the request is done or failed, or the deadline passes;
+     * on return the backend no longer touches the request's memory. */
+    ra_status (*wait)(ra_comm *c, ra_req *req, double deadline);
+    /* Optional; NULL = generic versions in comm_core.c. */
+    ra_status (*barrier)(ra_comm *c, double timeout);
+    ra_status (*allgather)(ra_comm *c, const void *in, size_t nbytes,
+                           void **out, size_t *out_total, size_t *lens,
+                           double timeout);
+    /* Wake every waiter and stop all transfers (the comm is already marked
+     * failed); safe from any thread, repeatable. */
+    void (*abort)(ra_comm *c);
+    /* Stop: finish pending requests as failed, stop threads, shut the
+     * transport down; bounded time; called once.  Other threads may still
+     * call into the backend afterwards (and get "closed" errors). */
+    void (*close)(ra_comm *c);
+    /* Free the backend state; called once, after close, when nobody uses
+     * the communicator any more. */
+    void (*destroy)(ra_comm *c);
+} ra_comm_vtable;
+
+struct ra_comm {
+    const ra_comm_vtable *vt;
+    int rank;
+    int size;
+    int device_id;
+    double default_timeout;
+    pthread_mutex_t mu;       /* failure state, request completion */
+    pthread_cond_t cv;
+    _Atomic int failed;
+    _Atomic int closed;
+    char fail_msg[RA_COMM_MSG_LEN];
+    _Atomic uint64_t bytes_sent;
+    _Atomic uint64_t bytes_received;
+    _Atomic uint64_t messages;
+    void *impl;               /* backend state */
+};
+
+/* ---- comm_core.c ------------------------------------------------------- */
+
+/* RINGATTN_TIMEOUT (seconds) or RA_COMM_DEFAULT_TIMEOUT. */
+double ra_comm_env_timeout(void);
+ra_status ra_comm_init_base(ra_comm *c, const ra_comm_vtable *vt, int rank,
+                            int size, double timeout);
+void ra_comm_destroy_base(ra_comm *c);
+
+/* Record the first error (kept for "failed state" messages), mark the comm
+ * failed and abort the backend.  Returns `st`. */
+ra_status ra_comm_fail(ra_comm *c, ra_status st, const char *msg);
+/* The same without calling the backend's abort (backends use it while
+ * holding their own locks). */
+void ra_comm_mark_failed(ra_comm *c, const char *msg);
+/* RA_OK, or RA_ERR_COMM with "communicator is in a failed state" / "is
+ * closed" set through ra_set_error. */
+ra_status ra_comm_check_usable(ra_comm *c, const char *op);
+/* The caller's abort: fail with `reason` and wake everyone. */
+void ra_comm_abort(ra_comm *c, const char *reason);
+/* Close once; bounded time even with dead peers. */
+void ra_comm_close(ra_comm *c);
+/* Wait until r finished or `until` passed, without failing anything;
+ * 1 when finished.  Lets the Python layer wait in slices and still see
+ * signals. */
+int ra_req_wait_done(ra_req *r, double until);
+/* Close, then free the struct (allocated by the backend with
+ * ra_host_alloc(sizeof(ra_comm))). */
+void ra_comm_free(ra_comm *c);
+
+/* Requests.  new: refs = 2 (caller + backend). */
+ra_req *ra_req_new(ra_comm *c, const ra_xfer *x, const char *op,
+                   double timeout);
+void ra_req_release(ra_req *r);
+/* Backends finish requests with these (caller holds c->mu for _locked). */
+void ra_req_finish_locked(ra_req *r, ra_status st, const char *msg);
+
+/* Start (checks usability, local self copy, dispatch), wait, and both. */
+ra_status ra_comm_start(ra_comm *c, const ra_xfer *x, const char *op,
+                        double timeout, ra_req **out);
+ra_status ra_comm_wait(ra_req *r, double timeout);   /* timeout<0: none */
+/* Wait until an absolute deadline; msg_timeout is the number of seconds a
+ * timeout message reports. */
+ra_status ra_comm_wait_until(ra_req *r, double deadline, double msg_timeout);
+int ra_comm_test(ra_req *r);                         /* 1 when finished */
+ra_status ra_comm_sendrecv(ra_comm *c, const ra_xfer *x, const char *op,
+                           double timeout);
+ra_status ra_comm_barrier(ra_comm *c, double timeout);
+/* out: one ra_host_alloc block holding all items back to back (free with
+ * ra_host_free(*out, *out_total)); lens[size]. */
+ra_status ra_comm_allgather(ra_comm *c, const void *in, size_t nbytes,
+                            void **out, size_t *out_total, size_t *lens,
+                            double timeout);
+
+/* "rank R: op step S: " prefix for messages */
+void ra_comm_prefix(char *buf, size_t n, int rank, const char *op,
+                    int64_t step);
+
+/* ---- backends ---------------------------------------------------------- */
+
+/* comm_host.c: TCP.  Rank 0 serves the rendezvous on (master_addr, port).
+ * token: shared secret (any bytes, may be empty only when size == 1). */
+ra_status ra_host_comm_create(int rank, int size, const char *master_addr,
+                              int port, const char *token, double timeout,
+                              ra_comm **out);
+
+/* comm_threads.c: ranks are threads of this process sharing a group. */
+typedef struct ra_tgroup ra_tgroup;
+ra_status ra_tgroup_create(int size, double timeout, ra_tgroup **out);
+void ra_tgroup_incref(ra_tgroup *g);
+void ra_tgroup_decref(ra_tgroup *g);
+int ra_tgroup_size(const ra_tgroup *g);
+/* Each rank may be taken once. */
+ra_status ra_tgroup_comm(ra_tgroup *g, int rank, ra_comm **out);
+void ra_tgroup_abort(ra_tgroup *g, const char *reason);
+
+/* comm_nccl.c: NCCL, loaded with dlopen at first use.  Without CUDA in the
+ * build every function returns RA_ERR_UNSUPPORTED. */
+#define RA_NCCL_ID_BYTES 128
+typedef struct ra_nccl_options {
+    int rank, size;
+    int device;                       /* CUDA device of this rank */
+    const unsigned char *unique_id;   /* RA_NCCL_ID_BYTES, or NULL: rank 0
+                                       * makes one and hands it out over a
+                                       * host communicator (size > 1) */
+    const char *master_addr;          /* host rendezvous (unique_id NULL) */
+    int master_port;
+    const char *token;
+    const char *library;              /* last libnccl path to try, or NULL */
+    double timeout;                   /* <= 0: RINGATTN_TIMEOUT */
+} ra_nccl_options;
+ra_status ra_nccl_comm_create(const ra_nccl_options *o, ra_comm **out);
+ra_status ra_nccl_unique_id(const char *library,
+                            unsigned char out[RA_NCCL_ID_BYTES]);
+ra_status ra_nccl_version(const char *library, int *major, int *minor,
+                          int *patch);
+
+/* comm_auth.c */
+void ra_sha256(const void *data, size_t n, unsigned char out[32]);
+void ra_hmac_sha256(const void *key, size_t keylen, const void *msg,
+                    size_t msglen, unsigned char out[32]);
+int ra_consttime_eq(const void *a, const void *b, size_t n);
+ra_status ra_random_bytes(void *buf, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* RA_COMM_H */

@@ -1,0 +1,457 @@
+/*
+ * comm_host_boot.c -- joining the "host" (TCP) backend's full mesh, on the
+ * caller's thread (GIL released by comm.c):
+ *   1. rank 0 listens on (master_addr, port); rank j > 0 connects to it
+ *      (retrying until rank 0 is up), proves the token, and registers the
+ *      port of its own listener (bound on the address it reached rank 0
+ *      from);
+ *   2. once every rank registered, rank 0 sends the address table back;
+ *   3. rank j connects to every rank 0 < i < j and accepts every k > j, so
+ *      the ranks form a full mesh (the connection to rank 0 is the one
+ *      made in step 1).
+ * Every connection runs a challenge-response over HMAC-SHA256 keyed with
+ * the token, both ways; a connection that fails it is closed and the
+ * listener goes on.  The transport over the finished mesh is comm_host.c.
+ */
+#define _GNU_SOURCE
+#include "comm/comm_host_internal.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#define HELLO_MAGIC 0x52414831u      /* "RAH1" */
+#define TABLE_MAGIC 0x52415431u      /* "RAT1" */
+#define HANDSHAKE_TIMEOUT 5.0        /* per accepted connection */
+
+/* ---- small socket helpers ---------------------------------------------- */
+
+static int poll_ms(double deadline, int cap_ms) {
+    double left = deadline - ra_now();
+    if (left <= 0) return 0;
+    double ms = left * 1000.0 + 1.0;
+    return ms > cap_ms ? cap_ms : (int)ms;
+}
+
+static int set_socket_opts(int fd) {
+    int one = 1;
+    int fl = fcntl(fd, F_GETFL, 0);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) return -1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return 0;
+}
+
+
+io_result ra_host_io_all(int fd, void *buf, size_t n, int writing,
+                         double deadline, int *err) {
+    unsigned char *p = buf;
+    size_t done = 0;
+    *err = 0;
+    while (done < n) {
+        ssize_t k = writing
+                        ? send(fd, p + done, n - done,
+                               MSG_NOSIGNAL | MSG_DONTWAIT)
+                        : recv(fd, p + done, n - done, MSG_DONTWAIT);
+        if (k > 0) {
+            done += (size_t)k;
+            continue;
+        }
+        if (k == 0 && !writing) return IO_EOF;
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+            *err = errno;
+            return (errno == EPIPE || errno == ECONNRESET) ? IO_EOF : IO_ERR;
+        }
+        int ms = poll_ms(deadline, 1000);
+        if (ms <= 0) return IO_TIMEOUT;
+        struct pollfd pfd = {fd, writing ? POLLOUT : POLLIN, 0};
+        if (poll(&pfd, 1, ms) < 0 && errno != EINTR) {
+            *err = errno;
+            return IO_ERR;
+        }
+    }
+    return IO_OK;
+}
+
+static const char *io_what(io_result r, int err) {
+    switch (r) {
+    case IO_EOF: return "the peer closed the connection";
+    case IO_TIMEOUT: return "timed out";
+    default: return err ? strerror(err) : "I/O error";
+    }
+}
+
+static ra_status resolve_ipv4(const char *host, struct in_addr *out,
+                              int rank) {
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    int rc = getaddrinfo(host, NULL, &hints, &res);
+    if (rc != 0 || res == NULL) {
+        ra_set_error(RA_ERR_COMM,
+                     "rank %d: init: cannot resolve master_addr '%s': %s",
+                     rank, host, gai_strerror(rc));
+        return RA_ERR_COMM;
+    }
+    *out = ((struct sockaddr_in *)res->ai_addr)->sin_addr;
+    freeaddrinfo(res);
+    return RA_OK;
+}
+
+static ra_status listen_on(struct in_addr ip, int port, int backlog,
+                           int rank, int *out_fd, int *out_port) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        ra_set_error(RA_ERR_COMM, "rank %d: init: socket: %s", rank,
+                     strerror(errno));
+        return RA_ERR_COMM;
+    }
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr = ip;
+    sa.sin_port = htons((uint16_t)port);
+    char ipstr[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &ip, ipstr, sizeof ipstr);
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ||
+        listen(fd, backlog) < 0 || set_socket_opts(fd) < 0) {
+        ra_set_error(RA_ERR_COMM, "rank %d: init: cannot listen on %s:%d: %s",
+                     rank, ipstr, port, strerror(errno));
+        close(fd);
+        return RA_ERR_COMM;
+    }
+    socklen_t len = sizeof sa;
+    getsockname(fd, (struct sockaddr *)&sa, &len);
+    *out_fd = fd;
+    *out_port = ntohs(sa.sin_port);
+    return RA_OK;
+}
+
+/* Connect, retrying while nobody listens yet, until the deadline. */
+static ra_status connect_retry(struct in_addr ip, int port, int rank,
+                               int peer, double deadline, int *out_fd) {
+    char ipstr[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &ip, ipstr, sizeof ipstr);
+    double pause = 0.02;
+    int last_err = 0;
+    while (ra_now() < deadline) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0 || set_socket_opts(fd) < 0) {
+            ra_set_error(RA_ERR_COMM, "rank %d: init: socket: %s", rank,
+                         strerror(errno));
+            if (fd >= 0) close(fd);
+            return RA_ERR_COMM;
+        }
+        struct sockaddr_in sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_addr = ip;
+        sa.sin_port = htons((uint16_t)port);
+        int rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
+        if (rc < 0 && errno == EINPROGRESS) {
+            struct pollfd pfd = {fd, POLLOUT, 0};
+            int n;
+            do {
+                n = poll(&pfd, 1, poll_ms(deadline, 1000));
+            } while (n < 0 && errno == EINTR);
+            int soerr = 0;
+            socklen_t sl = sizeof soerr;
+            if (n > 0 &&
+                getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) == 0 &&
+                soerr == 0)
+                rc = 0;
+            else
+                errno = n > 0 ? soerr : ETIMEDOUT;
+        }
+        if (rc == 0) {
+            *out_fd = fd;
+            return RA_OK;
+        }
+        last_err = errno;
+        close(fd);
+        struct timespec ts = {0, (long)(pause * 1e9)};
+        nanosleep(&ts, NULL);
+        if (pause < 0.5) pause *= 2;
+    }
+    ra_set_error(RA_ERR_TIMEOUT,
+                 "rank %d: init: timed out connecting to rank %d at %s:%d "
+                 "(%s)", rank, peer, ipstr, port,
+                 last_err ? strerror(last_err) : "no answer");
+    return RA_ERR_TIMEOUT;
+}
+
+/* ---- handshake --------------------------------------------------------- */
+/* acceptor -> connector: HELLO magic, nonce_a[16]                 (20 B)
+ * connector -> acceptor: rank, size, nonce_c[16], mac_c[32]      (56 B)
+ * acceptor -> connector: rank, mac_a[32]                          (36 B)
+ * mac_x = HMAC(token, tag_x | nonce_a | nonce_c | rank_x | size) */
+
+static void hs_mac(const char *token, char tag, const unsigned char *na,
+                   const unsigned char *nc, uint32_t rank, uint32_t size,
+                   unsigned char mac[32]) {
+    unsigned char msg[1 + 16 + 16 + 8];
+    msg[0] = (unsigned char)tag;
+    memcpy(msg + 1, na, 16);
+    memcpy(msg + 17, nc, 16);
+    put32(msg + 33, rank);
+    put32(msg + 37, size);
+    ra_hmac_sha256(token, strlen(token), msg, sizeof msg, mac);
+}
+
+/* Accept side.  Returns RA_OK and the peer's rank, or RA_ERR_COMM when the
+ * peer failed the check (the caller drops the connection and goes on). */
+static ra_status hs_accept(int fd, const char *token, int rank, int size,
+                           double deadline, int *peer_rank, char *why,
+                           size_t whylen) {
+    unsigned char hello[20], resp[56], conf[36], na[16], mac[32];
+    int err;
+    io_result r;
+    RA_CHECK(ra_random_bytes(na, 16));
+    put32(hello, HELLO_MAGIC);
+    memcpy(hello + 4, na, 16);
+    if ((r = ra_host_io_all(fd, hello, sizeof hello, 1, deadline, &err)) !=
+            IO_OK ||
+        (r = ra_host_io_all(fd, resp, sizeof resp, 0, deadline, &err)) !=
+            IO_OK) {
+        snprintf(why, whylen, "handshake: %s", io_what(r, err));
+        return RA_ERR_COMM;
+    }
+    uint32_t prank = get32(resp), psize = get32(resp + 4);
+    hs_mac(token, 'c', na, resp + 8, prank, psize, mac);
+    if (!ra_consttime_eq(mac, resp + 24, 32)) {
+        snprintf(why, whylen, "wrong token");
+        return RA_ERR_COMM;
+    }
+    if ((int)psize != size || (int)prank < 0 || (int)prank >= size) {
+        snprintf(why, whylen, "peer claims rank %u of world size %u, "
+                 "expected world size %d", prank, psize, size);
+        return RA_ERR_VALUE;   /* authenticated but misconfigured: fatal */
+    }
+    put32(conf, (uint32_t)rank);
+    hs_mac(token, 'a', na, resp + 8, (uint32_t)rank, (uint32_t)size,
+           conf + 4);
+    if ((r = ra_host_io_all(fd, conf, sizeof conf, 1, deadline, &err)) !=
+        IO_OK) {
+        snprintf(why, whylen, "handshake: %s", io_what(r, err));
+        return RA_ERR_COMM;
+    }
+    *peer_rank = (int)prank;
+    return RA_OK;
+}
+
+static ra_status hs_connect(int fd, const char *token, int rank, int size,
+                            int peer, double deadline) {
+    unsigned char hello[20], resp[56], conf[36], mac[32];
+    int err;
+    io_result r;
+    if ((r = ra_host_io_all(fd, hello, sizeof hello, 0, deadline, &err)) !=
+        IO_OK)
+        goto io_fail;
+    if (get32(hello) != HELLO_MAGIC) {
+        ra_set_error(RA_ERR_COMM,
+                     "rank %d: init: rank %d's address answers with a "
+                     "foreign protocol", rank, peer);
+        return RA_ERR_COMM;
+    }
+    put32(resp, (uint32_t)rank);
+    put32(resp + 4, (uint32_t)size);
+    RA_CHECK(ra_random_bytes(resp + 8, 16));
+    hs_mac(token, 'c', hello + 4, resp + 8, (uint32_t)rank, (uint32_t)size,
+           resp + 24);
+    if ((r = ra_host_io_all(fd, resp, sizeof resp, 1, deadline, &err)) !=
+            IO_OK ||
+        (r = ra_host_io_all(fd, conf, sizeof conf, 0, deadline, &err)) !=
+            IO_OK)
+        goto io_fail;
+    hs_mac(token, 'a', hello + 4, resp + 8, get32(conf), (uint32_t)size, mac);
+    if (!ra_consttime_eq(mac, conf + 4, 32) || (int)get32(conf) != peer) {
+        ra_set_error(RA_ERR_COMM,
+                     "rank %d: init: rank %d failed the token check "
+                     "(a different job or a different RINGATTN_TOKEN)",
+                     rank, peer);
+        return RA_ERR_COMM;
+    }
+    return RA_OK;
+io_fail:
+    if (r == IO_EOF)
+        ra_set_error(RA_ERR_COMM,
+                     "rank %d: init: rank %d refused the connection "
+                     "(wrong token or a different world size?)", rank, peer);
+    else
+        ra_set_error(r == IO_TIMEOUT ? RA_ERR_TIMEOUT : RA_ERR_COMM,
+                     "rank %d: init: handshake with rank %d: %s", rank, peer,
+                     io_what(r, err));
+    return r == IO_TIMEOUT ? RA_ERR_TIMEOUT : RA_ERR_COMM;
+}
+
+/* Accept authenticated connections until every rank in `want` (a flag per
+ * rank, cleared as they arrive) connected.  ports: registration data read
+ * from each (rank 0 only, else NULL). */
+static ra_status accept_peers(int lfd, const char *token, int rank, int size,
+                              int *want, int nwant, int *fds, int *ports,
+                              struct in_addr *ips, double deadline) {
+    while (nwant > 0) {
+        struct pollfd pfd = {lfd, POLLIN, 0};
+        int ms = poll_ms(deadline, 1000);
+        if (ms <= 0) {
+            int missing = -1;
+            for (int i = 0; i < size; i++)
+                if (want[i]) { missing = i; break; }
+            ra_set_error(RA_ERR_TIMEOUT,
+                         "rank %d: init: timed out waiting for rank %d to "
+                         "connect (%d rank(s) missing)", rank, missing,
+                         nwant);
+            return RA_ERR_TIMEOUT;
+        }
+        if (poll(&pfd, 1, ms) <= 0) continue;
+        struct sockaddr_in sa;
+        socklen_t sl = sizeof sa;
+        int fd = accept4(lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC);
+        if (fd < 0) continue;
+        if (set_socket_opts(fd) < 0) {
+            close(fd);
+            continue;
+        }
+        double hs_deadline = ra_now() + HANDSHAKE_TIMEOUT;
+        if (hs_deadline > deadline) hs_deadline = deadline;
+        int peer = -1;
+        char why[256] = "";
+        ra_status st = hs_accept(fd, token, rank, size, hs_deadline, &peer,
+                                 why, sizeof why);
+        if (st == RA_ERR_VALUE) {
+            close(fd);
+            ra_set_error(RA_ERR_COMM, "rank %d: init: %s", rank, why);
+            return RA_ERR_COMM;
+        }
+        if (st != RA_OK) {       /* refused; the listener goes on */
+            close(fd);
+            continue;
+        }
+        if (peer == rank || !want[peer]) {
+            close(fd);
+            ra_set_error(RA_ERR_COMM,
+                         "rank %d: init: unexpected connection from rank %d "
+                         "(two processes with the same rank?)", rank, peer);
+            return RA_ERR_COMM;
+        }
+        if (ports != NULL) {
+            unsigned char reg[4];
+            int err;
+            io_result r = ra_host_io_all(fd, reg, 4, 0, deadline, &err);
+            if (r != IO_OK) {
+                close(fd);
+                ra_set_error(RA_ERR_COMM,
+                             "rank %d: init: registration of rank %d: %s",
+                             rank, peer, io_what(r, err));
+                return RA_ERR_COMM;
+            }
+            ports[peer] = (int)get32(reg);
+            ips[peer] = sa.sin_addr;
+        }
+        want[peer] = 0;
+        fds[peer] = fd;
+        nwant--;
+    }
+    return RA_OK;
+}
+
+ra_status ra_host_bootstrap(int rank, int size, int *fds,
+                            const char *master_addr, int port,
+                            const char *token, double deadline) {
+    ra_status st = RA_OK;
+    int lfd = -1, lport = 0;
+    struct in_addr master;
+    int *want = ra_host_calloc(sizeof(int) * (size_t)size);
+    int *ports = ra_host_calloc(sizeof(int) * (size_t)size);
+    struct in_addr *ips = ra_host_calloc(sizeof(struct in_addr) * size);
+    size_t tlen = 8 + 8 * (size_t)size;
+    unsigned char *table = ra_host_alloc(tlen);
+    if (!want || !ports || !ips || !table) {
+        st = RA_ERR_NOMEM;
+        goto out;
+    }
+    RA_CHECKGOTO(resolve_ipv4(master_addr, &master, rank), st, out);
+    int err;
+    io_result r;
+    if (rank == 0) {
+        RA_CHECKGOTO(listen_on(master, port, size + 8, rank, &lfd, &lport),
+                     st, out);
+        for (int i = 1; i < size; i++) want[i] = 1;
+        RA_CHECKGOTO(accept_peers(lfd, token, rank, size, want, size - 1,
+                                  fds, ports, ips, deadline), st, out);
+        put32(table, TABLE_MAGIC);
+        put32(table + 4, (uint32_t)size);
+        for (int i = 0; i < size; i++) {
+            memcpy(table + 8 + 8 * i, &ips[i], 4);
+            put32(table + 12 + 8 * i, (uint32_t)ports[i]);
+        }
+        for (int i = 1; i < size; i++) {
+            r = ra_host_io_all(fds[i], table, tlen, 1, deadline, &err);
+            if (r != IO_OK) {
+                ra_set_error(RA_ERR_COMM,
+                             "rank 0: init: sending the address table to "
+                             "rank %d: %s", i, io_what(r, err));
+                st = RA_ERR_COMM;
+                goto out;
+            }
+        }
+        goto out;
+    }
+    /* rank > 0: register with rank 0 */
+    RA_CHECKGOTO(connect_retry(master, port, rank, 0, deadline, &fds[0]),
+                 st, out);
+    RA_CHECKGOTO(hs_connect(fds[0], token, rank, size, 0, deadline), st,
+                 out);
+    struct sockaddr_in me;
+    socklen_t sl = sizeof me;
+    getsockname(fds[0], (struct sockaddr *)&me, &sl);
+    RA_CHECKGOTO(listen_on(me.sin_addr, 0, size + 8, rank, &lfd, &lport), st,
+                 out);
+    unsigned char reg[4];
+    put32(reg, (uint32_t)lport);
+    if ((r = ra_host_io_all(fds[0], reg, 4, 1, deadline, &err)) != IO_OK ||
+        (r = ra_host_io_all(fds[0], table, tlen, 0, deadline, &err)) !=
+            IO_OK) {
+        ra_set_error(r == IO_TIMEOUT ? RA_ERR_TIMEOUT : RA_ERR_COMM,
+                     "rank %d: init: waiting for the address table from "
+                     "rank 0: %s", rank, io_what(r, err));
+        st = r == IO_TIMEOUT ? RA_ERR_TIMEOUT : RA_ERR_COMM;
+        goto out;
+    }
+    if (get32(table) != TABLE_MAGIC || (int)get32(table + 4) != size) {
+        ra_set_error(RA_ERR_COMM, "rank %d: init: bad address table from "
+                     "rank 0", rank);
+        st = RA_ERR_COMM;
+        goto out;
+    }
+    for (int i = 1; i < rank; i++) {
+        struct in_addr ip;
+        memcpy(&ip, table + 8 + 8 * i, 4);
+        int pport = (int)get32(table + 12 + 8 * i);
+        RA_CHECKGOTO(connect_retry(ip, pport, rank, i, deadline, &fds[i]),
+                     st, out);
+        RA_CHECKGOTO(hs_connect(fds[i], token, rank, size, i, deadline),
+                     st, out);
+    }
+    for (int k = rank + 1; k < size; k++) want[k] = 1;
+    RA_CHECKGOTO(accept_peers(lfd, token, rank, size, want, size - 1 - rank,
+                              fds, NULL, NULL, deadline), st, out);
+out:
+    close_fd(&lfd);
+    ra_host_free(table, tlen);
+    ra_host_free(ips, sizeof(struct in_addr) * size);
+    ra_host_free(ports, sizeof(int) * (size_t)size);
+    ra_host_free(want, sizeof(int) * (size_t)size);
+    return st;
+}

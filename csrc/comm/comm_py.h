@@ -1,0 +1,53 @@
+/*
+ * comm_py.h -- what the Python face of the communicators shares between
+ * its files: comm.c (the Comm type and ra_comm_exec), comm_request.c (the
+ * Request type) and comm_create.c (ThreadsGroup and the module functions
+ * that make communicators).  Internal; the C core is comm.h.
+ */
+#ifndef RA_COMM_PY_H
+#define RA_COMM_PY_H
+
+#include "core/module.h"
+#include "comm/comm.h"
+
+typedef struct CommObject {
+    PyObject_HEAD
+    ra_comm *comm;
+    PyObject *group;          /* ThreadsGroup keeping a threads comm's group */
+} CommObject;
+
+typedef struct RequestObject {
+    PyObject_HEAD
+    PyObject *comm;           /* CommObject */
+    PyObject *send;           /* Buffers kept alive while in flight */
+    PyObject *recv;
+    ra_req *req;
+} RequestObject;
+
+/* ---- comm.c ------------------------------------------------------------- */
+
+/* Add Comm, Request, ThreadsGroup and the constructors to the module
+ * (called by module exec). */
+int ra_comm_exec(PyObject *m, ra_module_state *st);
+
+/* __reduce__ of every communicator type: a TypeError naming the type. */
+PyObject *ra_refuse_pickle(PyObject *self, PyObject *unused);
+/* None -> -1 (backend default); else a positive finite float. */
+int ra_parse_timeout(PyObject *obj, double *out);
+/* A new Comm owning `c` (freed here if that fails); `group` (or NULL) is
+ * kept alive with it. */
+PyObject *ra_comm_wrap(ra_comm *c, PyObject *group);
+
+/* ---- comm_request.c ----------------------------------------------------- */
+
+/* Wait with the GIL released, in slices, honouring signals; the request's
+ * own deadline (or `timeout` > 0, if sooner) bounds it.  0, or -1 with an
+ * exception set. */
+int ra_request_wait(RequestObject *self, double timeout);
+int ra_request_exec(PyObject *m, ra_module_state *st);
+
+/* ---- comm_create.c ------------------------------------------------------ */
+
+int ra_comm_create_exec(PyObject *m, ra_module_state *st);
+
+#endif /* RA_COMM_PY_H */

@@ -1,0 +1,418 @@
+/*
+ * comm_threads.c -- the "threads" backend: ranks are threads of this
+ * process sharing one group.
+ *
+ * For every ordered pair (src, dst) the group keeps a FIFO of posted sends
+ * and a FIFO of posted receives.  Starting a sendrecv posts its send and its
+ * receive; whenever a send meets the oldest receive of its pair (or the
+ * other way round) the rank that arrived second copies the bytes directly
+ * from the sender's buffer into the receiver's, with no lock held, and both
+ * requests advance.  Posting never blocks, so a ring where every rank sends
+ * first cannot deadlock.  Kind, step and size are checked when the pair
+ * meets.  Deadlines are the waiters' (comm_core.c).
+ *
+ * Failures: a rank whose communicator fails (or closes) is marked dead;
+ * every request posted by it or waiting on it fails at once, and the ranks
+ * that were waiting on it fail in turn, so one failing thread stops the
+ * group without anybody waiting for a timeout.  Lock order: group lock,
+ * then a communicator's lock.
+ */
+#include "comm/comm.h"
+
+#include <stdio.h>
+#include <string.h>
+
+struct ra_tgroup {
+    int size;
+    double timeout;
+    _Atomic int refs;
+    pthread_mutex_t mu;
+    int *taken;
+    ra_comm **comms;          /* live communicators by rank (or NULL) */
+    int *dead;
+    int *pending_kill;
+    char *dead_msg;           /* size x RA_COMM_MSG_LEN */
+    ra_req **sendq;           /* [src * size + dst] heads, linked by next */
+    ra_req **recvq;           /* [src * size + dst] heads, by next_recv */
+};
+
+#define DEAD_MSG(g, r) ((g)->dead_msg + (size_t)(r) * RA_COMM_MSG_LEN)
+
+/* ---- queues ------------------------------------------------------------ */
+
+static void push_send(ra_tgroup *g, int src, int dst, ra_req *r) {
+    ra_req **p = &g->sendq[src * g->size + dst];
+    while (*p) p = &(*p)->next;
+    r->next = NULL;
+    *p = r;
+}
+
+static void push_recv(ra_tgroup *g, int src, int dst, ra_req *r) {
+    ra_req **p = &g->recvq[src * g->size + dst];
+    while (*p) p = &(*p)->next_recv;
+    r->next_recv = NULL;
+    *p = r;
+}
+
+static ra_req *pop_send(ra_tgroup *g, int src, int dst) {
+    ra_req **p = &g->sendq[src * g->size + dst];
+    ra_req *r = *p;
+    if (r) *p = r->next;
+    return r;
+}
+
+static ra_req *pop_recv(ra_tgroup *g, int src, int dst) {
+    ra_req **p = &g->recvq[src * g->size + dst];
+    ra_req *r = *p;
+    if (r) *p = r->next_recv;
+    return r;
+}
+
+/* Take r out of whichever queues hold it. */
+static void unlink_req(ra_tgroup *g, ra_req *r) {
+    int me = r->comm->rank;
+    if (r->x.dst >= 0 && r->x.dst != me) {
+        ra_req **p = &g->sendq[me * g->size + r->x.dst];
+        while (*p && *p != r) p = &(*p)->next;
+        if (*p) *p = r->next;
+    }
+    if (r->x.src >= 0 && r->x.src != me) {
+        ra_req **p = &g->recvq[r->x.src * g->size + me];
+        while (*p && *p != r) p = &(*p)->next_recv;
+        if (*p) *p = r->next_recv;
+    }
+}
+
+/* ---- completion -------------------------------------------------------- */
+
+/* Finish r if nothing copies into or out of it any more.  Drops the
+ * backend's reference when it finishes.  Group lock held. */
+static void maybe_finish(ra_req *r) {
+    if (r->copying > 0 || atomic_load(&r->state) != RA_REQ_PENDING) return;
+    ra_comm *c = r->comm;
+    if (r->doomed || (r->send_done && r->recv_done)) {
+        pthread_mutex_lock(&c->mu);
+        ra_req_finish_locked(r, r->doomed ? r->status : RA_OK, r->msg);
+        pthread_mutex_unlock(&c->mu);
+        ra_req_release(r);
+    }
+}
+
+static void fail_req(ra_tgroup *g, ra_req *r, ra_status st, const char *msg) {
+    unlink_req(g, r);
+    if (r->doomed || atomic_load(&r->state) != RA_REQ_PENDING) return;
+    r->doomed = 1;
+    r->status = st;
+    snprintf(r->msg, sizeof r->msg, "%s", msg);
+    maybe_finish(r);
+}
+
+/* Mark rank d dead (message already in DEAD_MSG(g, d)); fail its requests
+ * and those waiting on it; then do the same for the ranks that failed
+ * because of it.  Group lock held. */
+static void kill_rank_locked(ra_tgroup *g, int d) {
+    if (g->dead[d]) return;
+    g->dead[d] = 1;
+    if (g->comms[d] != NULL) ra_comm_mark_failed(g->comms[d], DEAD_MSG(g, d));
+    int n = g->size;
+    for (;;) {
+        ra_req *victim = NULL;
+        /* queue i = src * n + dst; only a side still pending counts */
+        for (int i = 0; i < n * n && victim == NULL; i++) {
+            int qsrc = i / n, qdst = i % n;
+            if (qsrc != d && qdst != d) continue;
+            if (g->sendq[i] != NULL) victim = g->sendq[i];
+            else if (g->recvq[i] != NULL) victim = g->recvq[i];
+        }
+        if (victim == NULL) break;
+        int owner = victim->comm->rank;
+        if (owner == d) {
+            fail_req(g, victim, RA_ERR_COMM, DEAD_MSG(g, d));
+            continue;
+        }
+        char pre[128], msg[RA_COMM_MSG_LEN];
+        ra_comm_prefix(pre, sizeof pre, owner, victim->op, victim->x.step);
+        snprintf(msg, sizeof msg, "%speer rank %d failed: %s", pre, d,
+                 DEAD_MSG(g, d));
+        fail_req(g, victim, RA_ERR_COMM, msg);
+        if (!g->dead[owner] && !g->pending_kill[owner]) {
+            snprintf(DEAD_MSG(g, owner), RA_COMM_MSG_LEN, "%s", msg);
+            g->pending_kill[owner] = 1;
+        }
+    }
+    for (int x = 0; x < n; x++) {
+        if (g->pending_kill[x]) {
+            g->pending_kill[x] = 0;
+            kill_rank_locked(g, x);
+        }
+    }
+}
+
+/* ---- matching ---------------------------------------------------------- */
+
+typedef struct copy_job {
+    ra_req *from, *to;
+} copy_job;
+
+/* Check a meeting sender/receiver pair; on mismatch fail both with a
+ * message from each side's point of view and kill both ranks. */
+static int check_pair(ra_tgroup *g, ra_req *s, ra_req *r) {
+    int a = s->comm->rank, b = r->comm->rank;
+    char pre_s[128], pre_r[128], ms[RA_COMM_MSG_LEN], mr[RA_COMM_MSG_LEN];
+    ra_comm_prefix(pre_s, sizeof pre_s, a, s->op, s->x.step);
+    ra_comm_prefix(pre_r, sizeof pre_r, b, r->op, r->x.step);
+    if (s->x.kind != r->x.kind) {
+        snprintf(ms, sizeof ms, "%soperation mismatch: rank %d is in %s",
+                 pre_s, b, r->op);
+        snprintf(mr, sizeof mr, "%soperation mismatch: rank %d is in %s",
+                 pre_r, a, s->op);
+    } else if (s->x.step != r->x.step) {
+        snprintf(ms, sizeof ms, "%sstep mismatch: rank %d expects step %lld",
+                 pre_s, b, (long long)r->x.step);
+        snprintf(mr, sizeof mr,
+                 "%sstep mismatch: rank %d sent step %lld, this rank expects "
+                 "step %lld", pre_r, a, (long long)s->x.step,
+                 (long long)r->x.step);
+    } else if (s->x.send_nbytes != r->x.recv_nbytes) {
+        snprintf(ms, sizeof ms,
+                 "%ssize mismatch: this rank sends %zu bytes but rank %d's "
+                 "receive buffer holds %zu bytes", pre_s, s->x.send_nbytes,
+                 b, r->x.recv_nbytes);
+        snprintf(mr, sizeof mr,
+                 "%ssize mismatch: rank %d sends %zu bytes but the receive "
+                 "buffer holds %zu bytes", pre_r, a, s->x.send_nbytes,
+                 r->x.recv_nbytes);
+    } else {
+        return 1;
+    }
+    fail_req(g, s, RA_ERR_COMM, ms);
+    fail_req(g, r, RA_ERR_COMM, mr);
+    if (!g->dead[a]) {
+        snprintf(DEAD_MSG(g, a), RA_COMM_MSG_LEN, "%s", ms);
+        kill_rank_locked(g, a);
+    }
+    if (!g->dead[b]) {
+        snprintf(DEAD_MSG(g, b), RA_COMM_MSG_LEN, "%s", mr);
+        kill_rank_locked(g, b);
+    }
+    return 0;
+}
+
+static ra_status threads_start(ra_comm *c, ra_req *q) {
+    ra_tgroup *g = c->impl;
+    int me = c->rank, dst = q->x.dst, src = q->x.src;
+    copy_job jobs[2];
+    int njobs = 0;
+    pthread_mutex_lock(&g->mu);
+    char pre[128], msg[RA_COMM_MSG_LEN];
+    ra_comm_prefix(pre, sizeof pre, me, q->op, q->x.step);
+    int bad = g->dead[me] ? me : (dst >= 0 && g->dead[dst]) ? dst
+                               : (src >= 0 && g->dead[src]) ? src : -1;
+    if (bad >= 0) {
+        if (bad == me)
+            snprintf(msg, sizeof msg, "%s", DEAD_MSG(g, me));
+        else
+            snprintf(msg, sizeof msg, "%speer rank %d failed: %s", pre, bad,
+                     DEAD_MSG(g, bad));
+        fail_req(g, q, RA_ERR_COMM, msg);
+        pthread_mutex_unlock(&g->mu);
+        snprintf(q->msg, sizeof q->msg, "%s", msg);
+        return RA_ERR_COMM;
+    }
+    if (dst >= 0) {
+        ra_req *r = pop_recv(g, me, dst);
+        if (r == NULL) {
+            push_send(g, me, dst, q);
+        } else if (check_pair(g, q, r)) {
+            jobs[njobs++] = (copy_job){q, r};
+        }
+    }
+    if (src >= 0 && !q->doomed) {
+        ra_req *s = pop_send(g, src, me);
+        if (s == NULL) {
+            push_recv(g, src, me, q);
+        } else if (check_pair(g, s, q)) {
+            jobs[njobs++] = (copy_job){s, q};
+        }
+    }
+    for (int i = 0; i < njobs; i++) {
+        jobs[i].from->copying++;
+        jobs[i].to->copying++;
+    }
+    pthread_mutex_unlock(&g->mu);
+
+    for (int i = 0; i < njobs; i++) {
+        size_t n = jobs[i].from->x.send_nbytes;
+        if (n > 0) memcpy(jobs[i].to->x.recv, jobs[i].from->x.send, n);
+        atomic_fetch_add(&jobs[i].from->comm->bytes_sent, n);
+        atomic_fetch_add(&jobs[i].from->comm->messages, 1);
+        atomic_fetch_add(&jobs[i].to->comm->bytes_received, n);
+    }
+
+    pthread_mutex_lock(&g->mu);
+    for (int i = 0; i < njobs; i++) {
+        ra_req *s = jobs[i].from, *r = jobs[i].to;
+        s->send_done = 1;
+        r->recv_done = 1;
+        s->copying--;
+        r->copying--;
+    }
+    /* finish each request once: a finished request may be freed by its
+     * waiter at once (with two ranks, the peer's request can sit in both
+     * jobs) */
+    ra_req *touched[4];
+    int ntouched = 0;
+    for (int i = 0; i < njobs; i++) {
+        ra_req *pair[2] = {jobs[i].from, jobs[i].to};
+        for (int k = 0; k < 2; k++) {
+            int seen = 0;
+            for (int j = 0; j < ntouched; j++) seen |= touched[j] == pair[k];
+            if (!seen) touched[ntouched++] = pair[k];
+        }
+    }
+    for (int i = 0; i < ntouched; i++) maybe_finish(touched[i]);
+    /* a mismatch found while posting fails q (already reported in q) */
+    pthread_mutex_unlock(&g->mu);
+    return RA_OK;
+}
+
+static void threads_abort(ra_comm *c) {
+    ra_tgroup *g = c->impl;
+    if (g == NULL) return;
+    pthread_mutex_lock(&g->mu);
+    if (!g->dead[c->rank]) {
+        pthread_mutex_lock(&c->mu);
+        snprintf(DEAD_MSG(g, c->rank), RA_COMM_MSG_LEN, "%s", c->fail_msg);
+        pthread_mutex_unlock(&c->mu);
+        kill_rank_locked(g, c->rank);
+    }
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void threads_close(ra_comm *c) {
+    ra_tgroup *g = c->impl;
+    if (g == NULL) return;
+    pthread_mutex_lock(&g->mu);
+    if (!g->dead[c->rank]) {
+        snprintf(DEAD_MSG(g, c->rank), RA_COMM_MSG_LEN,
+                 "rank %d closed its communicator", c->rank);
+        kill_rank_locked(g, c->rank);
+    }
+    g->comms[c->rank] = NULL;
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void threads_destroy(ra_comm *c) {
+    ra_tgroup *g = c->impl;
+    c->impl = NULL;
+    ra_tgroup_decref(g);
+}
+
+static const ra_comm_vtable threads_vtable = {
+    .name = "threads",
+    .device_type = RA_DEV_CPU,
+    .sendrecv_start = threads_start,
+    .wait = NULL,
+    .barrier = NULL,
+    .allgather = NULL,
+    .abort = threads_abort,
+    .close = threads_close,
+    .destroy = threads_destroy,
+};
+
+/* ---- group ------------------------------------------------------------- */
+
+static void group_free(ra_tgroup *g) {
+    size_t n = (size_t)g->size;
+    ra_host_free(g->taken, sizeof(int) * n);
+    ra_host_free(g->comms, sizeof(ra_comm *) * n);
+    ra_host_free(g->dead, sizeof(int) * n);
+    ra_host_free(g->pending_kill, sizeof(int) * n);
+    ra_host_free(g->dead_msg, RA_COMM_MSG_LEN * n);
+    ra_host_free(g->sendq, sizeof(ra_req *) * n * n);
+    ra_host_free(g->recvq, sizeof(ra_req *) * n * n);
+    pthread_mutex_destroy(&g->mu);
+    ra_host_free(g, sizeof *g);
+}
+
+ra_status ra_tgroup_create(int size, double timeout, ra_tgroup **out) {
+    *out = NULL;
+    if (size < 1 || size > 4096) {
+        ra_set_error(RA_ERR_VALUE, "size must be in 1..4096, got %d", size);
+        return RA_ERR_VALUE;
+    }
+    ra_tgroup *g = ra_host_calloc(sizeof *g);
+    if (g == NULL) return RA_ERR_NOMEM;
+    size_t n = (size_t)size;
+    g->size = size;
+    g->timeout = timeout > 0 ? timeout : ra_comm_env_timeout();
+    atomic_store(&g->refs, 1);
+    pthread_mutex_init(&g->mu, NULL);
+    g->taken = ra_host_calloc(sizeof(int) * n);
+    g->comms = ra_host_calloc(sizeof(ra_comm *) * n);
+    g->dead = ra_host_calloc(sizeof(int) * n);
+    g->pending_kill = ra_host_calloc(sizeof(int) * n);
+    g->dead_msg = ra_host_calloc(RA_COMM_MSG_LEN * n);
+    g->sendq = ra_host_calloc(sizeof(ra_req *) * n * n);
+    g->recvq = ra_host_calloc(sizeof(ra_req *) * n * n);
+    if (!g->taken || !g->comms || !g->dead || !g->pending_kill ||
+        !g->dead_msg || !g->sendq || !g->recvq) {
+        group_free(g);
+        return RA_ERR_NOMEM;
+    }
+    *out = g;
+    return RA_OK;
+}
+
+void ra_tgroup_incref(ra_tgroup *g) { atomic_fetch_add(&g->refs, 1); }
+
+void ra_tgroup_decref(ra_tgroup *g) {
+    if (g != NULL && atomic_fetch_sub(&g->refs, 1) == 1) group_free(g);
+}
+
+int ra_tgroup_size(const ra_tgroup *g) { return g->size; }
+
+ra_status ra_tgroup_comm(ra_tgroup *g, int rank, ra_comm **out) {
+    *out = NULL;
+    if (rank < 0 || rank >= g->size) {
+        ra_set_error(RA_ERR_VALUE, "rank must be in [0, %d), got %d",
+                     g->size, rank);
+        return RA_ERR_VALUE;
+    }
+    ra_comm *c = ra_host_calloc(sizeof *c);
+    if (c == NULL) return RA_ERR_NOMEM;
+    ra_status st = ra_comm_init_base(c, &threads_vtable, rank, g->size,
+                                     g->timeout);
+    if (st != RA_OK) {
+        ra_host_free(c, sizeof *c);
+        return st;
+    }
+    pthread_mutex_lock(&g->mu);
+    if (g->taken[rank]) {
+        pthread_mutex_unlock(&g->mu);
+        ra_comm_destroy_base(c);
+        ra_host_free(c, sizeof *c);
+        ra_set_error(RA_ERR_VALUE,
+                     "rank %d of this group already has a communicator", rank);
+        return RA_ERR_VALUE;
+    }
+    g->taken[rank] = 1;
+    g->comms[rank] = c;
+    ra_tgroup_incref(g);
+    c->impl = g;
+    if (g->dead[rank]) ra_comm_mark_failed(c, DEAD_MSG(g, rank));
+    pthread_mutex_unlock(&g->mu);
+    *out = c;
+    return RA_OK;
+}
+
+void ra_tgroup_abort(ra_tgroup *g, const char *reason) {
+    pthread_mutex_lock(&g->mu);
+    for (int r = 0; r < g->size; r++) {
+        if (g->dead[r]) continue;
+        snprintf(DEAD_MSG(g, r), RA_COMM_MSG_LEN, "rank %d: aborted: %s", r,
+                 reason && *reason ? reason : "the group was aborted");
+        kill_rank_locked(g, r);
+    }
+    pthread_mutex_unlock(&g->mu);
+}

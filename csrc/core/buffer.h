@@ -1,0 +1,104 @@
+/*
+ * buffer.h -- ringattn.Buffer: an n-d strided view of host or device memory
+ * that ringattn either owns (an ra_block) or borrows from another producer
+ * (kept alive through `owner`).  Speaks DLPack both ways.
+ *
+ * Invariants: `data` points at element [0, ..., 0] (any DLPack byte_offset is
+ * already applied); strides are in elements; shape/strides have `ndim`
+ * entries; a Buffer never changes shape, dtype or data pointer after
+ * creation, so it is safe to read without the GIL.
+ */
+#ifndef RA_BUFFER_H
+#define RA_BUFFER_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include "core/ra_common.h"
+#include "core/dlpack.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RA_MAX_NDIM 8
+
+/* A block of memory ringattn allocated.  Reference counted (atomically, no
+ * GIL needed) because views and exported DLPack tensors share it. */
+typedef struct ra_block {
+    void *ptr;
+    size_t nbytes;
+    int device_type;   /* ra_device_type */
+    int device_id;
+    int refcount;      /* atomic */
+} ra_block;
+
+ra_block *ra_block_alloc(int device_type, int device_id, size_t nbytes,
+                         int zero);        /* NULL + ra_set_error on failure */
+void ra_block_incref(ra_block *b);
+void ra_block_decref(ra_block *b);       /* frees on the last reference */
+
+typedef struct ra_buffer {
+    PyObject_HEAD
+    void *data;
+    int device_type;            /* ra_device_type / DLDeviceType */
+    int device_id;
+    DLDataType dl_dtype;        /* exact DLPack type */
+    ra_dtype dtype;             /* RA_DTYPE_OTHER if not a float type we compute with */
+    int ndim;
+    int readonly;
+    int64_t shape[RA_MAX_NDIM];
+    int64_t strides[RA_MAX_NDIM];
+    ra_block *block;            /* owned memory, or NULL */
+    PyObject *owner;            /* borrowed memory's keeper, or NULL */
+    PyObject *weakreflist;
+} ra_buffer;
+
+/* The Buffer type object (set up by module exec; one per process). */
+extern PyTypeObject *ra_BufferType;
+#define ra_Buffer_Check(op) PyObject_TypeCheck((op), ra_BufferType)
+
+/* New contiguous (row-major) buffer owned by ringattn.  zero: fill with 0. */
+ra_buffer *ra_buffer_empty(int ndim, const int64_t *shape, ra_dtype dtype,
+                           int device_type, int device_id, int zero);
+/* An empty Buffer object (no memory, ndim 0) for constructors to fill. */
+ra_buffer *ra_buffer_new_raw(void);
+/* New view over `base` (shares its memory and keeper). */
+ra_buffer *ra_buffer_view(ra_buffer *base, void *data, int ndim,
+                          const int64_t *shape, const int64_t *strides);
+
+/* Any array-like -> Buffer without copying: a Buffer itself, a NumPy array
+ * (incl. ml_dtypes bfloat16), or any object with __dlpack__.  `name` is the
+ * argument name used in error messages.  New reference or NULL with a
+ * Python exception set.  stream: consumer stream passed to __dlpack__ for
+ * CUDA producers (-1 = none). */
+ra_buffer *ra_buffer_from_object(PyObject *obj, const char *name,
+                                 intptr_t stream);
+
+/* dst[...] = src[...] converted to dst's dtype: same shape, same device,
+ * float dtypes, dst writable; on the buffers' device (the GIL released
+ * around the host copy).  RA_OK, or a status with ra_set_error's message. */
+ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
+
+/* DLPack, both ways (dlpack.c): Buffer.__dlpack__(*, stream=None,
+ * max_version=None, dl_device=None, copy=None), Buffer.__dlpack_device__(),
+ * and the import of any object with __dlpack__ (as ra_buffer_from_object). */
+PyObject *ra_buffer_dlpack(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *ra_buffer_dlpack_device(PyObject *self, PyObject *unused);
+ra_buffer *ra_buffer_from_dlpack(PyObject *obj, const char *name,
+                                 intptr_t stream);
+
+/* The module functions around Buffer: empty, zeros, from_dlpack,
+ * memory_stats, reset_peak_memory_stats (buffer_api.c). */
+extern PyMethodDef ra_buffer_functions[];
+
+int64_t ra_buffer_numel(const ra_buffer *b);
+ra_dtype ra_dtype_from_dl(DLDataType t);
+int ra_dtype_from_name(const char *name, ra_dtype *out);  /* 1 if known */
+void ra_dl_dtype_name(DLDataType t, char *buf, size_t n);
+int ra_buffer_is_contiguous(const ra_buffer *b);
+size_t ra_buffer_elsize(const ra_buffer *b);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* RA_BUFFER_H */

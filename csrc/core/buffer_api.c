@@ -1,0 +1,151 @@
+/*
+ * buffer_api.c -- module-level functions around Buffer: empty/zeros (owned
+ * memory on the host or a CUDA device), from_dlpack (zero-copy import of any
+ * array), and the allocation statistics behind ra.memory_stats().
+ */
+#include "core/buffer.h"
+#include "core/module.h"
+
+/* ---- module functions -------------------------------------------------- */
+
+static int parse_shape(PyObject *obj, int *ndim, int64_t *shape) {
+    PyObject *seq = PySequence_Fast(obj, "shape: expected a sequence of ints");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > RA_MAX_NDIM) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError,
+                     "shape: expected at most %d dimensions, got %zd",
+                     RA_MAX_NDIM, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyLong_Check(item)) {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_TypeError,
+                         "shape: expected ints, got %.100s at position %zd",
+                         Py_TYPE(item)->tp_name, i);
+            return -1;
+        }
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow != 0 || (v == -1 && PyErr_Occurred())) {
+            Py_DECREF(seq);
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError,
+                         "shape: size at position %zd does not fit in 64 bits",
+                         i);
+            return -1;
+        }
+        if (v < 0) {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError,
+                         "shape: expected non-negative sizes, got %lld at "
+                         "position %zd",
+                         v, i);
+            return -1;
+        }
+        shape[i] = v;
+    }
+    *ndim = (int)n;
+    Py_DECREF(seq);
+    return 0;
+}
+
+static PyObject *make_buffer(PyObject *args, PyObject *kwds, int zero) {
+    static char *kwlist[] = {"shape", "dtype", "device_type", "device_id", NULL};
+    PyObject *shape_obj;
+    const char *dtype_name = "float32";
+    int device_type = RA_DEV_CPU, device_id = 0;
+    int ndim;
+    int64_t shape[RA_MAX_NDIM];
+    ra_dtype t;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|sii", kwlist, &shape_obj,
+                                     &dtype_name, &device_type, &device_id))
+        return NULL;
+    if (parse_shape(shape_obj, &ndim, shape) < 0) return NULL;
+    if (!ra_dtype_from_name(dtype_name, &t)) {
+        PyErr_Format(PyExc_TypeError,
+                     "dtype: expected one of float32, float64, float16, "
+                     "bfloat16, got %.100s",
+                     dtype_name);
+        return NULL;
+    }
+    if (device_type != RA_DEV_CPU && device_type != RA_DEV_CUDA) {
+        PyErr_Format(PyExc_ValueError,
+                     "device: expected cpu (1) or cuda (2), got device type %d",
+                     device_type);
+        return NULL;
+    }
+    return (PyObject *)ra_buffer_empty(ndim, shape, t, device_type, device_id,
+                                       zero);
+}
+
+static PyObject *mod_empty(PyObject *m, PyObject *args, PyObject *kwds) {
+    (void)m;
+    return make_buffer(args, kwds, 0);
+}
+
+static PyObject *mod_zeros(PyObject *m, PyObject *args, PyObject *kwds) {
+    (void)m;
+    return make_buffer(args, kwds, 1);
+}
+
+static PyObject *mod_from_dlpack(PyObject *m, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"obj", "name", NULL};
+    PyObject *obj;
+    const char *name = "obj";
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|s:from_dlpack", kwlist,
+                                     &obj, &name))
+        return NULL;
+    return (PyObject *)ra_buffer_from_object(obj, name, -1);
+}
+
+static PyObject *mod_memory_stats(PyObject *m, PyObject *unused) {
+    static const char *kinds[RA_MEMKIND_COUNT] = {"cpu", "cuda"};
+    (void)m;
+    (void)unused;
+    PyObject *d = PyDict_New();
+    if (d == NULL) return NULL;
+    for (int k = 0; k < RA_MEMKIND_COUNT; k++) {
+        int64_t cur, peak, n;
+        ra_memstats_get(k, &cur, &peak, &n);
+        PyObject *e = Py_BuildValue("{s:L,s:L,s:L}", "current", (long long)cur,
+                                    "peak", (long long)peak, "allocations",
+                                    (long long)n);
+        if (e == NULL || PyDict_SetItemString(d, kinds[k], e) < 0) {
+            Py_XDECREF(e);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(e);
+    }
+    return d;
+}
+
+static PyObject *mod_reset_peak(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    for (int k = 0; k < RA_MEMKIND_COUNT; k++) ra_memstats_reset_peak(k);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef ra_buffer_functions[] = {
+    {"empty", (PyCFunction)(void (*)(void))mod_empty,
+     METH_VARARGS | METH_KEYWORDS,
+     "empty(shape, dtype='float32', device_type=1, device_id=0) -> Buffer"},
+    {"zeros", (PyCFunction)(void (*)(void))mod_zeros,
+     METH_VARARGS | METH_KEYWORDS,
+     "zeros(shape, dtype='float32', device_type=1, device_id=0) -> Buffer"},
+    {"from_dlpack", (PyCFunction)(void (*)(void))mod_from_dlpack,
+     METH_VARARGS | METH_KEYWORDS,
+     "from_dlpack(obj, name='obj') -> Buffer viewing obj's memory"},
+    {"memory_stats", mod_memory_stats, METH_NOARGS,
+     "bytes ringattn allocated, per device kind: current, peak, allocations"},
+    {"reset_peak_memory_stats", mod_reset_peak, METH_NOARGS,
+     "set every peak to the current value"},
+    {NULL, NULL, 0, NULL},
+};
+

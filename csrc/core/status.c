@@ -1,0 +1,68 @@
+/*
+ * status.c -- the thread-local "last error" that C code leaves beside a
+ * failing ra_status, plus small process-wide helpers (thread count, clock,
+ * dtype names).  Python-free: errors.c does the mapping to exceptions.
+ */
+#include "core/ra_common.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static _Thread_local char ra_error_buf[1024];
+
+void ra_set_error(ra_status st, const char *fmt, ...) {
+    (void)st;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ra_error_buf, sizeof ra_error_buf, fmt, ap);
+    va_end(ap);
+}
+
+const char *ra_last_error(void) { return ra_error_buf; }
+
+void ra_clear_error(void) { ra_error_buf[0] = '\0'; }
+
+const char *ra_dtype_name(ra_dtype t) {
+    switch (t) {
+    case RA_FLOAT32: return "float32";
+    case RA_FLOAT64: return "float64";
+    case RA_FLOAT16: return "float16";
+    case RA_BFLOAT16: return "bfloat16";
+    default: return "unsupported";
+    }
+}
+
+int ra_cpu_num_threads(int requested) {
+    if (requested > 0) return requested;
+    const char *env = getenv("RINGATTN_NUM_THREADS");
+    if (env != NULL && *env != '\0') {
+        char *end = NULL;
+        long n = strtol(env, &end, 10);
+        if (end != env && n > 0 && n < 4096) return (int)n;
+    }
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+int ra_cpu_threads_for(int requested, double work) {
+    int nt = ra_cpu_num_threads(requested);
+    /* ~4 MFLOP per thread: well above the cost of starting a team */
+    double cap = work / 4.0e6;
+    if (cap < 1.0) return 1;
+    if (cap < (double)nt) nt = (int)cap;
+    return nt < 1 ? 1 : nt;
+}
+
+double ra_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
