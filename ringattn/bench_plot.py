@@ -34,7 +34,6 @@ def _cpu_panel(ax, table):
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["S"] for r in rows}), minor=False)
     ax.get_xaxis().set_major_formatter("{x:.0f}")
-    ax.set_ylim(bottom=0)
     ax.set_xlabel("sequence length S")
     ax.set_ylabel("GFLOP/s")
     ax.set_title(f"CPU kernels, {table['threads']} thread(s)")
@@ -59,7 +58,6 @@ def _ring_panels(ax_time, ax_mem, rows):
     ax_time.set_ylabel("seconds")
     ax_time.set_title("ring attention forward")
     ax_mem.set_ylabel("MiB")
-    ax_mem.set_ylim(bottom=0)
     ax_mem.set_title("peak ringattn memory per rank")
 
 
@@ -79,8 +77,10 @@ def draw(path, cpu_tables, ring_rows):
     if ring_rows:
         _ring_panels(axes[0], axes[1], ring_rows)
     for ax in fig.axes:
+        # room above the data for the legend, and every axis from zero
+        ax.set_ylim(0, 1.5 * ax.get_ylim()[1])
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=72)
     plt.close(fig)
