@@ -7,8 +7,13 @@ Environment:
   RINGATTN_CUDA_ARCHS="80;90"  SM targets (default sm_80 and sm_90, plus PTX
                             for the newest so later GPUs can JIT it)
   RINGATTN_BUILD_JOBS=N     parallel compile jobs (default: CPU count)
+  NCCL_HOME, NCCL_INCLUDE_DIR  where nccl.h is, when not in the CUDA
+                            toolkit, the system or the NVIDIA pip wheel
+                            (nvidia-nccl-cu13/-cu12: nvidia/nccl/include);
+                            without nccl.h the nccl backend is left out
 """
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -50,6 +55,37 @@ def cuda_wanted():
     return home is not None, home
 
 
+def find_nccl_include(cuda_home):
+    """The directory holding nccl.h, or None.
+
+    ringattn opens libnccl at run time (dlopen), so the build needs only the
+    header's declarations: ncclResult_t, ncclComm_t, ncclUniqueId,
+    ncclConfig_t with NCCL_CONFIG_INITIALIZER, and the function prototypes.
+    Looked for in NCCL_INCLUDE_DIR, NCCL_HOME/include, the CUDA toolkit,
+    /usr/include, /usr/local/include, then the NVIDIA pip wheel
+    (site-packages/nvidia/nccl/include, from nvidia-nccl-cu13 or -cu12).
+    """
+    dirs = []
+    if os.environ.get("NCCL_INCLUDE_DIR"):
+        dirs.append(os.environ["NCCL_INCLUDE_DIR"])
+    if os.environ.get("NCCL_HOME"):
+        dirs.append(os.path.join(os.environ["NCCL_HOME"], "include"))
+    if cuda_home:
+        dirs.append(os.path.join(cuda_home, "include"))
+    dirs += ["/usr/include", "/usr/local/include"]
+    try:        # the wheel's package nvidia.nccl, as this interpreter sees it
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        dirs += [os.path.join(d, "include")
+                 for d in spec.submodule_search_locations or []]
+    for d in dirs:
+        if os.path.isfile(os.path.join(d, "nccl.h")):
+            return d
+    return None
+
+
 def cuda_arch_flags():
     archs = os.environ.get("RINGATTN_CUDA_ARCHS", "80;90")
     items = [a.strip().replace("sm_", "").replace(".", "")
@@ -73,11 +109,12 @@ class BuildExt(build_ext):
         jobs = int(os.environ.get("RINGATTN_BUILD_JOBS", os.cpu_count() or 1))
         self.parallel = max(1, jobs)
         enabled, home = cuda_wanted()
+        nccl_inc = find_nccl_include(home) if enabled else None
         # a build directory reused under another configuration (CUDA on/off,
-        # other archs or flags) must not keep objects or a library made for
-        # the old one: rebuild everything when the configuration changed
+        # other archs or flags, NCCL header or not) must not keep objects or
+        # a library made for the old one: rebuild everything when it changed
         config = repr((enabled, home, os.environ.get("RINGATTN_CUDA_ARCHS"),
-                       os.environ.get("RINGATTN_NVCC_FLAGS")))
+                       os.environ.get("RINGATTN_NVCC_FLAGS"), nccl_inc))
         marker = os.path.join(self.build_temp, "ringattn-build-config")
         os.makedirs(self.build_temp, exist_ok=True)
         previous = open(marker).read() if os.path.exists(marker) else None
@@ -88,8 +125,17 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             if enabled:
                 self.add_cuda(ext, home, jobs)
+                if nccl_inc is None:
+                    ext.define_macros.append(("RA_NO_NCCL_HEADERS", "1"))
+                else:
+                    ext.include_dirs.append(nccl_inc)
         print(f"ringattn: CUDA part {'ON (' + home + ')' if enabled else 'OFF'}",
               file=sys.stderr)
+        if enabled:
+            print("ringattn: nccl backend " +
+                  (f"ON (nccl.h in {nccl_inc})" if nccl_inc else
+                   "OFF: no nccl.h found (pip install nvidia-nccl-cu13 or "
+                   "-cu12, or set NCCL_HOME)"), file=sys.stderr)
         super().build_extensions()
         with open(marker, "w") as f:
             f.write(config)

@@ -7,7 +7,8 @@
  * ra_cuda_attn_bwd: checks what the kernels rely on and runs either the
  *   tensor-core kernels (float16/bfloat16, head_dim 64 or 128, 16-byte
  *   aligned rows; attn_bwd_tc_dkdv.cu then attn_bwd_tc_dq.cu) or the
- *   generic kernels of attn_bwd_simt.cu (every dtype, head_dim 1..256).
+ *   generic kernels of attn_bwd_simt.cu and attn_bwd_simt_dq.cu (every
+ *   dtype, head_dim 1..256).
  *   Both are a dk/dv pass then a dq pass; every output element is written
  *   by exactly one thread, so no dq conversion pass is needed and the bits
  *   are the same on every run.  RINGATTN_CUDA_GENERIC=1 forces the generic

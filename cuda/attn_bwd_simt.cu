@@ -1,6 +1,8 @@
 /*
  * attn_bwd_simt.cu -- the generic attention backward: every dtype, every
- * head_dim 1..256, CUDA cores only, deterministic (no atomics).
+ * head_dim 1..256, CUDA cores only, deterministic (no atomics).  This file
+ * holds the dk/dv kernel and ra_bwd_simt; the dq kernel is
+ * attn_bwd_simt_dq.cu (shared shape: attn_bwd_simt.cuh).
  *
  * With P_ij = exp(scale * q_i . k_j - lse_i) for visible pairs (0 otherwise,
  * and 0 for rows whose final lse is -inf), dP_ij = dout_i . v_j and
@@ -19,17 +21,21 @@
  * stored in grad_dtype, or added to the float32/float64 buffers when
  * p.accumulate.
  *
+ * Scores are recomputed exactly as the forward (attn_fwd_simt.cu) computed
+ * them: q pre-multiplied by scale in A, then one fused multiply-add per
+ * dimension in order d = 0 .. D-1.  So s_ij - lse_i is at most 0 up to the
+ * rounding of lse itself, also for huge scores (q scaled by 1e9), and the
+ * exponent is clamped to <= 0 on top: P never exceeds 1 and never
+ * overflows, whatever the magnitude of the scores.
+ *
  * Shapes: q, out, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D);
  * lse, delta (B, H, S_q) in A.
  */
-#include "attn_kernels.cuh"
+#include "attn_bwd_simt.cuh"
 
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kRowsPerWarp = 4;
-constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 16 owned rows per block
-constexpr int kTile = 32;                           // streamed rows per tile
+using namespace ra::bwd_simt;
 
 template <typename T, int DPL>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -83,7 +89,8 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                 const int r = idx / D, d = idx % D;
                 const int64_t i = i0 + r;
                 const bool ok = i < p.seqlen_q;
-                sq[r * ldq + d] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) : (A)0;
+                // pre-scaled as in the forward, so s matches its bits
+                sq[r * ldq + d] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) * scale : (A)0;
                 sdo[r * ldq + d] = ok ? ra::to_acc(dog[i * p.dout_seq_stride + d]) : (A)0;
             }
             if (threadIdx.x < kTile) {
@@ -110,7 +117,7 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                 }
                 // lse_i = -inf covers rows past S_q and rows that saw no key
                 const bool vis = lse_i != ra::neg_inf<A>() && (!p.causal || kpos[r] <= qpos);
-                const A pr = vis ? ra::exp_acc(s * scale - lse_i) : (A)0;
+                const A pr = vis ? ra::exp_acc(fmin(s - lse_i, (A)0)) : (A)0;
                 const A ds = pr * (dp - delta_i);
                 for (int i = 0; i < in; i++) {
                     const A pb = __shfl_sync(0xffffffffu, pr, i);
@@ -140,7 +147,7 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
         for (int t = 0; t < DPL; t++) {
             const int d = lane + 32 * t;
             if (d >= D) continue;
-            const A gk = dk[r][t] * scale, gv = dv[r][t];
+            const A gk = dk[r][t], gv = dv[r][t];  // q was pre-scaled: dk has its scale
             if (p.accumulate) {
                 ((A *)p.dk)[ok_ + d] += gk;
                 ((A *)p.dv)[ov + d] += gv;
@@ -148,109 +155,6 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                 ra::store_dyn(p.dk, ok_ + d, p.grad_dtype, (double)gk);
                 ra::store_dyn(p.dv, ov + d, p.grad_dtype, (double)gv);
             }
-        }
-    }
-}
-
-template <typename T, int DPL>
-__global__ void __launch_bounds__(kWarps * 32)
-dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
-    typedef typename ra::Acc<T>::type A;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int D = (int)p.head_dim;
-    const int ldk = D | 1;
-    A *sq = reinterpret_cast<A *>(smem_raw);  // 16 x D, owned queries
-    A *sdo = sq + kBlockRows * D;               // 16 x D
-    A *sk = sdo + kBlockRows * D;               // 32 x ldk, streamed keys
-    A *sv = sk + kTile * ldk;                   // 32 x ldk
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const ra::QBlock blk = ra::q_block<kBlockRows>(p, n_qblocks);
-    const int64_t b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0;
-    const A scale = (A)p.scale;
-
-    const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
-    const T *dog = (const T *)p.dout + b * p.dout_batch_stride + h * p.dout_head_stride;
-    const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
-    const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
-    for (int idx = threadIdx.x; idx < kBlockRows * D; idx += blockDim.x) {
-        const int r = idx / D, d = idx % D;
-        const int64_t i = q0 + r;
-        const bool ok = i < p.seqlen_q;
-        sq[idx] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) : (A)0;
-        sdo[idx] = ok ? ra::to_acc(dog[i * p.dout_seq_stride + d]) : (A)0;
-    }
-
-    A dq[kRowsPerWarp][DPL], lse[kRowsPerWarp], delta[kRowsPerWarp];
-    int64_t qpos[kRowsPerWarp];
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; r++) {
-        const int64_t i = q0 + warp * kRowsPerWarp + r;
-        qpos[r] = p.q_pos_offset + i * p.q_pos_stride;
-        const int64_t li = b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_seq_stride;
-        const bool ok = i < p.seqlen_q;
-        lse[r] = ok ? ((const A *)p.lse)[li] : ra::neg_inf<A>();
-        delta[r] = ok ? ((const A *)p.delta)[li] : (A)0;
-#pragma unroll
-        for (int t = 0; t < DPL; t++) dq[r][t] = 0;
-    }
-
-    const int64_t kend = ra::block_key_end<kBlockRows>(p, q0);
-
-    for (int64_t j0 = 0; j0 < kend; j0 += kTile) {
-        __syncthreads();  // owned Q, dO written / previous tile consumed
-        for (int idx = threadIdx.x; idx < kTile * D; idx += blockDim.x) {
-            const int r = idx / D, d = idx % D;
-            const int64_t j = j0 + r;
-            const bool ok = j < kend;
-            sk[r * ldk + d] = ok ? ra::to_acc(kg[j * p.k_seq_stride + d]) : (A)0;
-            sv[r * ldk + d] = ok ? ra::to_acc(vg[j * p.v_seq_stride + d]) : (A)0;
-        }
-        __syncthreads();
-
-        const int64_t key = j0 + lane;
-        const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
-        const bool kvalid = key < kend;
-        const int jn = (int)(kend - j0 < kTile ? kend - j0 : kTile);
-#pragma unroll
-        for (int r = 0; r < kRowsPerWarp; r++) {
-            if (lse[r] == ra::neg_inf<A>()) continue;  // warp-uniform: empty row, dq = 0
-            const A *qr = sq + (warp * kRowsPerWarp + r) * D;
-            const A *dor = sdo + (warp * kRowsPerWarp + r) * D;
-            const A *kj = sk + lane * ldk;
-            const A *vj = sv + lane * ldk;
-            A s = 0, dp = 0;
-            for (int d = 0; d < D; d++) {
-                s += qr[d] * kj[d];
-                dp += dor[d] * vj[d];
-            }
-            const bool vis = kvalid && (!p.causal || kpos <= qpos[r]);
-            const A pr = vis ? ra::exp_acc(s * scale - lse[r]) : (A)0;
-            const A ds = pr * (dp - delta[r]);
-            for (int j = 0; j < jn; j++) {
-                const A dsb = __shfl_sync(0xffffffffu, ds, j);
-                const A *krow = sk + j * ldk;
-#pragma unroll
-                for (int t = 0; t < DPL; t++) {
-                    const int d = lane + 32 * t;
-                    if (d < D) dq[r][t] += dsb * krow[d];
-                }
-            }
-        }
-    }
-
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; r++) {
-        const int64_t i = q0 + warp * kRowsPerWarp + r;
-        if (i >= p.seqlen_q) continue;
-        const int64_t oq = b * p.dq_batch_stride + i * p.dq_seq_stride + h * p.dq_head_stride;
-#pragma unroll
-        for (int t = 0; t < DPL; t++) {
-            const int d = lane + 32 * t;
-            if (d >= D) continue;
-            const A g = dq[r][t] * scale;
-            if (p.accumulate) ((A *)p.dq)[oq + d] += g;
-            else ra::store_dyn(p.dq, oq + d, p.grad_dtype, (double)g);
         }
     }
 }
@@ -272,16 +176,6 @@ struct Launch {
             dkdv_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_kblocks);
             RA_CUDA_CHECK_LAUNCH("dkdv_simt_kernel");
         }
-        // dq: grid B * H * ceil(S_q / 16), 128 threads
-        if (p.seqlen_q > 0) {
-            const size_t smem = (size_t)(2 * kBlockRows * D + 2 * kTile * ld) * sizeof(A);
-            RA_CHECK(ra_set_smem(dq_simt_kernel<T, DPL>, smem));
-            const int64_t n_qblocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
-            int64_t blocks = 0;
-            RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
-            dq_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_qblocks);
-            RA_CUDA_CHECK_LAUNCH("dq_simt_kernel");
-        }
         return RA_OK;
     }
 };
@@ -289,5 +183,6 @@ struct Launch {
 }  // namespace
 
 ra_status ra_bwd_simt(const ra_attn_bwd_params &p, cudaStream_t s) {
-    return ra_simt_dispatch<Launch>(p, s, "attention backward");
+    RA_CHECK(ra_simt_dispatch<Launch>(p, s, "attention backward"));
+    return ra_bwd_simt_dq(p, s);
 }

@@ -5,7 +5,10 @@
  * of float32 accumulators into a gradient.
  *
  * Both kernels recompute P = exp(scale * q.k - lse) in log2 units, as the
- * forward does: P = exp2(s * scale * log2(e) - lse * log2(e)).  A query row
+ * forward does: P = exp2(min(s * scale * log2(e) - lse * log2(e), 0)).  The
+ * clamp keeps P <= 1 when the recomputed score and the stored lse round
+ * differently: with huge but finite scores (1e9) the difference is many
+ * units, and an unclamped exp2 would overflow to inf.  A query row
  * that must contribute nothing (past S_q, or a final lse of -inf because it
  * saw no key) gets the log2 lse +inf, so its P is exp2(-inf) = 0 and its dS
  * is 0 * (dP - 0) = 0: never NaN.

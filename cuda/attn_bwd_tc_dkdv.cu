@@ -161,8 +161,8 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
             for (int e = 0; e < 2; e++) {
                 const int col = i * 8 + 2 * t + e;
                 const float l2 = lt[col];
-                float pa = exp2f(s[i][e] * sl2 - l2);
-                float pb = exp2f(s[i][2 + e] * sl2 - l2);
+                float pa = exp2f(fminf(s[i][e] * sl2 - l2, 0.f));
+                float pb = exp2f(fminf(s[i][2 + e] * sl2 - l2, 0.f));
                 if (!full) {
                     const int64_t qpos = p.q_pos_offset + (m0 + col) * p.q_pos_stride;
                     if (key_a >= p.seqlen_k || (p.causal && kpos_a > qpos)) pa = 0.f;

@@ -146,8 +146,8 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
         for (int i = 0; i < kNT; i++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                float pa = exp2f(s[i][e] * sl2 - lse2_a);
-                float pb = exp2f(s[i][2 + e] * sl2 - lse2_b);
+                float pa = exp2f(fminf(s[i][e] * sl2 - lse2_a, 0.f));
+                float pb = exp2f(fminf(s[i][2 + e] * sl2 - lse2_b, 0.f));
                 if (!full) {
                     const int64_t key = k0 + i * 8 + 2 * t + e;
                     const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;

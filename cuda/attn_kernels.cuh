@@ -13,7 +13,7 @@
 #include "common.cuh"
 
 /* Generic SIMT kernels: every dtype, head_dim 1..256.  attn_fwd_simt.cu,
- * attn_bwd_simt.cu */
+ * attn_bwd_simt.cu (dk, dv; then dq from attn_bwd_simt_dq.cu) */
 ra_status ra_fwd_simt(const ra_attn_fwd_params &p, cudaStream_t s);
 ra_status ra_bwd_simt(const ra_attn_bwd_params &p, cudaStream_t s);
 

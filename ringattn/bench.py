@@ -9,7 +9,8 @@
 --ring  ring time over single-rank time for p = 1, 2, 4 local ranks on the
         same total work, the share of transfer time hidden behind compute,
         and each rank's peak ringattn memory.
---dilated, --gpu: see ringattn.bench_dilated / ringattn.bench_gpu.
+--dilated, --gpu, --ring --gpu: see ringattn.bench_dilated /
+        ringattn.bench_gpu / ringattn.bench_gpu_ring (the NCCL ring).
 --plot FILE draws the --cpu and --ring tables (ringattn.bench_plot).
 """
 
@@ -166,8 +167,8 @@ def _env_for_threads(n):
 def run_cpu(args):
     """Print the CPU table(s); returns (status, tables) where tables is a
     list of {"threads", "rate", "rows"} (one per thread count)."""
-    seq_lens = args.seq_lens or ([256, 512] if args.quick
-                                 else [1024, 4096, 8192])
+    seq_lens = ([int(s) for s in (args.seq_lens or "").split(",") if s]
+                or ([256, 512] if args.quick else [1024, 4096, 8192]))
     if args.threads:
         rate, rows = cpu_table(args.threads, seq_lens, args.repeat)
         print(format_cpu_table(args.threads, rate, rows), flush=True)
@@ -299,7 +300,7 @@ def run(args):
     if args.cpu or not (args.ring or args.dilated or args.gpu):
         code, cpu_tables = run_cpu(args)
         status |= code
-    if args.ring:
+    if args.ring and not args.gpu:
         code, ring_rows = run_ring(args)
         status |= code
     if args.dilated:
@@ -307,14 +308,11 @@ def run(args):
 
         status |= run_dilated(args)
     if args.gpu:
-        from .bench_gpu import Unavailable
-        from .bench_gpu import run as run_gpu
-
-        try:
-            run_gpu(args)
-        except Unavailable as e:
-            print(f"ringattn bench --gpu: {e}", file=sys.stderr)
-            status |= 1
+        if args.ring:
+            from .bench_gpu_ring import run as run_gpu
+        else:
+            from .bench_gpu import run as run_gpu
+        status |= run_gpu(args)
     if args.plot and (cpu_tables or ring_rows):
         from .bench_plot import draw
 

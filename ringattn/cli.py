@@ -69,12 +69,13 @@ def positive_float(text):
 
 
 def positive_int_list(text):
-    """argparse type: comma-separated integers >= 1 (at least one)."""
+    """argparse type: comma-separated integers >= 1 (at least one), given
+    back as a canonical "a,b,c" string (what the bench modules parse)."""
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers >= 1, got {text!r}")
-    return [positive_int(s) for s in items]
+    return ",".join(str(positive_int(s)) for s in items)
 
 
 def plot_file(text):
@@ -168,18 +169,19 @@ def _bench_parser(sub):
                    help="CPU kernel table against NumPy baselines")
     b.add_argument("--ring", action="store_true",
                    help="ring time, hidden transfer share and per-rank "
-                        "memory for p = 1, 2, 4")
+                        "memory for p = 1, 2, 4 (with --gpu: the NCCL ring "
+                        "against one device)")
     b.add_argument("--dilated", action="store_true",
                    help="dilated vs dense attention table")
     b.add_argument("--gpu", action="store_true",
-                   help="GPU kernel table against PyTorch SDPA (needs a GPU "
-                        "and torch)")
+                   help="GPU kernel table against PyTorch SDPA, and accuracy "
+                        "(needs a GPU and torch)")
     b.add_argument("--threads", type=nonnegative_int, default=0,
                    help="CPU threads of --cpu (0: run single-threaded and "
                         "with every core)")
     b.add_argument("--seq-lens", type=positive_int_list, default=None,
-                   help="comma-separated sequence lengths of --cpu "
-                        "(default: 1024,4096,8192; 256,512 with --quick)")
+                   help="comma-separated sequence lengths (--cpu default: "
+                        "1024,4096,8192; 256,512 with --quick)")
     b.add_argument("--repeat", type=positive_int, default=3,
                    help="timed calls per case (the median is shown)")
     b.add_argument("--quick", action="store_true", help="small sizes")
@@ -191,9 +193,11 @@ def _bench_parser(sub):
 
 
 def _check_bench(parser, args):
-    if args.plot and not (args.cpu or args.ring) and (args.dilated or args.gpu):
-        parser.error("argument --plot: draws the --cpu and --ring tables; "
-                     "add --cpu or --ring")
+    cpu = args.cpu or not (args.ring or args.dilated or args.gpu)
+    host_ring = args.ring and not args.gpu
+    if args.plot and not (cpu or host_ring):
+        parser.error("argument --plot: draws the --cpu and --ring (CPU) "
+                     "tables; add --cpu, or --ring without --gpu")
 
 
 def build_parser():

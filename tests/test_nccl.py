@@ -11,7 +11,8 @@ CUDA or CuPy is importable (to move arrays between host and device).
   NCCL_MULTI_RANK_GPU_ENABLE=1);
 * failures: a peer that never answers becomes CommError naming rank, peer,
   op and step within the timeout; a killed rank ends ``launch`` with
-  LaunchError naming it, leaving no process behind.
+  LaunchError naming it, the other ranks fail with CommError within their
+  deadline, and no process is left behind.
 
 Tolerance (results vs the float64 reference on the host):
 max |got - ref| <= tol * max(1, max |ref|), tol 1e-4 for float32 and 1e-9
@@ -35,7 +36,7 @@ from ringattn.testing import (random_qkv, ref_attention,
 pytestmark = pytest.mark.gpu
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
-TOL = {"float32": 1e-4, "float64": 1e-9}
+TOL = {"float32": 1e-4, "float64": 1e-9, "bfloat16": 3e-2}
 LAUNCH_TIMEOUT = 120
 
 
@@ -74,12 +75,14 @@ if _skip_reason() is not None:
 
 # ---- host <-> device (module level: spawned ranks use them too) ------------
 
-def to_device(a, device):
+def to_device(a, device, dtype=None):
+    """NumPy -> device array; dtype "bfloat16" rounds on the device."""
     a = np.ascontiguousarray(a)
     if _array_lib() == "torch":
         import torch
 
-        return torch.from_numpy(a).to(f"cuda:{device}")
+        x = torch.from_numpy(a).to(f"cuda:{device}")
+        return x if dtype is None else x.to(getattr(torch, dtype))
     import cupy
 
     with cupy.cuda.Device(device):
@@ -88,7 +91,12 @@ def to_device(a, device):
 
 def to_host(x):
     if _array_lib() == "torch":
-        return x.detach().cpu().numpy()
+        import torch
+
+        x = x.detach()
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        return x.cpu().numpy()
     import cupy
 
     return cupy.asnumpy(x)
@@ -136,28 +144,36 @@ def problem(seed, n, dtype):
 
 # ---- rank bodies ------------------------------------------------------------
 
-def ring_rank(comm, q, k, v, dout, layout, causal):
+def ring_rank(comm, q, k, v, dout, layout, causal, timeout=None):
     """This rank's (out, lse, dq, dk, dv) as NumPy, computed on its GPU."""
     r, p = comm.rank, comm.size
     dev = comm.device[1]
     qs, ks, vs, ds = (to_device(ra.shard(x, r, p, layout), dev)
                       for x in (q, k, v, dout))
     out, lse = ra.ring_attention(qs, ks, vs, comm, causal=causal,
-                                 layout=layout, return_lse=True)
+                                 layout=layout, return_lse=True,
+                                 timeout=timeout)
     dq, dk, dv = ra.ring_attention_backward(ds, qs, ks, vs, out, lse, comm,
-                                            causal=causal, layout=layout)
+                                            causal=causal, layout=layout,
+                                            timeout=timeout)
     res = tuple(to_host(x) for x in (out, lse, dq, dk, dv))
     comm.barrier()          # raises if the communicator failed meanwhile
     return res
 
 
-def run_ring(p, q, k, v, dout, layout, causal):
-    results = ra.launch(ring_rank, p, args=(q, k, v, dout, layout, causal),
-                        backend="nccl", timeout=LAUNCH_TIMEOUT)
+def every_ring_rank(comm, q, k, v, dout):
+    """ring_rank for every layout and causal flag, in one launch (starting
+    ranks and NCCL costs seconds; the cases share them)."""
+    return {(layout, causal): ring_rank(comm, q, k, v, dout, layout, causal)
+            for layout in LAYOUTS for causal in (False, True)}
+
+
+def gather(per_rank, layout):
+    """(out, lse, dq, dk, dv) of the whole sequence from per-rank shards."""
     gathered = []
     for i in range(5):
         axis = 2 if i == 1 else 1               # lse is (B, H, n_r)
-        gathered.append(ra.unshard([res[i] for res in results], layout,
+        gathered.append(ra.unshard([res[i] for res in per_rank], layout,
                                    axis=axis))
     return gathered
 
@@ -185,11 +201,19 @@ def stall_peer(comm):
     return "no error", time.monotonic() - start, comm.failed
 
 
-def die_in_ring(comm, q, k, v, dout):
+def die_in_ring(comm, q, k, v, dout, timeout):
+    """Rank 1 is killed before the second ring; the others must raise
+    CommError within `timeout` (well inside launch's grace period)."""
     for it in range(4):
         if it == 1 and comm.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        ring_rank(comm, q, k, v, dout, "zigzag", True)
+        start = time.monotonic()
+        try:
+            # the first ring also connects the ranks: no short deadline there
+            ring_rank(comm, q, k, v, dout, "zigzag", True,
+                      timeout=timeout if it >= 1 else None)
+        except ra.CommError as e:
+            raise ra.CommError(f"{e} [after {time.monotonic() - start:.2f} s]")
     return "finished"
 
 
@@ -293,20 +317,45 @@ def test_world_size_1_ring_matches_reference(comm1, layout, causal, dtype):
         assert_gpu_close(name, g, e, dtype)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_world_size_1_ring_bfloat16_on_tensor_cores(comm1, causal):
+    # D = 64: the tensor-core kernels, continuing a float32 running state
+    if _array_lib() != "torch":
+        pytest.skip("bfloat16 device arrays need PyTorch")
+    rng = np.random.default_rng(11)
+    q, k, v, dout = (rng.standard_normal((2, 150, 4, 64)) for _ in range(4))
+    dev = comm1.device[1]
+    qs, ks, vs, ds = (to_device(x, dev, "bfloat16") for x in (q, k, v, dout))
+    # the reference sees the rounded inputs
+    q, k, v, dout = (to_host(x).astype(np.float64) for x in (qs, ks, vs, ds))
+    out, lse = ra.ring_attention(qs, ks, vs, comm1, causal=causal,
+                                 layout="zigzag", return_lse=True)
+    grads = ra.ring_attention_backward(ds, qs, ks, vs, out, lse, comm1,
+                                       causal=causal, layout="zigzag")
+    got = [to_host(x) for x in (out, lse) + tuple(grads)]
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got,
+                          reference(q, k, v, dout, causal)):
+        assert_gpu_close(name, g, e, "bfloat16")
+
+
 # ---- several ranks: processes ----------------------------------------------
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("p", [2, 3, 4])
-def test_ring_matches_reference(p, layout, causal, monkeypatch):
+def test_ring_matches_reference(p, monkeypatch):
+    """Forward and backward vs float64 for every layout, causal and not."""
     if not _multi_rank_ok(p, monkeypatch):
         pytest.skip(f"{p} ranks need {p} GPUs or NCCL >= 2.30 (multi-rank "
                     f"per GPU)")
     q, k, v, dout = problem(p, 131, "float32")
-    got = run_ring(p, q, k, v, dout, layout, causal)
-    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got,
-                          reference(q, k, v, dout, causal)):
-        assert_gpu_close(name, g, e, "float32")
+    results = ra.launch(every_ring_rank, p, args=(q, k, v, dout),
+                        backend="nccl", timeout=LAUNCH_TIMEOUT)
+    for layout in LAYOUTS:
+        for causal in (False, True):
+            got = gather([res[(layout, causal)] for res in results], layout)
+            for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got,
+                                  reference(q, k, v, dout, causal)):
+                assert_gpu_close(f"{name} [{layout}, causal={causal}]", g, e,
+                                 "float32")
 
 
 def test_explicit_unique_id_and_staged_collectives(monkeypatch):
@@ -340,9 +389,15 @@ def test_killed_rank_ends_launch(monkeypatch):
     q, k, v, dout = problem(5, 96, "float32")
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        ra.launch(die_in_ring, 3, args=(q, k, v, dout), backend="nccl",
+        ra.launch(die_in_ring, 3, args=(q, k, v, dout, 2.0), backend="nccl",
                   timeout=LAUNCH_TIMEOUT)
     assert info.value.rank == 1
     assert "SIGKILL" in str(info.value)
+    others = [f for f in info.value.failures if f["rank"] != 1]
+    assert len(others) == 2, info.value.failures
+    for f in others:
+        assert f["exc_type"] == "CommError", f
+        waited = float(f["message"].rsplit("[after ", 1)[1].split(" s]")[0])
+        assert waited < 2.0 + 1.0, f"rank {f['rank']} took {waited:.1f} s"
     assert time.monotonic() - start < 60
     assert mp.active_children() == []

@@ -1,24 +1,37 @@
 /*
- * cuda_selftest.cu -- a standalone check of the CUDA launchers against a
- * float64 CPU reference, independent of the Python layer.  Built and run by
- * tools/gpu_check.sh:
+ * cuda_selftest.cu -- a standalone check of every CUDA kernel ringattn
+ * has, through its extern "C" launchers, against a float64 CPU reference
+ * (tools/cuda_selftest_ref.h), independent of the Python layer.  Built and
+ * run by tools/gpu_check.sh (stage "selftest"):
  *   nvcc -O2 -std=c++17 -Icsrc -Icuda -DRA_WITH_CUDA tools/cuda_selftest.cu
- *        cuda/*.o csrc/core/status.c -o selftest && ./selftest
- * For each dtype, head_dim, shape and causal flag: forward (out, lse),
- * backward (dq, dk, dv) and an accumulate continuation over two key chunks
- * (running state from ra_cuda_fill_state, positions continued by offsets).
- * Then the backward alone (run_bwd_case) on a grid of awkward cases, against
- * the reference, the generic kernels and a second run of itself.
- * Prints one line per case and exits non-zero on any failure.
+ *        cuda/*.o csrc/core/status.c -o selftest && ./selftest [quick|full]
+ *
+ * What runs (each case prints one line "ok ..." or "FAIL ..."):
+ *   run_case      forward (out in the input dtype and in the accumulator
+ *                 dtype), backward and an accumulate continuation over two
+ *                 key chunks (running state from ra_cuda_fill_state, ring
+ *                 position offsets) on contiguous tensors; for float16 and
+ *                 bfloat16 at D 64/128 also with the generic kernels forced
+ *   run_strided   forward and backward on padded strides with affine
+ *                 positions (ring steps), empty query rows, keys no query
+ *                 sees, float32 grads and accumulate; the backward also
+ *                 against the generic kernels and against itself (bits)
+ *   run_huge      huge but finite scores (q scaled by 1e9 in float32, 1e18
+ *                 in float64): finite and correct gradients
+ *   run_merge     the LSE merge of two key halves
+ *   run_copy      the strided cast copy, every pair of dtypes
+ * The full grid: float32/float64/float16/bfloat16, D in {8, 59, 64, 96,
+ * 128, 256}, causal and not, GQA and MQA, S_q != S_k both ways.  "quick"
+ * (for compute-sanitizer) runs every kernel instantiation once on small
+ * sizes: the generic kernels at each per-lane width (D 8, 59, 96, 256) and
+ * dtype, the tensor-core kernels for both 16-bit dtypes at D 64 and 128
+ * with 16-bit and float32 outputs and accumulate, merge, fill_state, copy.
+ * Exit status: 0 when every case passed.
  */
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <random>
-#include <vector>
 
-#include "common.cuh"
+#include "cuda_selftest_ref.h"
 
 /* the test binary does not link csrc/core/cuda_rt.c (it needs Python) */
 extern "C" ra_status ra_cuda_status(int err, const char *what, const char *file, int line) {
@@ -28,166 +41,133 @@ extern "C" ra_status ra_cuda_status(int err, const char *what, const char *file,
     return RA_ERR_CUDA;
 }
 
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-    printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(2); } } while (0)
-#define RK(x) do { ra_status s_ = (x); if (s_ != RA_OK) { \
-    printf("ra %s at %d: %s\n", #x, __LINE__, ra_last_error()); exit(3); } } while (0)
-
-static size_t esize(ra_dtype t) { return ra_dtype_size(t); }
-
-static std::vector<unsigned char> encode(const std::vector<double> &x, ra_dtype t) {
-    std::vector<unsigned char> b(x.size() * esize(t));
-    for (size_t i = 0; i < x.size(); i++) {
-        if (t == RA_FLOAT64) ((double *)b.data())[i] = x[i];
-        else if (t == RA_FLOAT32) ((float *)b.data())[i] = (float)x[i];
-        else if (t == RA_FLOAT16) ((__half *)b.data())[i] = __float2half_rn((float)x[i]);
-        else ((__nv_bfloat16 *)b.data())[i] = __float2bfloat16_rn((float)x[i]);
-    }
-    return b;
-}
-static std::vector<double> decode(const unsigned char *b, size_t n, ra_dtype t) {
+static std::vector<double> randn(std::mt19937_64 &rng, size_t n, double scale = 1.0) {
+    std::normal_distribution<double> nd;
     std::vector<double> x(n);
-    for (size_t i = 0; i < n; i++) {
-        if (t == RA_FLOAT64) x[i] = ((const double *)b)[i];
-        else if (t == RA_FLOAT32) x[i] = ((const float *)b)[i];
-        else if (t == RA_FLOAT16) x[i] = __half2float(((const __half *)b)[i]);
-        else x[i] = __bfloat162float(((const __nv_bfloat16 *)b)[i]);
-    }
+    for (auto &e : x) e = nd(rng) * scale;
     return x;
 }
 
-struct Dev {
-    void *p = nullptr; size_t n = 0;
-    Dev(size_t bytes) : n(bytes) { CK(cudaMalloc(&p, bytes ? bytes : 1)); }
-    ~Dev() { cudaFree(p); }
-};
-static void up(Dev &d, const std::vector<unsigned char> &b) { CK(cudaMemcpy(d.p, b.data(), b.size(), cudaMemcpyHostToDevice)); }
-static std::vector<double> down(const Dev &d, size_t n, ra_dtype t) {
-    std::vector<unsigned char> b(n * esize(t));
-    CK(cudaMemcpy(b.data(), d.p, b.size(), cudaMemcpyDeviceToHost));
-    return decode(b.data(), n, t);
+static void force_generic(bool on) {
+    if (on) setenv("RINGATTN_CUDA_GENERIC", "1", 1);
+    else unsetenv("RINGATTN_CUDA_GENERIC");
 }
 
-/* float64 reference on contiguous BSHD with affine causal positions */
-static void reference(int B, int Sq, int Sk, int H, int Hk, int D, bool causal, long qoff, long koff,
-                      const std::vector<double> &q, const std::vector<double> &k, const std::vector<double> &v,
-                      const std::vector<double> &dout, std::vector<double> &out, std::vector<double> &lse,
-                      std::vector<double> &dq, std::vector<double> &dk, std::vector<double> &dv,
-                      long qstr = 1, long kstr = 1) {
-    const double sc = 1.0 / std::sqrt((double)D);
-    out.assign((size_t)B * Sq * H * D, 0); lse.assign((size_t)B * H * Sq, -INFINITY);
-    dq.assign(out.size(), 0); dk.assign((size_t)B * Sk * Hk * D, 0); dv.assign(dk.size(), 0);
-    std::vector<double> s(Sk), pr(Sk);
-    for (int b = 0; b < B; b++) for (int h = 0; h < H; h++) for (int i = 0; i < Sq; i++) {
-        const int hk = h / (H / Hk);
-        const double *qi = &q[(((size_t)b * Sq + i) * H + h) * D];
-        double m = -INFINITY;
-        for (int j = 0; j < Sk; j++) {
-            const double *kj = &k[(((size_t)b * Sk + j) * Hk + hk) * D];
-            double d = 0; for (int x = 0; x < D; x++) d += qi[x] * kj[x];
-            s[j] = (!causal || koff + j * kstr <= qoff + i * qstr) ? d * sc : -INFINITY;
-            m = std::max(m, s[j]);
-        }
-        if (m == -INFINITY) continue;
-        double l = 0; for (int j = 0; j < Sk; j++) l += (pr[j] = std::exp(s[j] - m));
-        lse[((size_t)b * H + h) * Sq + i] = m + std::log(l);
-        double *oi = &out[(((size_t)b * Sq + i) * H + h) * D];
-        const double *gi = &dout[(((size_t)b * Sq + i) * H + h) * D];
-        for (int j = 0; j < Sk; j++) {
-            pr[j] /= l;
-            const double *vj = &v[(((size_t)b * Sk + j) * Hk + hk) * D];
-            for (int x = 0; x < D; x++) oi[x] += pr[j] * vj[x];
-        }
-        double delta = 0; for (int x = 0; x < D; x++) delta += gi[x] * oi[x];
-        for (int j = 0; j < Sk; j++) {
-            const double *kj = &k[(((size_t)b * Sk + j) * Hk + hk) * D];
-            const double *vj = &v[(((size_t)b * Sk + j) * Hk + hk) * D];
-            double dp = 0; for (int x = 0; x < D; x++) dp += gi[x] * vj[x];
-            const double ds = pr[j] * (dp - delta);
-            double *dkj = &dk[(((size_t)b * Sk + j) * Hk + hk) * D];
-            double *dvj = &dv[(((size_t)b * Sk + j) * Hk + hk) * D];
-            double *dqi = &dq[(((size_t)b * Sq + i) * H + h) * D];
-            for (int x = 0; x < D; x++) {
-                dvj[x] += pr[j] * gi[x]; dkj[x] += sc * ds * qi[x]; dqi[x] += sc * ds * kj[x];
-            }
-        }
-    }
-}
-
-static bool cmp(const char *what, const std::vector<double> &got, const std::vector<double> &ref, double tol) {
-    double err = 0, mag = 1;
-    for (size_t i = 0; i < ref.size(); i++) {
-        if (std::isinf(ref[i]) || std::isinf(got[i])) {
-            if (got[i] != ref[i]) { printf("    %s[%zu] = %g, want %g\n", what, i, got[i], ref[i]); return false; }
-            continue;
-        }
-        if (std::isnan(got[i])) { printf("    %s[%zu] is NaN\n", what, i); return false; }
-        err = std::max(err, std::fabs(got[i] - ref[i])); mag = std::max(mag, std::fabs(ref[i]));
-    }
-    if (err > tol * mag) { printf("    %s: max error %.3g > %.3g\n", what, err, tol * mag); return false; }
-    return true;
-}
-
-static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bool causal) {
-    std::mt19937_64 rng(B * 131 + Sq * 7 + Sk * 3 + D + causal);
-    std::normal_distribution<double> nd;
-    auto rnd = [&](size_t n) { std::vector<double> x(n); for (auto &e : x) e = nd(rng); return x; };
-    const size_t nq = (size_t)B * Sq * H * D, nk = (size_t)B * Sk * Hk * D, nl = (size_t)B * H * Sq;
-    // round inputs to the dtype so the reference sees what the kernel sees
-    auto q = decode(encode(rnd(nq), t).data(), nq, t), k = decode(encode(rnd(nk), t).data(), nk, t);
-    auto v = decode(encode(rnd(nk), t).data(), nk, t), g = decode(encode(rnd(nq), t).data(), nq, t);
-    const long qoff = Sk - Sq;  // bottom-right alignment
-    std::vector<double> ro, rl, rdq, rdk, rdv;
-    reference(B, Sq, Sk, H, Hk, D, causal, qoff, 0, q, k, v, g, ro, rl, rdq, rdk, rdv);
-    const ra_dtype acc = ra_acc_dtype(t);
-    const double tol = t == RA_BFLOAT16 ? 2e-2 : t == RA_FLOAT16 ? 5e-3 : t == RA_FLOAT32 ? 1e-4 : 1e-9;
-
-    Dev dq_(nq * esize(t)), dk_(nk * esize(t)), dv_(nk * esize(t)), dg(nq * esize(t)), dout(nq * esize(t));
-    Dev dl(nl * esize(acc)), ddelta(nl * esize(acc));
-    Dev gq(nq * esize(t)), gk(nk * esize(t)), gv(nk * esize(t));
-    up(dq_, encode(q, t)); up(dk_, encode(k, t)); up(dv_, encode(v, t)); up(dg, encode(g, t));
-
-    ra_attn_fwd_params f; memset(&f, 0, sizeof f);
-    f.q = dq_.p; f.k = dk_.p; f.v = dv_.p; f.out = dout.p; f.lse = dl.p; f.dtype = t; f.out_dtype = t;
+/* Forward params for contiguous BSHD q/out, k/v and lse (B, H, S_q). */
+static ra_attn_fwd_params fwd_params(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D,
+                                     bool causal, long qoff) {
+    ra_attn_fwd_params f;
+    memset(&f, 0, sizeof f);
+    f.dtype = f.out_dtype = t;
     f.batch = B; f.seqlen_q = Sq; f.seqlen_k = Sk; f.heads = H; f.heads_kv = Hk; f.head_dim = D;
-    // contiguous BSHD strides; lse (B, H, S)
-    f.q_batch_stride = (int64_t)Sq * H * D; f.q_seq_stride = H * D; f.q_head_stride = D;
-    f.k_batch_stride = (int64_t)Sk * Hk * D; f.k_seq_stride = Hk * D; f.k_head_stride = D;
+    f.q_batch_stride = (int64_t)Sq * H * D; f.q_seq_stride = (int64_t)H * D; f.q_head_stride = D;
+    f.k_batch_stride = (int64_t)Sk * Hk * D; f.k_seq_stride = (int64_t)Hk * D; f.k_head_stride = D;
     f.v_batch_stride = f.k_batch_stride; f.v_seq_stride = f.k_seq_stride; f.v_head_stride = D;
     f.out_batch_stride = f.q_batch_stride; f.out_seq_stride = f.q_seq_stride; f.out_head_stride = D;
     f.lse_batch_stride = (int64_t)H * Sq; f.lse_head_stride = Sq; f.lse_seq_stride = 1;
-    f.scale = 1.0 / std::sqrt((double)D); f.causal = causal;
+    f.scale = 1.0 / std::sqrt((double)D);
+    f.causal = causal;
     f.q_pos_offset = qoff; f.q_pos_stride = 1; f.k_pos_offset = 0; f.k_pos_stride = 1;
-    RK(ra_cuda_attn_fwd(&f, 0));
-    CK(cudaDeviceSynchronize());
-    bool ok = cmp("out", down(dout, nq, t), ro, tol) && cmp("lse", down(dl, nl, acc), rl, tol);
+    return f;
+}
 
-    // backward
-    ra_attn_bwd_params bp; memset(&bp, 0, sizeof bp);
-    bp.q = dq_.p; bp.k = dk_.p; bp.v = dv_.p; bp.out = dout.p; bp.dout = dg.p; bp.lse = dl.p;
-    bp.delta = ddelta.p; bp.dq = gq.p; bp.dk = gk.p; bp.dv = gv.p;
-    bp.dtype = bp.out_dtype = bp.grad_dtype = t;
-    bp.batch = B; bp.seqlen_q = Sq; bp.seqlen_k = Sk; bp.heads = H; bp.heads_kv = Hk; bp.head_dim = D;
-    bp.q_batch_stride = f.q_batch_stride; bp.q_seq_stride = f.q_seq_stride; bp.q_head_stride = D;
-    bp.k_batch_stride = f.k_batch_stride; bp.k_seq_stride = f.k_seq_stride; bp.k_head_stride = D;
-    bp.v_batch_stride = f.k_batch_stride; bp.v_seq_stride = f.k_seq_stride; bp.v_head_stride = D;
-    bp.out_batch_stride = bp.dout_batch_stride = bp.dq_batch_stride = f.q_batch_stride;
-    bp.out_seq_stride = bp.dout_seq_stride = bp.dq_seq_stride = f.q_seq_stride;
-    bp.out_head_stride = bp.dout_head_stride = bp.dq_head_stride = D;
-    bp.dk_batch_stride = bp.dv_batch_stride = f.k_batch_stride;
-    bp.dk_seq_stride = bp.dv_seq_stride = f.k_seq_stride; bp.dk_head_stride = bp.dv_head_stride = D;
-    bp.lse_batch_stride = f.lse_batch_stride; bp.lse_head_stride = Sq; bp.lse_seq_stride = 1;
-    bp.scale = f.scale; bp.causal = causal; bp.q_pos_offset = qoff; bp.q_pos_stride = 1;
-    bp.k_pos_offset = 0; bp.k_pos_stride = 1; bp.deterministic = 1;
-    RK(ra_cuda_attn_bwd_preprocess(&bp, 0));
-    RK(ra_cuda_attn_bwd(&bp, 0));
+/* Backward params with the same geometry as a forward's. */
+static ra_attn_bwd_params bwd_params(const ra_attn_fwd_params &f) {
+    ra_attn_bwd_params b;
+    memset(&b, 0, sizeof b);
+    b.dtype = b.out_dtype = b.grad_dtype = f.dtype;
+    b.batch = f.batch; b.seqlen_q = f.seqlen_q; b.seqlen_k = f.seqlen_k;
+    b.heads = f.heads; b.heads_kv = f.heads_kv; b.head_dim = f.head_dim;
+    b.q_batch_stride = f.q_batch_stride; b.q_seq_stride = f.q_seq_stride; b.q_head_stride = f.q_head_stride;
+    b.k_batch_stride = f.k_batch_stride; b.k_seq_stride = f.k_seq_stride; b.k_head_stride = f.k_head_stride;
+    b.v_batch_stride = f.v_batch_stride; b.v_seq_stride = f.v_seq_stride; b.v_head_stride = f.v_head_stride;
+    b.out_batch_stride = b.dout_batch_stride = b.dq_batch_stride = f.q_batch_stride;
+    b.out_seq_stride = b.dout_seq_stride = b.dq_seq_stride = f.q_seq_stride;
+    b.out_head_stride = b.dout_head_stride = b.dq_head_stride = f.q_head_stride;
+    b.dk_batch_stride = b.dv_batch_stride = f.k_batch_stride;
+    b.dk_seq_stride = b.dv_seq_stride = f.k_seq_stride;
+    b.dk_head_stride = b.dv_head_stride = f.k_head_stride;
+    b.lse_batch_stride = f.lse_batch_stride; b.lse_head_stride = f.lse_head_stride;
+    b.lse_seq_stride = f.lse_seq_stride;
+    b.scale = f.scale; b.causal = f.causal;
+    b.q_pos_offset = f.q_pos_offset; b.q_pos_stride = f.q_pos_stride;
+    b.k_pos_offset = f.k_pos_offset; b.k_pos_stride = f.k_pos_stride;
+    b.deterministic = 1;
+    return b;
+}
+
+/* ---- contiguous forward, backward, accumulate -------------------------- */
+
+/* A contiguous problem: q (scaled by q_scale), k, v, dout rounded to t,
+ * the float64 reference, device copies, and forward/backward params wired
+ * to them and to fresh (poisoned) out, lse, delta and grad buffers. */
+struct Problem {
+    ra_dtype t, acc;
+    int B, Sq, Sk, H, Hk, D;
+    size_t nq, nk, nl;
+    std::vector<double> q, k, v, g, ro, rl, rdq, rdk, rdv;
+    Dev dq_, dk_, dv_, dg, dout, dl, ddelta, gq, gk, gv;
+    ra_attn_fwd_params f;
+    ra_attn_bwd_params b;
+    Problem(ra_dtype t_, int B_, int Sq_, int Sk_, int H_, int Hk_, int D_, bool causal,
+            std::mt19937_64 &rng, double q_scale = 1.0)
+        : t(t_), acc(ra_acc_dtype(t_)), B(B_), Sq(Sq_), Sk(Sk_), H(H_), Hk(Hk_), D(D_),
+          nq((size_t)B_ * Sq_ * H_ * D_), nk((size_t)B_ * Sk_ * Hk_ * D_), nl((size_t)B_ * H_ * Sq_),
+          // round inputs to the dtype so the reference sees what the kernel sees
+          q(rounded(randn(rng, nq, q_scale), t_)), k(rounded(randn(rng, nk), t_)),
+          v(rounded(randn(rng, nk), t_)), g(rounded(randn(rng, nq), t_)),
+          dq_(nq * esize(t_)), dk_(nk * esize(t_)), dv_(nk * esize(t_)), dg(nq * esize(t_)),
+          dout(nq * esize(t_)), dl(nl * esize(acc)), ddelta(nl * esize(acc)),
+          gq(nq * esize(t_)), gk(nk * esize(t_)), gv(nk * esize(t_)) {
+        const long qoff = Sk - Sq;  // bottom-right alignment
+        reference(B, Sq, Sk, H, Hk, D, causal, qoff, 0, q, k, v, g, ro, rl, rdq, rdk, rdv);
+        up(dq_, encode(q, t)); up(dk_, encode(k, t)); up(dv_, encode(v, t)); up(dg, encode(g, t));
+        // q, out (B, S_q, H, D); k, v (B, S_k, H_kv, D); lse (B, H, S_q)
+        f = fwd_params(t, B, Sq, Sk, H, Hk, D, causal, qoff);
+        f.q = dq_.p; f.k = dk_.p; f.v = dv_.p; f.out = dout.p; f.lse = dl.p;
+        b = bwd_params(f);
+        b.out = dout.p; b.dout = dg.p; b.lse = dl.p; b.delta = ddelta.p;
+        b.dq = gq.p; b.dk = gk.p; b.dv = gv.p;
+    }
+    void forward() { RK(ra_cuda_attn_fwd(&f, 0)); }
+    void backward() {
+        RK(ra_cuda_attn_bwd_preprocess(&b, 0));
+        RK(ra_cuda_attn_bwd(&b, 0));
+    }
+};
+
+
+static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bool causal,
+                     bool generic) {
+    std::mt19937_64 rng(B * 131 + Sq * 7 + Sk * 3 + D + causal + 1000 * (int)t);
+    Problem pr(t, B, Sq, Sk, H, Hk, D, causal, rng);
+    const size_t nq = pr.nq, nl = pr.nl;
+    const ra_dtype acc = pr.acc;
+    const ra_attn_fwd_params &f = pr.f;
+    const double tol = fwd_tol(t);
+    force_generic(generic);
+    pr.forward();
+    // the same into an accumulator-dtype output
+    Dev dout_acc(nq * esize(acc)), dl2(nl * esize(acc));
+    ra_attn_fwd_params fa = f;
+    fa.out = dout_acc.p; fa.out_dtype = acc; fa.lse = dl2.p;
+    RK(ra_cuda_attn_fwd(&fa, 0));
+    CK(cudaDeviceSynchronize());
+    bool ok = cmp("out", down(pr.dout, nq, t), pr.ro, tol) &&
+              cmp("lse", down(pr.dl, nl, acc), pr.rl, tol) &&
+              cmp("out(acc dtype)", down(dout_acc, nq, acc), pr.ro, tol) &&
+              cmp("lse(acc dtype)", down(dl2, nl, acc), pr.rl, tol);
+
+    pr.backward();
     CK(cudaDeviceSynchronize());
     // the reference backward uses exact out; bf16/fp16 out rounding moves delta a little
     const double btol = tol * 2;
-    ok = ok && cmp("dq", down(gq, nq, t), rdq, btol) && cmp("dk", down(gk, nk, t), rdk, btol) &&
-         cmp("dv", down(gv, nk, t), rdv, btol);
+    ok = ok && cmp("dq", down(pr.gq, nq, t), pr.rdq, btol) &&
+         cmp("dk", down(pr.gk, pr.nk, t), pr.rdk, btol) &&
+         cmp("dv", down(pr.gv, pr.nk, t), pr.rdv, btol);
 
-    // accumulate: two key chunks into a running state (acc dtype)
+    // accumulate: two key chunks into a running state (acc dtype), the
+    // second with its positions continued (a ring step)
     if (Sk >= 2) {
         Dev so(nq * esize(acc)), sl(nl * esize(acc));
         RK(ra_cuda_fill_state(so.p, sl.p, acc, B, Sq, H, D, f.out_batch_stride, f.out_seq_stride, D,
@@ -197,24 +177,23 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
         a.out = so.p; a.lse = sl.p; a.out_dtype = acc; a.accumulate = 1;
         a.seqlen_k = split;
         RK(ra_cuda_attn_fwd(&a, 0));
-        a.k = (const unsigned char *)dk_.p + (size_t)split * f.k_seq_stride * esize(t);
-        a.v = (const unsigned char *)dv_.p + (size_t)split * f.k_seq_stride * esize(t);
+        a.k = (const unsigned char *)pr.dk_.p + (size_t)split * f.k_seq_stride * esize(t);
+        a.v = (const unsigned char *)pr.dv_.p + (size_t)split * f.k_seq_stride * esize(t);
         a.seqlen_k = Sk - split; a.k_pos_offset = split;
         RK(ra_cuda_attn_fwd(&a, 0));
         CK(cudaDeviceSynchronize());
-        ok = ok && cmp("acc out", down(so, nq, acc), ro, tol) && cmp("acc lse", down(sl, nl, acc), rl, tol);
+        ok = ok && cmp("acc out", down(so, nq, acc), pr.ro, tol) &&
+             cmp("acc lse", down(sl, nl, acc), pr.rl, tol);
     }
-    printf("%-4s %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d\n", ok ? "ok" : "FAIL",
-           ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)causal);
+    force_generic(false);
+    printf("%-4s %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d%s\n", ok ? "ok" : "FAIL",
+           ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)causal, generic ? " generic" : "");
     return ok;
 }
 
-/* ---- backward alone, through ra_cuda_attn_bwd: the tensor-core path for
- * float16/bfloat16 with D 64/128 (the generic path otherwise), checked
- * against the float64 reference, against the generic path
- * (RINGATTN_CUDA_GENERIC=1) and against itself (same bits twice).
- * out and lse are the reference's, so the forward plays no part. */
-struct BwdCase {
+/* ---- padded strides and affine positions -------------------------------- */
+
+struct StridedCase {
     int B, Sq, Sk, H, Hk, D;
     bool causal;
     long qoff, qstr, koff, kstr;  // affine positions
@@ -224,15 +203,16 @@ struct BwdCase {
 
 /* (B, S, Hh, D) logical values <-> a buffer with seq stride Hh * D + pad;
  * `fill` goes into the pad positions */
-static std::vector<double> to_strided(const std::vector<double> &x, int B, int S, int Hh, int D, int pad,
-                                      double fill) {
+static std::vector<double> to_strided(const std::vector<double> &x, int B, int S, int Hh, int D,
+                                      int pad, double fill) {
     const size_t row = (size_t)Hh * D + pad;
     std::vector<double> y((size_t)B * S * row, fill);
     for (size_t bs = 0; bs < (size_t)B * S; bs++)
         for (size_t e = 0; e < (size_t)Hh * D; e++) y[bs * row + e] = x[bs * Hh * D + e];
     return y;
 }
-static std::vector<double> from_strided(const std::vector<double> &y, int B, int S, int Hh, int D, int pad) {
+static std::vector<double> from_strided(const std::vector<double> &y, int B, int S, int Hh, int D,
+                                        int pad) {
     const size_t row = (size_t)Hh * D + pad;
     std::vector<double> x((size_t)B * S * Hh * D);
     for (size_t bs = 0; bs < (size_t)B * S; bs++)
@@ -240,25 +220,28 @@ static std::vector<double> from_strided(const std::vector<double> &y, int B, int
     return x;
 }
 
-static bool run_bwd_case(ra_dtype t, const BwdCase &c) {
+/* The forward on the strided layout vs the reference, then the backward
+ * alone (out and lse are the reference's, so the forward plays no part)
+ * against the reference, the generic kernels and a second run of itself. */
+static bool run_strided(ra_dtype t, const StridedCase &c) {
     const int B = c.B, Sq = c.Sq, Sk = c.Sk, H = c.H, Hk = c.Hk, D = c.D;
     std::mt19937_64 rng(B * 977 + Sq * 31 + Sk * 17 + H * 5 + D + c.causal + 7 * c.pad);
-    std::normal_distribution<double> nd;
-    auto rnd = [&](size_t n) { std::vector<double> x(n); for (auto &e : x) e = nd(rng); return x; };
     const size_t nq = (size_t)B * Sq * H * D, nk = (size_t)B * Sk * Hk * D, nl = (size_t)B * H * Sq;
-    auto q = decode(encode(rnd(nq), t).data(), nq, t), k = decode(encode(rnd(nk), t).data(), nk, t);
-    auto v = decode(encode(rnd(nk), t).data(), nk, t), g = decode(encode(rnd(nq), t).data(), nq, t);
+    auto q = rounded(randn(rng, nq), t), k = rounded(randn(rng, nk), t);
+    auto v = rounded(randn(rng, nk), t), g = rounded(randn(rng, nq), t);
     std::vector<double> ro, rl, rdq, rdk, rdv;
-    reference(B, Sq, Sk, H, Hk, D, c.causal, c.qoff, c.koff, q, k, v, g, ro, rl, rdq, rdk, rdv, c.qstr, c.kstr);
+    reference(B, Sq, Sk, H, Hk, D, c.causal, c.qoff, c.koff, q, k, v, g, ro, rl, rdq, rdk, rdv,
+              c.qstr, c.kstr);
     const ra_dtype acc = ra_acc_dtype(t);
     const ra_dtype gt = c.grad_f32 || c.accumulate ? acc : t;
-    const double tol = t == RA_BFLOAT16 ? 4e-2 : t == RA_FLOAT16 ? 1e-2 : t == RA_FLOAT32 ? 2e-4 : 2e-9;
+    const double tol = bwd_tol(t);
 
     // strided device copies; the pad of inputs holds a value that must not leak in
     const int64_t qrow = (int64_t)H * D + c.pad, krow = (int64_t)Hk * D + c.pad;
     const size_t nqs = (size_t)B * Sq * qrow, nks = (size_t)B * Sk * krow;
-    Dev dq_(nqs * esize(t)), dk_(nks * esize(t)), dv_(nks * esize(t)), dg(nqs * esize(t)), dout(nqs * esize(t));
-    Dev dl(nl * esize(acc)), ddelta(nl * esize(acc));
+    Dev dq_(nqs * esize(t)), dk_(nks * esize(t)), dv_(nks * esize(t)), dg(nqs * esize(t));
+    Dev dout(nqs * esize(t)), fout(nqs * esize(t));
+    Dev dl(nl * esize(acc)), fl(nl * esize(acc)), ddelta(nl * esize(acc));
     up(dq_, encode(to_strided(q, B, Sq, H, D, c.pad, 3.0), t));
     up(dk_, encode(to_strided(k, B, Sk, Hk, D, c.pad, 3.0), t));
     up(dv_, encode(to_strided(v, B, Sk, Hk, D, c.pad, 3.0), t));
@@ -267,9 +250,10 @@ static bool run_bwd_case(ra_dtype t, const BwdCase &c) {
     up(dl, encode(rl, acc));
 
     // accumulate: grads start from random values (pad included) that must be added to / kept
-    const auto q_init = rnd(nqs), k_init = rnd(nks), v_init = rnd(nks);
+    const auto q_init = randn(rng, nqs), k_init = randn(rng, nks), v_init = randn(rng, nks);
 
-    ra_attn_bwd_params bp; memset(&bp, 0, sizeof bp);
+    ra_attn_bwd_params bp;
+    memset(&bp, 0, sizeof bp);
     bp.q = dq_.p; bp.k = dk_.p; bp.v = dv_.p; bp.out = dout.p; bp.dout = dg.p; bp.lse = dl.p;
     bp.delta = ddelta.p;
     bp.dtype = bp.out_dtype = t; bp.grad_dtype = gt;
@@ -286,27 +270,42 @@ static bool run_bwd_case(ra_dtype t, const BwdCase &c) {
     bp.q_pos_offset = c.qoff; bp.q_pos_stride = c.qstr; bp.k_pos_offset = c.koff; bp.k_pos_stride = c.kstr;
     bp.accumulate = c.accumulate; bp.deterministic = 1;
 
+    // forward on the same layout and positions
+    ra_attn_fwd_params f;
+    memset(&f, 0, sizeof f);
+    f.q = dq_.p; f.k = dk_.p; f.v = dv_.p; f.out = fout.p; f.lse = fl.p;
+    f.dtype = f.out_dtype = t;
+    f.batch = B; f.seqlen_q = Sq; f.seqlen_k = Sk; f.heads = H; f.heads_kv = Hk; f.head_dim = D;
+    f.q_batch_stride = bp.q_batch_stride; f.q_seq_stride = qrow; f.q_head_stride = D;
+    f.k_batch_stride = bp.k_batch_stride; f.k_seq_stride = krow; f.k_head_stride = D;
+    f.v_batch_stride = bp.v_batch_stride; f.v_seq_stride = krow; f.v_head_stride = D;
+    f.out_batch_stride = bp.q_batch_stride; f.out_seq_stride = qrow; f.out_head_stride = D;
+    f.lse_batch_stride = bp.lse_batch_stride; f.lse_head_stride = Sq; f.lse_seq_stride = 1;
+    f.scale = bp.scale; f.causal = c.causal;
+    f.q_pos_offset = c.qoff; f.q_pos_stride = c.qstr; f.k_pos_offset = c.koff; f.k_pos_stride = c.kstr;
+    RK(ra_cuda_attn_fwd(&f, 0));
+    CK(cudaDeviceSynchronize());
+    bool ok = cmp("out", from_strided(down(fout, nqs, t), B, Sq, H, D, c.pad), ro, fwd_tol(t)) &&
+              cmp("lse", down(fl, nl, acc), rl, fwd_tol(t));
+
     // one backward into fresh grads (NaN-filled unless accumulating); returns the raw buffers
     struct Grads { std::vector<double> dq, dk, dv; };
     auto run = [&](bool generic) {
         Dev gq(nqs * esize(gt)), gk(nks * esize(gt)), gv(nks * esize(gt));
         if (c.accumulate) {
             up(gq, encode(q_init, gt)); up(gk, encode(k_init, gt)); up(gv, encode(v_init, gt));
-        } else {
-            CK(cudaMemset(gq.p, 0xff, gq.n)); CK(cudaMemset(gk.p, 0xff, gk.n)); CK(cudaMemset(gv.p, 0xff, gv.n));
         }
         ra_attn_bwd_params r = bp;
         r.dq = gq.p; r.dk = gk.p; r.dv = gv.p;
-        if (generic) setenv("RINGATTN_CUDA_GENERIC", "1", 1); else unsetenv("RINGATTN_CUDA_GENERIC");
+        force_generic(generic);
         RK(ra_cuda_attn_bwd_preprocess(&r, 0));
         RK(ra_cuda_attn_bwd(&r, 0));
         CK(cudaDeviceSynchronize());
-        unsetenv("RINGATTN_CUDA_GENERIC");
+        force_generic(false);
         return Grads{down(gq, nqs, gt), down(gk, nks, gt), down(gv, nks, gt)};
     };
     const Grads fast = run(false), again = run(false), generic = run(true);
 
-    bool ok = true;
     if (c.accumulate) {
         // whole buffers: init + grad on the logical elements, init untouched in the pad
         auto want = [&](const std::vector<double> &init, const std::vector<double> &ref, int S, int Hh) {
@@ -314,11 +313,11 @@ static bool run_bwd_case(ra_dtype t, const BwdCase &c) {
             for (size_t i = 0; i < w.size(); i++) w[i] += init[i];
             return w;
         };
-        ok = cmp("dq(acc)", fast.dq, want(q_init, rdq, Sq, H), tol) &&
+        ok = ok && cmp("dq(acc)", fast.dq, want(q_init, rdq, Sq, H), tol) &&
              cmp("dk(acc)", fast.dk, want(k_init, rdk, Sk, Hk), tol) &&
              cmp("dv(acc)", fast.dv, want(v_init, rdv, Sk, Hk), tol);
     } else {
-        ok = cmp("dq", from_strided(fast.dq, B, Sq, H, D, c.pad), rdq, tol) &&
+        ok = ok && cmp("dq", from_strided(fast.dq, B, Sq, H, D, c.pad), rdq, tol) &&
              cmp("dk", from_strided(fast.dk, B, Sk, Hk, D, c.pad), rdk, tol) &&
              cmp("dv", from_strided(fast.dv, B, Sk, Hk, D, c.pad), rdv, tol);
     }
@@ -330,39 +329,155 @@ static bool run_bwd_case(ra_dtype t, const BwdCase &c) {
              from_strided(generic.dk, B, Sk, Hk, D, c.pad), tol) &&
          cmp("dv vs generic", from_strided(fast.dv, B, Sk, Hk, D, c.pad),
              from_strided(generic.dv, B, Sk, Hk, D, c.pad), tol);
-    if (ok && (memcmp(fast.dq.data(), again.dq.data(), fast.dq.size() * sizeof(double)) != 0 ||
-               memcmp(fast.dk.data(), again.dk.data(), fast.dk.size() * sizeof(double)) != 0 ||
-               memcmp(fast.dv.data(), again.dv.data(), fast.dv.size() * sizeof(double)) != 0)) {
+    auto same_bits = [](const std::vector<double> &a, const std::vector<double> &b) {
+        for (size_t i = 0; i < a.size(); i++)  // NaN pads compare by bits too
+            if (memcmp(&a[i], &b[i], sizeof(double)) != 0) return false;
+        return true;
+    };
+    if (ok && !(same_bits(fast.dq, again.dq) && same_bits(fast.dk, again.dk) &&
+                same_bits(fast.dv, again.dv))) {
         printf("    two runs differ in their bits\n");
         ok = false;
     }
-    printf("%-4s bwd %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d pos=(%ld+%ld i, %ld+%ld j) pad=%d "
-           "grad=%s acc=%d\n", ok ? "ok" : "FAIL", ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)c.causal,
-           c.qoff, c.qstr, c.koff, c.kstr, c.pad, ra_dtype_name(gt), (int)c.accumulate);
+    printf("%-4s strided %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d pos=(%ld+%ld i, %ld+%ld j) "
+           "pad=%d grad=%s acc=%d\n", ok ? "ok" : "FAIL", ra_dtype_name(t), B, Sq, Sk, H, Hk, D,
+           (int)c.causal, c.qoff, c.qstr, c.koff, c.kstr, c.pad, ra_dtype_name(gt), (int)c.accumulate);
     return ok;
 }
 
+/* ---- huge but finite scores -------------------------------------------- */
+
+/* q scaled by `factor`: the softmax is one-hot, P recomputed in the
+ * backward from lse must stay <= 1.  out, lse, dv and dq are checked
+ * against the reference; dk = scale * sum dS q carries q's magnitude, so
+ * its error is measured against max |q|.  finite_only: the tensor-core
+ * kernels round lse and the recomputed score differently at this size, so
+ * only finiteness (and the forward) is asserted. */
+static bool run_huge(ra_dtype t, int D, bool causal, double factor, bool finite_only) {
+    std::mt19937_64 rng(D * 7 + causal + (int)t);
+    Problem pr(t, 1, 70, 90, 2, 1, D, causal, rng, factor);
+    pr.forward();
+    pr.backward();
+    CK(cudaDeviceSynchronize());
+    const auto gdq = down(pr.gq, pr.nq, t), gdk = down(pr.gk, pr.nk, t), gdv = down(pr.gv, pr.nk, t);
+    double qmax = 0;
+    for (double x : pr.q) qmax = std::max(qmax, std::fabs(x));
+    const double tol = bwd_tol(t);
+    bool ok = cmp("out", down(pr.dout, pr.nq, t), pr.ro, fwd_tol(t)) &&
+              cmp("lse", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t)) &&
+              all_finite("dq", gdq) && all_finite("dk", gdk) && all_finite("dv", gdv);
+    if (!finite_only)
+        ok = ok && cmp("dv", gdv, pr.rdv, tol) && cmp("dq", gdq, pr.rdq, tol) &&
+             cmp("dk", gdk, pr.rdk, tol, qmax);
+    printf("%-4s huge %-8s q*%g D=%d causal=%d%s\n", ok ? "ok" : "FAIL", ra_dtype_name(t), factor, D,
+           (int)causal, finite_only ? " (finite only)" : "");
+    return ok;
+}
+
+/* ---- merge and copy ------------------------------------------------------ */
+
+/* The LSE merge of attention over keys [0, split) (out in t) and [split,
+ * S_k) (out in the acc dtype), into t: equals attention over all keys. */
+static bool run_merge(ra_dtype t, int D) {
+    const int B = 2, Sq = 33, Sk = 90, H = 2, split = 40;
+    std::mt19937_64 rng(D + 11 * (int)t);
+    Problem pr(t, B, Sq, Sk, H, H, D, false, rng);
+    const size_t nq = pr.nq, nl = pr.nl;
+    const ra_dtype acc = pr.acc;
+    Dev o1(nq * esize(t)), o2(nq * esize(acc)), o(nq * esize(t));
+    Dev l1(nl * esize(acc)), l2(nl * esize(acc)), l(nl * esize(acc));
+    ra_attn_fwd_params f = pr.f;
+    f.seqlen_k = split; f.out = o1.p; f.lse = l1.p;
+    RK(ra_cuda_attn_fwd(&f, 0));
+    f.k = (const unsigned char *)pr.dk_.p + (size_t)split * f.k_seq_stride * esize(t);
+    f.v = (const unsigned char *)pr.dv_.p + (size_t)split * f.k_seq_stride * esize(t);
+    f.seqlen_k = Sk - split; f.out = o2.p; f.out_dtype = acc; f.lse = l2.p;
+    RK(ra_cuda_attn_fwd(&f, 0));
+    ra_merge_params m;
+    memset(&m, 0, sizeof m);
+    m.out1 = o1.p; m.lse1 = l1.p; m.out2 = o2.p; m.lse2 = l2.p; m.out = o.p; m.lse = l.p;
+    m.out1_dtype = t; m.out2_dtype = acc; m.out_dtype = t; m.lse_dtype = acc;
+    m.batch = B; m.seqlen = Sq; m.heads = H; m.head_dim = D;
+    // outs (B, S, H, D) contiguous; lses (B, H, S)
+    m.out1_batch_stride = m.out2_batch_stride = m.out_batch_stride = (int64_t)Sq * H * D;
+    m.out1_seq_stride = m.out2_seq_stride = m.out_seq_stride = (int64_t)H * D;
+    m.out1_head_stride = m.out2_head_stride = m.out_head_stride = D;
+    m.lse1_batch_stride = m.lse2_batch_stride = m.lse_batch_stride = (int64_t)H * Sq;
+    m.lse1_head_stride = m.lse2_head_stride = m.lse_head_stride = Sq;
+    m.lse1_seq_stride = m.lse2_seq_stride = m.lse_seq_stride = 1;
+    RK(ra_cuda_merge(&m, 0));
+    CK(cudaDeviceSynchronize());
+    const bool ok = cmp("merged out", down(o, nq, t), pr.ro, fwd_tol(t)) &&
+                    cmp("merged lse", down(l, nl, acc), pr.rl, fwd_tol(t));
+    printf("%-4s merge %-8s D=%d\n", ok ? "ok" : "FAIL", ra_dtype_name(t), D);
+    return ok;
+}
+
+/* dst (4, 5, 6) contiguous = cast(src viewed transposed (2, 0, 1)); the
+ * result equals the host conversion of the same values exactly. */
+static bool run_copy(ra_dtype s, ra_dtype d) {
+    const int n0 = 4, n1 = 5, n2 = 6, n = n0 * n1 * n2;
+    std::mt19937_64 rng(17 * (int)s + (int)d);
+    const auto x = rounded(randn(rng, n), s);     // stored as (n1, n2, n0)
+    Dev src(n * esize(s)), dst(n * esize(d));
+    up(src, encode(x, s));
+    ra_copy_params p;
+    memset(&p, 0, sizeof p);
+    p.ndim = 3; p.shape[0] = n0; p.shape[1] = n1; p.shape[2] = n2;
+    p.src = src.p; p.src_dtype = s;
+    p.src_strides[0] = 1; p.src_strides[1] = (int64_t)n2 * n0; p.src_strides[2] = n0;
+    p.dst = dst.p; p.dst_dtype = d;
+    p.dst_strides[0] = (int64_t)n1 * n2; p.dst_strides[1] = n2; p.dst_strides[2] = 1;
+    RK(ra_cuda_copy(&p, 0));
+    CK(cudaDeviceSynchronize());
+    std::vector<double> want(n);
+    for (int a = 0; a < n0; a++)
+        for (int b = 0; b < n1; b++)
+            for (int c = 0; c < n2; c++) want[(a * n1 + b) * n2 + c] = x[(b * n2 + c) * n0 + a];
+    const bool ok = cmp("copy", down(dst, n, d), rounded(want, d), 0.0);
+    printf("%-4s copy %s -> %s\n", ok ? "ok" : "FAIL", ra_dtype_name(s), ra_dtype_name(d));
+    return ok;
+}
+
+/* ---- the grids ------------------------------------------------------------ */
+
 int main(int argc, char **argv) {
-    // "quick": a small grid for compute-sanitizer runs
     const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    if (argc > 1 && !quick && strcmp(argv[1], "full") != 0) {
+        fprintf(stderr, "usage: %s [quick|full]\n", argv[0]);
+        return 2;
+    }
+    int dev_count = 0;
+    if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+        printf("selftest: no CUDA device\n");
+        return 2;
+    }
     const ra_dtype dts[] = {RA_BFLOAT16, RA_FLOAT16, RA_FLOAT32, RA_FLOAT64};
-    const int dims[] = {8, 59, 64, 128, 256};
+    const int dims[] = {8, 59, 64, 96, 128, 256};
+    //                         B   Sq   Sk  H  Hkv
     const int shapes[][5] = {{1, 1, 1, 1, 1}, {2, 7, 7, 2, 2}, {1, 113, 113, 4, 2},
                              {2, 65, 200, 3, 1}, {1, 200, 65, 2, 2}, {1, 130, 257, 2, 1}};
+    const int quick_shape[5] = {2, 17, 40, 2, 1};  // GQA, S_q != S_k, 2 query blocks
     int fails = 0, n = 0;
+    auto count = [&](bool ok) { fails += !ok; n++; };
     for (ra_dtype t : dts)
-        for (int D : dims)
-            for (int si = 0; si < 6; si++)
+        for (int D : dims) {
+            const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
+            if (quick) {
+                const int *s = quick_shape;
+                count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, true, false));
+                continue;
+            }
+            for (const auto &s : shapes)
                 for (int c = 0; c < 2; c++) {
-                    const int *s = shapes[si];
-                    if (quick && (si % 2 == 0 || D == 8 || D == 256)) continue;
-                    fails += !run_case(t, s[0], s[1], s[2], s[3], s[4], D, c);
-                    n++;
+                    count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, c, false));
+                    if (tc) count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, c, true));
                 }
-    // backward alone: odd sizes, GQA, S_q != S_k, empty query rows (causal with
-    // S_q > S_k), keys no query sees, affine positions, padded strides, float32
-    // grads and accumulate
-    const BwdCase bwd_cases[] = {
+        }
+    // odd sizes, GQA, S_q != S_k, empty query rows (causal with S_q > S_k),
+    // keys no query sees, affine positions, padded strides, float32 grads
+    // and accumulate
+    const StridedCase strided_cases[] = {
         //  B   Sq   Sk  H Hk  D  causal qoff qstr koff kstr pad f32  acc
         {2,   7,   7, 2, 2, 0, true,   0, 1, 0, 1, 0, false, false},
         {1, 113, 113, 4, 2, 0, true,   0, 1, 0, 1, 0, false, false},
@@ -377,17 +492,42 @@ int main(int argc, char **argv) {
         {1,  64, 128, 8, 1, 0, true,  64, 1, 0, 1, 0, false, false},
         {1, 128,  64, 2, 1, 0, true, -64, 1, 0, 1, 0, false, true},
     };
-    const ra_dtype bwd_dts[] = {RA_BFLOAT16, RA_FLOAT16, RA_FLOAT32};
-    for (ra_dtype t : bwd_dts)
-        for (int D : {64, 128, 59})
-            for (size_t ci = 0; ci < sizeof bwd_cases / sizeof bwd_cases[0]; ci++) {
-                if (quick && (ci % 3 != 1 || t == RA_FLOAT32 || D == 59)) continue;
-                if (D == 59 && t != RA_FLOAT32) continue;  // the generic path, once, as a control
-                BwdCase c = bwd_cases[ci];
+    for (ra_dtype t : dts)
+        for (int D : {64, 128, 59, 96})
+            for (size_t ci = 0; ci < sizeof strided_cases / sizeof strided_cases[0]; ci++) {
+                const bool sixteen = t == RA_FLOAT16 || t == RA_BFLOAT16;
+                // the tensor-core kernels on every case; the generic ones as a control
+                // quick: float32 grads and accumulate on each tensor-core
+                // instantiation (16-bit grads ran in run_case)
+                if (quick && (!(ci == 4 || ci == 7) || !sixteen || D == 59 || D == 96)) continue;
+                if (!sixteen && D != 59) continue;
+                if (sixteen && (D == 59 || D == 96) && ci % 4 != 0) continue;
+                StridedCase c = strided_cases[ci];
                 c.D = D;
-                fails += !run_bwd_case(t, c);
-                n++;
+                count(run_strided(t, c));
             }
-    printf("%d of %d cases failed\n", fails, n);
+    // huge scores: exact on the generic kernels; the tensor-core ones at
+    // sizes their float32 state resolves, and finite at 1e9
+    for (int c = 0; c < 2; c++) {
+        if (quick && c == 0) continue;
+        count(run_huge(RA_FLOAT32, 59, c, 1e9, false));
+        count(run_huge(RA_FLOAT64, 59, c, 1e18, false));
+        count(run_huge(RA_FLOAT16, 64, c, 300.0, false));
+        count(run_huge(RA_BFLOAT16, 64, c, 1e4, false));
+        count(run_huge(RA_BFLOAT16, 64, c, 1e9, true));
+        if (!quick) {
+            count(run_huge(RA_FLOAT32, 128, c, 1e9, false));
+            count(run_huge(RA_BFLOAT16, 96, c, 1e9, false));
+            count(run_huge(RA_FLOAT16, 128, c, 300.0, false));
+        }
+    }
+    for (ra_dtype t : dts)
+        for (int D : {59, 64}) {
+            if (quick && D == 64 && (t == RA_FLOAT32 || t == RA_FLOAT64)) continue;
+            count(run_merge(t, D));
+        }
+    for (ra_dtype s : dts)
+        for (ra_dtype d : dts) count(run_copy(s, d));
+    printf("selftest %s: %d of %d cases failed\n", quick ? "quick" : "full", fails, n);
     return fails ? 1 : 0;
 }

@@ -1,91 +1,459 @@
 #!/usr/bin/env bash
-# gpu_check.sh -- the one command a GPU session runs: build and install
-# ringattn with CUDA, run the GPU tests, run compute-sanitizer (memcheck and
-# racecheck) on a small grid with the caching allocator off, then the kernel
-# benchmark.  Logs go to $OUT (or ./gpu_check_logs).  Exit status is non-zero
-# if any stage failed; every stage runs regardless.
-set -u
-cd "$(dirname "$0")/.."
-LOG="${OUT:-$PWD/gpu_check_logs}"
-mkdir -p "$LOG"
-status=0
-stage() {  # stage NAME CMD...: run, tee the log, remember failures
-    local name="$1"; shift
-    echo "=== $name: $*" | tee "$LOG/$name.log"
+# gpu_check.sh -- ringattn's GPU bring-up, in stages that each fit one
+# 10-minute call of the device tool.  Run from anywhere; it works on the
+# repository it lives in.
+#
+# The three device calls (timeout_s 600 each; about 21 minutes of commands
+# plus three machine starts, about 25 device-minutes; a machine is bare
+# again 30 s after a call, so every call builds):
+#
+#   1. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build selftest tests
+#        build ~2 min, selftest ~1.5 min, tests ~2.5 min          (~6 min)
+#   2. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build sanitize
+#        build ~2 min, sanitize ~5 min                             (~7 min)
+#   3. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build nccl bench ringbench
+#        build ~2 min, nccl ~2 min, bench ~2.5 min, ringbench ~1.5 min
+#                                                                  (~8 min)
+#
+# Stages (any order, any subset; "all" = every stage):
+#   build      pip install --no-build-isolation --no-deps . with the CUDA
+#              part (RINGATTN_CUDA=1, RINGATTN_CUDA_ARCHS, default 90), only
+#              when no installed CUDA build of these sources is there (the
+#              installed package is imported from outside the tree); REBUILD=1
+#              forces it.  Stages that need the package build it first.
+#   selftest   tools/cuda_selftest.cu, every kernel variant vs float64
+#              ("full" grid); linked with the build's CUDA objects
+#   tests      pytest -m gpu tests/test_cuda.py tests/test_cuda_interop.py
+#   sanitize   compute-sanitizer memcheck, racecheck, synccheck, initcheck
+#              on "selftest quick", and memcheck on tools/sanitize_case.py,
+#              limited to ringattn's kernels
+#   nccl       pytest -m gpu tests/test_nccl.py (world size 1; 2-4 ranks on
+#              one GPU where NCCL >= 2.30; a silent and a killed peer)
+#   bench      ringattn bench --gpu (TFLOP/s next to SDPA flash/cuDNN, and
+#              accuracy by flash-attention's rule)
+#   ringbench  ringattn bench --ring --gpu (the NCCL ring, p = 1..4)
+#
+# What it prints: "== <stage> ..." as a stage starts and, for a stage that
+# failed, the tail of its log; the last lines are one "SUMMARY <stage>:
+# PASS|FAIL ..." line per stage (counts and key numbers).  Every log (and
+# the junit XML of the pytest stages) is written under $GPU_CHECK_WORK
+# (default /tmp/ringattn-gpu-check, outside $OUT and the tree) and packed
+# at exit into ONE archive, $OUT/gpu_check-<stages>.tar.gz (or under the
+# work folder when OUT is unset).  A stage without a GPU, or in which no
+# GPU test ran, FAILS.  The whole run keeps inside GPU_CHECK_BUDGET seconds
+# (default 570): a stage gets at most what is left, so the archive and the
+# summary are always written before the device tool's 600 s limit.
+#
+# Environment: PYTHON (default python3: the interpreter with torch there),
+# RINGATTN_CUDA_ARCHS (default 90), REBUILD=1, GPU_CHECK_WORK,
+# GPU_CHECK_BUDGET, SANITIZE_TOOLS (default "memcheck racecheck synccheck
+# initcheck"; a subset reruns one that ran out of time), CUDA_HOME.
+# Exit status: 0 when every stage passed.
+set -u -o pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+WORK="${GPU_CHECK_WORK:-/tmp/ringattn-gpu-check}"
+BUDGET="${GPU_CHECK_BUDGET:-570}"
+ARCHS="${RINGATTN_CUDA_ARCHS:-90}"
+export RINGATTN_CUDA_ARCHS="$ARCHS" PYTHONUNBUFFERED=1
+START=$SECONDS
+ALL_STAGES="build selftest tests sanitize nccl bench ringbench"
+# ringattn's kernels only (nvcc names a kernel of an anonymous namespace
+# after its source file: _GLOBAL__N__<hash>_<n>_attn_fwd_simt_cu_...)
+KERNEL_FILTER='regex=_GLOBAL__N__[0-9a-f]+_[0-9]+_(attn_[a-z_]+|merge|copy)_cu_'
+
+case "$PY" in
+    */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;;
+esac
+
+usage() {
+    sed -n '2,/^set -u/p' "$0" | sed 's/^# \{0,1\}//; /^set -u/d'
+    exit 2
+}
+
+STAGES=()
+for a in "$@"; do
+    case "$a" in
+        all) read -r -a STAGES <<<"$ALL_STAGES" ;;
+        build | selftest | tests | sanitize | nccl | bench | ringbench) STAGES+=("$a") ;;
+        -h | --help) usage ;;
+        *) echo "gpu_check.sh: unknown stage '$a' (stages: $ALL_STAGES, all)" >&2; exit 2 ;;
+    esac
+done
+[ ${#STAGES[@]} -gt 0 ] || usage
+
+RUN_ID="$(date +%Y%m%d-%H%M%S)-$$"
+LOGDIR="$WORK/logs/$RUN_ID"
+mkdir -p "$LOGDIR" || exit 2
+NAME="gpu_check-$(IFS=-; echo "${STAGES[*]}")"
+ARCHIVE="${OUT:-$WORK}/$NAME.tar.gz"
+declare -A RESULT=()        # stage -> "PASS ..." / "FAIL ..."
+ORDER=()                    # stages in the order they ran
+
+note() { echo "$*" | tee -a "$LOGDIR/gpu_check.log"; }
+
+record() {  # record STAGE VERDICT DETAILS...
+    local stage="$1" verdict="$2"; shift 2
+    [ -n "${RESULT[$stage]:-}" ] || ORDER+=("$stage")
+    RESULT[$stage]="$verdict $*"
+}
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+
+# run_logged NAME LIMIT CMD...: run CMD (cwd: the work folder, so Python
+# imports the installed ringattn) with output to $LOGDIR/NAME.log, killed
+# after LIMIT seconds or when the budget runs out; returns its status
+# (124 on timeout).
+run_logged() {
+    local name="$1" limit="$2"; shift 2
+    local budget=$(( $(left) - 20 ))
+    [ "$budget" -lt "$limit" ] && limit=$budget
+    if [ "$limit" -le 5 ]; then
+        echo "no time left in the ${BUDGET} s budget" >>"$LOGDIR/$name.log"
+        return 124
+    fi
+    echo "\$ $* (limit ${limit} s)" >>"$LOGDIR/$name.log"
+    (cd "$WORK" && timeout --signal=TERM --kill-after=10 "$limit" "$@") >>"$LOGDIR/$name.log" 2>&1
+}
+
+show_tail() {  # the end of a log on stdout (the device tool returns 12 KB)
+    echo "---- last lines of $1.log ----"
+    tail -n "${2:-25}" "$LOGDIR/$1.log" 2>/dev/null | cut -c1-300
+    echo "----"
+}
+
+py() { (cd "$WORK" && "$PY" "$@"); }
+
+cuda_reason() {  # empty when the installed ringattn sees a usable GPU
+    py -c 'import ringattn as ra
+print("" if ra.cuda_available() else "no GPU: " + ra.cuda_info()["reason"])' 2>&1 | tail -n 1
+}
+
+source_hash() {  # what the installed package is built from, and for which archs
+    { (cd "$REPO" && find setup.py pyproject.toml csrc cuda ringattn -type f \
+        ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum); echo "archs $ARCHS"; } |
+        sha256sum | cut -c1-16
+}
+
+# ---- stages ------------------------------------------------------------------
+
+stage_build() {
+    local hash have
+    hash="$(source_hash)"
+    have="$(py -c 'import ringattn as ra; print(ra.cuda_info()["built"])' 2>/dev/null)"
+    if [ "${REBUILD:-0}" != 1 ] && [ "$have" = True ] &&
+        { [ ! -f "$WORK/build.hash" ] || [ "$(cat "$WORK/build.hash")" = "$hash" ]; }; then
+        record build PASS "installed CUDA build already there (no rebuild)"
+        return 0
+    fi
+    note "== build: pip install --no-build-isolation (RINGATTN_CUDA=1, archs $ARCHS, $(nproc) jobs; ~2 min)"
     local t0=$SECONDS
-    "$@" >>"$LOG/$name.log" 2>&1
+    run_logged build 420 env -C "$REPO" RINGATTN_CUDA=1 RINGATTN_BUILD_JOBS="$(nproc)" \
+        "$PY" -m pip install --no-build-isolation --no-deps --no-index \
+        --disable-pip-version-check --no-cache-dir -v .
     local rc=$?
-    echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG/$name.log"
-    tail -n 25 "$LOG/$name.log"
-    [ $rc -eq 0 ] || status=1
+    local info
+    info="$(py -c 'import ringattn as ra
+i = ra.cuda_info()
+print("built=%s available=%s devices=%s nccl=%s"
+      % (i["built"], i["available"], i["devices"], ra.nccl_version()))' 2>&1 | tail -n 1)"
+    echo "installed: $info" >>"$LOGDIR/build.log"
+    if [ $rc -eq 0 ] && [[ "$info" == built=True* ]]; then
+        echo "$hash" >"$WORK/build.hash"
+        record build PASS "$((SECONDS - t0)) s; $info"
+    else
+        [ $rc -eq 124 ] && info="timed out; $info"
+        record build FAIL "rc=$rc; $info"
+        show_tail build 40
+        return 1
+    fi
+}
+
+need_build() {  # build first unless this run built or checked already
+    [ -n "${RESULT[build]:-}" ] || stage_build
+    [[ "${RESULT[build]}" == PASS* ]]
+}
+
+# The selftest binary, linked with the CUDA objects the build made (or
+# compiled here when there are none); rebuilt when its sources changed.
+selftest_binary() {
+    local dir="$WORK/selftest" arch="${ARCHS%%[;, ]*}"
+    arch="${arch#sm_}"
+    local hash
+    hash="$( (cd "$REPO" && find tools/cuda_selftest.cu tools/cuda_selftest_ref.h csrc cuda \
+        -type f \( -name '*.h' -o -name '*.cuh' -o -name '*.cu' -o -name 'status.c' \) \
+        -print0 | sort -z | xargs -0 cat) | sha256sum | cut -c1-16)-$arch"
+    if [ -x "$dir/selftest" ] && [ "$(cat "$dir/hash" 2>/dev/null)" = "$hash" ]; then
+        echo "$dir/selftest"
+        return 0
+    fi
+    mkdir -p "$dir/obj"
+    local nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
+    [ -x "$nvcc" ] || nvcc="$(command -v nvcc)"
+    local flags=(-O3 -std=c++17 -Xcompiler -fPIC --expt-relaxed-constexpr -DRA_WITH_CUDA
+                 -I"$REPO/csrc" -I"$REPO/cuda" -gencode "arch=compute_$arch,code=sm_$arch")
+    local srcs=("$REPO"/cuda/*.cu) objs=() src pid pids=() bad=0
+    # the objects of the build of these sources (same flags), when complete
+    if [ -f "$WORK/build.hash" ] && [ "$(cat "$WORK/build.hash")" = "$(source_hash)" ]; then
+        objs=("$REPO"/build/temp.*/cuda/*.cu.o)
+        [ -f "${objs[0]}" ] || objs=()
+    fi
+    if [ "${#objs[@]}" -ne "${#srcs[@]}" ]; then
+        objs=()
+        for src in "${srcs[@]}"; do     # one compile per file, all at once
+            objs+=("$dir/obj/$(basename "$src").o")
+            "$nvcc" -c "$src" -o "${objs[-1]}" "${flags[@]}" &
+            pids+=($!)
+        done
+        for pid in "${pids[@]}"; do wait "$pid" || bad=1; done
+        [ $bad -eq 0 ] || return 1
+    fi
+    gcc -c -O2 -std=gnu11 -I"$REPO/csrc" "$REPO/csrc/core/status.c" -o "$dir/obj/status_c.o" &&
+        "$nvcc" "${flags[@]}" "$REPO/tools/cuda_selftest.cu" "${objs[@]}" "$dir/obj/status_c.o" \
+            -o "$dir/selftest" || return 1
+    echo "$hash" >"$dir/hash"
+    echo "$dir/selftest"
+}
+
+# build_selftest: print the selftest binary's path; fails (with the tail
+# of its log on stderr) when it does not build
+build_selftest() {
+    export -f selftest_binary source_hash
+    export ARCHS WORK REPO
+    run_logged selftest_build 300 bash -c selftest_binary
+    local bin
+    bin="$(tail -n 1 "$LOGDIR/selftest_build.log")"
+    if [ ! -x "$bin" ]; then
+        show_tail selftest_build 30 >&2
+        return 1
+    fi
+    echo "$bin"
+}
+
+stage_selftest() {
+    note "== selftest: every kernel variant vs float64, full grid (~1.5 min)"
+    local bin rc
+    if ! bin="$(build_selftest)"; then
+        record selftest FAIL "the selftest did not build (selftest_build.log)"
+        return 1
+    fi
+    run_logged selftest 300 "$bin" full
+    rc=$?
+    local last fails
+    last="$(grep -E '^selftest (full|quick):' "$LOGDIR/selftest.log" | tail -n 1)"
+    fails="$(grep -E '^FAIL' "$LOGDIR/selftest.log" | head -n 3 | tr '\n' ';')"
+    fails="${fails:+; first failures: ${fails%;}}"
+    if [ $rc -eq 0 ]; then
+        record selftest PASS "${last#selftest full: }"
+    else
+        grep -q 'no CUDA device' "$LOGDIR/selftest.log" && last="no GPU (no CUDA device)"
+        [ $rc -eq 124 ] && last="timed out; $last"
+        record selftest FAIL "rc=$rc; ${last:-no summary line}${fails}"
+        show_tail selftest 30
+        return 1
+    fi
+}
+
+# pytest_stage NAME FILES...: the GPU tests of FILES; PASS only when some
+# ran and none failed
+pytest_stage() {
+    local name="$1"; shift
+    local why
+    why="$(cuda_reason)"
+    if [ -n "$why" ]; then
+        record "$name" FAIL "$why"
+        return 1
+    fi
+    run_logged "$name" 500 "$PY" -m pytest -m gpu -rs --maxfail=30 -q -p no:cacheprovider \
+        --junitxml="$LOGDIR/$name.xml" "$@"
+    local rc=$?
+    local counts
+    counts="$(py - "$LOGDIR/$name.xml" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    print("0 0 0")
+    sys.exit()
+run = failed = skipped = 0
+for case in root.iter("testcase"):
+    kinds = {child.tag for child in case}
+    if "skipped" in kinds:
+        skipped += 1
+    elif kinds & {"failure", "error"}:
+        failed += 1
+    else:
+        run += 1
+print(run, failed, skipped)
+PY
+)"
+    local passed failed skipped
+    read -r passed failed skipped <<<"$counts"
+    local text="$passed passed, $failed failed, $skipped skipped"
+    if [ "$rc" -eq 0 ] && [ "${passed:-0}" -gt 0 ] && [ "${failed:-0}" -eq 0 ]; then
+        # what was skipped and why (multi-rank NCCL, a missing framework, ...)
+        grep -E '^SKIPPED' "$LOGDIR/$name.log" | head -n 8 | cut -c1-200
+        record "$name" PASS "$text"
+    else
+        [ "${passed:-0}" -eq 0 ] && text="$text: no GPU test ran"
+        [ "$rc" -eq 124 ] && text="timed out; $text"
+        record "$name" FAIL "rc=$rc; $text"
+        grep -E '^(FAILED|ERROR)' "$LOGDIR/$name.log" | head -n 15 | cut -c1-300
+        show_tail "$name" 15
+        return 1
+    fi
+}
+
+stage_tests() {
+    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py (~2.5 min)"
+    pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_interop.py"
+}
+
+stage_nccl() {
+    local v
+    v="$(py -c 'import ringattn as ra; print(ra.nccl_version())' 2>&1 | tail -n 1)"
+    note "== nccl: pytest -m gpu test_nccl.py; NCCL $v (~2 min)"
+    pytest_stage nccl "$REPO/tests/test_nccl.py"
+    local rc=$?
+    RESULT[nccl]="${RESULT[nccl]}; NCCL $v"
     return $rc
 }
 
-nvidia-smi >"$LOG/nvidia-smi.log" 2>&1 || true
-export RINGATTN_CUDA=1
-
-# 1. the kernels alone, against a float64 CPU reference (no Python layer)
-NVCC="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
-SELF="$LOG/selftest_build"; mkdir -p "$SELF"
-build_selftest() {
-    local flags="-O3 -std=c++17 -Xcompiler -fPIC --expt-relaxed-constexpr -Icsrc -Icuda -DRA_WITH_CUDA -arch=native"
-    ls cuda/*.cu | xargs -P 8 -I{} sh -c "$NVCC $flags -c {} -o $SELF/\$(basename {} .cu).o" &&
-    gcc -c -O2 -std=gnu11 -Icsrc csrc/core/status.c -o "$SELF/status_c.o" &&
-    $NVCC $flags tools/cuda_selftest.cu "$SELF"/*.o -o "$SELF/selftest"
+stage_sanitize() {
+    note "== sanitize: ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck} on selftest quick, memcheck on sanitize_case.py (~5 min)"
+    local san
+    san="$(command -v compute-sanitizer || true)"
+    [ -n "$san" ] || san="${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"
+    if [ ! -x "$san" ]; then
+        record sanitize FAIL "no compute-sanitizer (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin)"
+        return 1
+    fi
+    local why
+    why="$(cuda_reason)"
+    if [ -n "$why" ]; then
+        record sanitize FAIL "$why"
+        return 1
+    fi
+    local bin
+    if ! bin="$(build_selftest)"; then
+        record sanitize FAIL "the selftest did not build (selftest_build.log)"
+        return 1
+    fi
+    local tool rc out verdict=PASS parts=()
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+        run_logged "sanitize_$tool" 180 "$san" --tool "$tool" --error-exitcode 9 \
+            --kernel-name "$KERNEL_FILTER" "$bin" quick
+        rc=$?
+        out="$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SUMMARY:' "$LOGDIR/sanitize_$tool.log" |
+            tail -n 1 | sed 's/^=* *//')"
+        if [ $rc -eq 0 ]; then
+            parts+=("$tool clean")
+        else
+            verdict=FAIL
+            [ $rc -eq 124 ] && out="timed out"
+            parts+=("$tool rc=$rc ${out}")
+            show_tail "sanitize_$tool" 20
+        fi
+    done
+    run_logged sanitize_python 120 env RINGATTN_CUDA_CACHING=0 "$san" --tool memcheck \
+        --error-exitcode 9 --kernel-name "$KERNEL_FILTER" "$PY" "$REPO/tools/sanitize_case.py"
+    rc=$?
+    if [ $rc -eq 0 ] && grep -q 'sanitize case done' "$LOGDIR/sanitize_python.log"; then
+        parts+=("python memcheck clean")
+    else
+        verdict=FAIL
+        parts+=("python memcheck rc=$rc")
+        show_tail sanitize_python 20
+    fi
+    local joined
+    joined="$(printf '%s, ' "${parts[@]}")"
+    record sanitize "$verdict" "${joined%, }"
+    [ "$verdict" = PASS ]
 }
-stage selftest_build build_selftest
-stage selftest "$SELF/selftest"
-# 2. the package and its GPU tests
-stage build python -m pip install --no-build-isolation -v . || { echo "build failed"; exit 1; }
-# run the tests from outside the source tree so the installed package is used
-stage tests bash -c "cd /tmp && python -m pytest -x -q -m gpu '$PWD/tests/test_cuda.py' -p no:cacheprovider"
 
-cat >"$LOG/sanitize_case.py" <<'PY'
-import numpy as np, ringattn as ra, torch
-rng = np.random.default_rng(0)
-for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-    for D in (8, 64, 128, 200):
-        for causal in (False, True):
-            q = torch.tensor(rng.standard_normal((2, 77, 4, D)), device="cuda", dtype=dt)
-            k = torch.tensor(rng.standard_normal((2, 130, 2, D)), device="cuda", dtype=dt)
-            v = torch.tensor(rng.standard_normal((2, 130, 2, D)), device="cuda", dtype=dt)
-            out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
-            dq, dk, dv = ra.attention_backward(torch.ones_like(out), q, k, v, out, lse, causal=causal)
-            o1, l1 = ra.attention(q, k[:, :60], v[:, :60], return_lse=True)
-            o2, l2 = ra.attention(q, k[:, 60:], v[:, 60:], return_lse=True)
-            ra.merge(o1, l1, o2, l2)
-torch.cuda.synchronize()
-print("sanitize case done")
-PY
-SAN=compute-sanitizer
-command -v $SAN >/dev/null || SAN=/usr/local/cuda/bin/compute-sanitizer
-for tool in memcheck racecheck; do
-    RINGATTN_CUDA_CACHING=0 stage "sanitizer_$tool" \
-        $SAN --tool $tool --error-exitcode 9 python "$LOG/sanitize_case.py"
+bench_stage() {  # bench_stage NAME SUMMARY-PREFIX ARGS...
+    local name="$1" prefix="$2"; shift 2
+    run_logged "$name" 420 "$PY" -m ringattn bench "$@"
+    local rc=$?
+    local line
+    line="$(grep -E "^$prefix:" "$LOGDIR/$name.log" | tail -n 1)"
+    line="${line#"$prefix": }"
+    if [ $rc -eq 0 ]; then
+        record "$name" PASS "$line"
+    else
+        [ $rc -eq 124 ] && line="timed out; $line"
+        record "$name" FAIL "rc=$rc; ${line:-no summary line}"
+        show_tail "$name" 30
+        return 1
+    fi
+}
+
+stage_bench() {
+    note "== bench: ringattn bench --gpu (~2.5 min)"
+    bench_stage bench bench-gpu --gpu
+}
+
+stage_ringbench() {
+    note "== ringbench: ringattn bench --ring --gpu (~1.5 min)"
+    bench_stage ringbench bench-gpu-ring --ring --gpu
+}
+
+# ---- environment, summary, archive ---------------------------------------------
+
+environment() {
+    {
+        echo "date: $(date -u)"
+        echo "repo: $REPO ($(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo no git))"
+        echo "python: $PY"
+        nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+        "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version 2>&1 || echo "nvcc: not found"
+        py -c 'import sys; print("python", sys.version.split()[0])' 2>&1
+        py -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())' 2>&1 | tail -n 1
+        "$PY" -m pip list 2>/dev/null | grep -iE '^(numpy|torch|cupy|jax|jaxlib|nvidia-nccl)' || true
+        nproc
+    } >"$LOGDIR/env.log" 2>&1
+    local gpu
+    gpu="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
+    note "gpu_check: stages ${STAGES[*]}; GPU: ${gpu:-none found}; python $PY; budget ${BUDGET} s; logs $LOGDIR"
+    ENV_LINE="GPU ${gpu:-none}; $(grep -m1 -E '^torch ' "$LOGDIR/env.log" || echo 'no torch'); nvcc $(grep -m1 -oE 'release [0-9.]+' "$LOGDIR/env.log" | cut -d' ' -f2)"
+}
+
+finish() {
+    local status=0 s
+    {
+        echo "env: $ENV_LINE"
+        for s in "${ORDER[@]}"; do echo "$s: ${RESULT[$s]}"; done
+    } >"$LOGDIR/summary.txt"
+    mkdir -p "$(dirname "$ARCHIVE")" 2>/dev/null
+    if tar -czf "$ARCHIVE" -C "$WORK/logs" "$RUN_ID" 2>/dev/null; then
+        echo "logs: $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1)), $(( SECONDS - START )) s in all"
+    else
+        echo "logs: could not write $ARCHIVE; they are in $LOGDIR"
+    fi
+    echo "SUMMARY env: $ENV_LINE"
+    for s in "${ORDER[@]}"; do
+        echo "SUMMARY $s: ${RESULT[$s]}" | cut -c1-400
+        [[ "${RESULT[$s]}" == PASS* ]] || status=1
+    done
+    return $status
+}
+
+ENV_LINE="unknown"
+environment
+for stage in "${STAGES[@]}"; do
+    [ -n "${RESULT[$stage]:-}" ] && continue          # ran already (build via need_build)
+    if [ "$(left)" -le 30 ]; then
+        record "$stage" FAIL "not run: no time left in the ${BUDGET} s budget"
+        continue
+    fi
+    if [ "$stage" != build ] && ! need_build; then
+        record "$stage" FAIL "not run: no installed CUDA build"
+        continue
+    fi
+    t0=$SECONDS
+    "stage_$stage"
+    echo "   ($stage took $((SECONDS - t0)) s)" >>"$LOGDIR/gpu_check.log"
 done
-RINGATTN_CUDA_CACHING=0 stage sanitizer_synccheck \
-    $SAN --tool synccheck --error-exitcode 9 python "$LOG/sanitize_case.py"
-# the quick grid covers the tensor-core backward (bf16/fp16, D 64/128, causal,
-# GQA, empty rows, accumulate); synccheck/initcheck for its barriers and reads
-for tool in memcheck racecheck synccheck initcheck; do
-    stage "sanitizer_selftest_$tool" $SAN --tool $tool --error-exitcode 9 "$SELF/selftest" quick
-done
-
-stage bench python -c "import ringattn.bench_gpu as b; open('$LOG/bench_table.txt','w').write(b.run())"
-# ---------------------------------------------------------------------------
-# NCCL backend (comm_nccl.c): world size 1 through the whole ring path, then,
-# where NCCL >= 2.30 lets several ranks share the one GPU
-# (NCCL_MULTI_RANK_GPU_ENABLE=1), 2-4 ranks forward+backward vs the float64
-# reference for every layout and causal, a silent peer and a killed rank.
-# (Kept before the summary below so that it runs.)
-stage nccl_version python -c "import ringattn as ra; print(ra.nccl_version())"
-stage nccl_world1 bash -c "cd /tmp && python -m pytest -q -m gpu -p no:cacheprovider '$PWD/tests/test_nccl.py' -k 'not test_ring_matches_reference and not explicit_unique_id and not silent_peer and not killed_rank'"
-if python -c "import ringattn as ra, sys; v = ra.nccl_version(); sys.exit(0 if v is not None and v >= (2, 30, 0) else 1)"; then
-    NCCL_MULTI_RANK_GPU_ENABLE=1 stage nccl_multirank bash -c "cd /tmp && python -m pytest -q -m gpu -p no:cacheprovider '$PWD/tests/test_nccl.py' -k 'test_ring_matches_reference or explicit_unique_id or silent_peer or killed_rank'"
-else
-    echo "=== nccl_multirank: skipped (NCCL < 2.30 cannot put several ranks on one GPU)" | tee "$LOG/nccl_multirank.log"
-fi
-# ---------------------------------------------------------------------------
-
-echo "logs in $LOG; overall status $status"
-exit $status
+finish

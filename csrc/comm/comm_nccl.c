@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef RA_WITH_CUDA
+#ifdef RA_WITH_NCCL
 
 #include <math.h>
 #include <time.h>
@@ -446,7 +446,7 @@ leave:
     return st;
 }
 
-#else /* !RA_WITH_CUDA */
+#else /* !RA_WITH_NCCL */
 
 ra_status ra_nccl_comm_create(const ra_nccl_options *o, ra_comm **out) {
     (void)o;
@@ -454,4 +454,4 @@ ra_status ra_nccl_comm_create(const ra_nccl_options *o, ra_comm **out) {
     return ra_nccl_unsupported();
 }
 
-#endif /* RA_WITH_CUDA */
+#endif /* RA_WITH_NCCL */

@@ -15,7 +15,7 @@
 
 #include "comm/nccl_loader.h"   /* comm.h, and the stubs' message without CUDA */
 
-#ifdef RA_WITH_CUDA
+#ifdef RA_WITH_NCCL
 
 #include <cuda_runtime.h>
 
@@ -68,5 +68,5 @@ void ra_nccl_fail_all_ops(nccl_state *nc, const char *msg);
 ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r);
 ra_status ra_nccl_wait(ra_comm *c, ra_req *r, double deadline);
 
-#endif /* RA_WITH_CUDA */
+#endif /* RA_WITH_NCCL */
 #endif /* RA_COMM_NCCL_INTERNAL_H */

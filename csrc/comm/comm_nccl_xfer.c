@@ -14,6 +14,16 @@
  * allgather) through device scratch; the waiting caller polls their event
  * and copies the received bytes out.  Device transfers are retired by the
  * watchdog (comm_nccl.c) once their event completed.
+ *
+ * Memory and streams (cuda_rt.c's caching pool relies on this): the comm
+ * stream touches no buffer before it waited for the compute stream (device
+ * transfers wait for the caller's stream, staged ones for the compute
+ * stream, whose scratch block may have been in use there until its free),
+ * and every op, however it ends, hands its completion back to the compute
+ * stream before its buffers or scratch can be freed and reused: wait()
+ * does so for the caller's stream, and retiring an op (success, failure,
+ * abort) makes the compute stream wait for it too.  After an abort NCCL's
+ * kernels exit, so that wait ends.
  */
 #include "comm/comm_nccl_internal.h"
 #include "core/cuda_rt.h"
@@ -21,7 +31,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#ifdef RA_WITH_CUDA
+#ifdef RA_WITH_NCCL
 
 #include <errno.h>
 #include <sched.h>
@@ -110,9 +120,21 @@ static void event_put_locked(nccl_state *nc, cudaEvent_t ev) {
         (void)cudaEventDestroy(ev);
 }
 
+/* Make the compute stream wait for `op`'s completion event (recorded on
+ * the comm stream), so that memory the op used is not reused before the
+ * comm stream is done with it.  Errors are left to the next CUDA call. */
+static void compute_waits_for(nccl_state *nc, cudaEvent_t done) {
+    void *compute = NULL;
+    if (done == NULL || ra_cuda_compute_stream(nc->device, &compute) != RA_OK)
+        return;
+    if (cudaStreamWaitEvent((cudaStream_t)compute, done, 0) != cudaSuccess)
+        (void)cudaGetLastError();
+}
+
 void ra_nccl_op_retire_locked(nccl_state *nc, nccl_op *op, ra_status st,
                               const char *msg) {
     ra_comm *c = nc->c;
+    compute_waits_for(nc, op->done);
     pthread_mutex_lock(&c->mu);
     op->req->impl = NULL;
     ra_req_finish_locked(op->req, st, msg);
@@ -172,6 +194,20 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
         snprintf(err, n, "%s", ra_last_error());
         return st;
     }
+    /* the comm stream first waits for the work that came before: on the
+     * caller's stream (device transfers: the kernels that wrote the send
+     * block or still read the receive block), or on the compute stream
+     * (staged: the scratch block may have served it until its free) */
+    void *before = op->staged ? NULL : x->stream;
+    if (before == NULL) {
+        st = ra_cuda_compute_stream(nc->device, &before);
+        if (st != RA_OK) {
+            snprintf(err, n, "%s", ra_last_error());
+            return st;
+        }
+    }
+    ISSUE_CUDA(cudaEventRecord(nc->ready, (cudaStream_t)before));
+    ISSUE_CUDA(cudaStreamWaitEvent(nc->stream, nc->ready, 0));
     if (op->staged) {
         /* small host values (generic barrier/allgather): copy in, and out
          * again when the caller waits */
@@ -188,19 +224,6 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
         if (x->dst >= 0 && x->send_nbytes > 0)
             ISSUE_CUDA(cudaMemcpyAsync(op->scratch, x->send, x->send_nbytes,
                                        cudaMemcpyHostToDevice, nc->stream));
-    } else {
-        void *caller = x->stream;
-        if (caller == NULL) {
-            st = ra_cuda_compute_stream(nc->device, &caller);
-            if (st != RA_OK) {
-                snprintf(err, n, "%s", ra_last_error());
-                return st;
-            }
-        }
-        /* the kernels that wrote the send block, or still read the receive
-         * block, run before the transfer */
-        ISSUE_CUDA(cudaEventRecord(nc->ready, (cudaStream_t)caller));
-        ISSUE_CUDA(cudaStreamWaitEvent(nc->stream, nc->ready, 0));
     }
     if (x->dst == c->rank) {
         if (x->send_nbytes > 0 && send != recv)
@@ -286,6 +309,12 @@ ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r) {
     pthread_mutex_unlock(&nc->issue_mu);
     if (st != RA_OK) {
         snprintf(msg, sizeof msg, "%s%s", pre, err);
+        /* part of the op may be queued on the comm stream: mark its end and
+         * let the compute stream wait for it before the scratch is reused */
+        if (op->done != NULL &&
+            cudaEventRecord(op->done, nc->stream) == cudaSuccess)
+            compute_waits_for(nc, op->done);
+        (void)cudaGetLastError();
         pthread_mutex_lock(&nc->lock);
         if (op->scratch != NULL)
             (void)ra_cuda_free(nc->device, op->scratch, op->scratch_bytes);
@@ -402,4 +431,4 @@ ra_status ra_nccl_wait(ra_comm *c, ra_req *r, double deadline) {
     }
 }
 
-#endif /* RA_WITH_CUDA: without it the backend is comm_nccl.c's stubs */
+#endif /* RA_WITH_NCCL: without it the backend is comm_nccl.c's stubs */

@@ -16,9 +16,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef RA_WITH_CUDA
+#ifdef RA_WITH_NCCL
 
+#include <cuda_runtime_api.h>    /* CUDART_VERSION: the wheel to name */
 #include <dlfcn.h>
+
+/* The NVIDIA wheel that carries an NCCL for the CUDA major version this
+ * build's runtime belongs to (the wheels are per CUDA major). */
+#if CUDART_VERSION >= 13000
+#define RA_NCCL_WHEEL "nvidia-nccl-cu13"
+#elif CUDART_VERSION >= 12000
+#define RA_NCCL_WHEEL "nvidia-nccl-cu12"
+#else
+#define RA_NCCL_WHEEL "nvidia-nccl-cu11"
+#endif
+#define RA_STR2(x) #x
+#define RA_STR(x) RA_STR2(x)
 
 _Static_assert(NCCL_UNIQUE_ID_BYTES == RA_NCCL_ID_BYTES,
                "RA_NCCL_ID_BYTES must match NCCL_UNIQUE_ID_BYTES");
@@ -92,8 +105,11 @@ ra_status ra_nccl_load(const char *fallback) {
     pthread_mutex_unlock(&api_mu);
     ra_set_error(RA_ERR_NCCL,
                  "cannot load NCCL for the 'nccl' backend; tried %s. Install "
-                 "it (e.g. pip install nvidia-nccl-cu12) or set "
-                 "RINGATTN_NCCL_LIBRARY to the path of libnccl.so.2",
+                 "it (pip install " RA_NCCL_WHEEL ": ringattn was built "
+                 "with CUDA runtime " RA_STR(CUDART_VERSION) "; "
+                 "nvidia-nccl-cu13 is for CUDA 13, nvidia-nccl-cu12 for "
+                 "CUDA 12) or set RINGATTN_NCCL_LIBRARY to the path of "
+                 "libnccl.so.2",
                  used ? tried : "nothing (no candidate path)");
     return RA_ERR_NCCL;
 }
@@ -148,7 +164,7 @@ ra_status ra_nccl_unique_id(const char *library,
     return RA_OK;
 }
 
-#else /* !RA_WITH_CUDA */
+#else /* !RA_WITH_NCCL */
 
 ra_status ra_nccl_version(const char *library, int *major, int *minor,
                           int *patch) {
@@ -164,4 +180,4 @@ ra_status ra_nccl_unique_id(const char *library,
     return ra_nccl_unsupported();
 }
 
-#endif /* RA_WITH_CUDA */
+#endif /* RA_WITH_NCCL */

@@ -10,12 +10,36 @@
  *
  * The caching pool: freed blocks go onto a per-device free list of their
  * size class (sizes rounded up to m * 2^e with m in 5..8, so at most 25%
- * is wasted) and are handed out again to requests of the same class.  All
- * of ringattn's kernels run on its one compute stream per device, so a block
- * freed while kernels that use it are still queued is only reused by work
- * queued after them on that same stream.  RINGATTN_CUDA_CACHING=0 turns the
- * pool off (plain cudaMalloc/cudaFree) for compute-sanitizer runs.
- * memory_stats()["cuda"] counts the bytes callers hold, not the cache.
+ * is wasted) and are handed out again to requests of the same class.
+ * RINGATTN_CUDA_CACHING=0 turns the pool off (plain cudaMalloc/cudaFree)
+ * for compute-sanitizer runs.  memory_stats()["cuda"] counts the bytes
+ * callers hold, not the cache.
+ *
+ * When may a freed block be handed out again?  The pool orders by streams
+ * (free with stream ordering), which needs one invariant: every use of a
+ * block ringattn allocated is ordered after ringattn's compute stream of
+ * its device at the time of the use.  Kernels and copies run on that
+ * stream; a DLPack consumer waits for it (ra_cuda_export_sync); the NCCL
+ * communicator's stream waits for it before it touches a buffer.  A block
+ * that only ringattn's streams touched is therefore safe to reuse as soon
+ * as it is freed: the new work is queued after the old on the compute
+ * stream, and the communicator hands its transfers back to that stream
+ * (comm_nccl_xfer.c) before their buffers can be freed.  A block exported
+ * through DLPack to another stream is different: the consumer may still
+ * have reads queued there when it drops the tensor.  Such blocks are noted
+ * at export (shared_blocks) and, when freed,
+ *   - exported to the legacy default stream (PyTorch's default): the
+ *     compute stream waits for an event recorded on that stream now, so
+ *     reuse is queued after the consumer's reads; the legacy stream is
+ *     always valid, from any thread;
+ *   - exported to any other stream: that stream may be gone by now, or be
+ *     another thread's per-thread stream, so no event can be recorded on
+ *     it.  The block is returned with cudaFree, which synchronises the
+ *     device (every stream's queued work finishes first), with the GIL
+ *     released, and is not cached.
+ * Recording an event per block at every free, or cudaFreeAsync on the
+ * compute stream, would not be sound for the second case and adds nothing
+ * for blocks only ringattn's streams used.
  */
 #include "core/module.h"
 #include "core/cuda_rt.h"
@@ -160,9 +184,59 @@ typedef struct free_block {
     struct free_block *next;
 } free_block;
 
+/* A block exported through DLPack to a stream other than the compute
+ * stream: its pointer and the DLPack stream value (1 legacy default, or
+ * RA_STREAM_UNKNOWN when it was anything else or several streams). */
+typedef struct shared_block {
+    void *ptr;
+    intptr_t stream;
+    struct shared_block *next;
+} shared_block;
+
+#define RA_SHARED_BUCKETS 256
+#define RA_STREAM_UNKNOWN ((intptr_t)-1)
+
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static free_block *pool_free[RA_MAX_DEVICES][RA_N_CLASSES];
+static shared_block *shared_blocks[RA_SHARED_BUCKETS];   /* under pool_lock */
 static int caching_mode = -1;    /* -1 unknown, 0 off, 1 on (under lock) */
+
+static size_t shared_bucket(const void *ptr) {
+    return ((uintptr_t)ptr >> 9) % RA_SHARED_BUCKETS;
+}
+
+/* Note that `ptr` was exported to `stream` (pool_lock held).  A second
+ * stream makes it "unknown": the free then synchronises the device. */
+static int shared_note_locked(void *ptr, intptr_t stream) {
+    shared_block **head = &shared_blocks[shared_bucket(ptr)];
+    for (shared_block *e = *head; e != NULL; e = e->next)
+        if (e->ptr == ptr) {
+            if (e->stream != stream) e->stream = RA_STREAM_UNKNOWN;
+            return 0;
+        }
+    shared_block *e = (shared_block *)malloc(sizeof *e);
+    if (e == NULL) return -1;
+    e->ptr = ptr;
+    e->stream = stream;
+    e->next = *head;
+    *head = e;
+    return 0;
+}
+
+/* Forget `ptr`; 1 and its stream in *stream if it was noted (pool_lock
+ * held). */
+static int shared_take_locked(void *ptr, intptr_t *stream) {
+    for (shared_block **link = &shared_blocks[shared_bucket(ptr)];
+         *link != NULL; link = &(*link)->next)
+        if ((*link)->ptr == ptr) {
+            shared_block *e = *link;
+            *stream = e->stream;
+            *link = e->next;
+            free(e);
+            return 1;
+        }
+    return 0;
+}
 
 static int caching_enabled(void) {
     pthread_mutex_lock(&pool_lock);
@@ -257,12 +331,51 @@ exit:
     return st;
 }
 
+/* cudaFree, which first waits for all work queued on the device, with the
+ * GIL released when this thread holds it (a consumer's queued work may wait
+ * on a host callback that needs it). */
+static cudaError_t free_synchronising(void *ptr) {
+    PyThreadState *ts = PyGILState_Check() ? PyEval_SaveThread() : NULL;
+    cudaError_t e = cudaFree(ptr);
+    if (ts != NULL) PyEval_RestoreThread(ts);
+    return e;
+}
+
+/* Order the compute stream of the current device (`s`) after the work
+ * queued on the legacy default stream so far. */
+static cudaError_t wait_for_legacy_stream(cudaStream_t s) {
+    cudaEvent_t ev = NULL;
+    cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (e != cudaSuccess) return e;
+    e = cudaEventRecord(ev, cudaStreamLegacy);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(s, ev, 0);
+    (void)cudaEventDestroy(ev);    /* the wait keeps what it needs */
+    return e;
+}
+
 ra_status ra_cuda_free(int device, void *ptr, size_t nbytes) {
     if (ptr == NULL) return RA_OK;
+    intptr_t consumer = 0;
+    pthread_mutex_lock(&pool_lock);
+    const int shared = shared_take_locked(ptr, &consumer);
+    pthread_mutex_unlock(&pool_lock);
+    const int caching = caching_enabled();
+    void *compute = NULL;
+    if (shared && caching && consumer != RA_STREAM_UNKNOWN &&
+        ra_cuda_compute_stream(device, &compute) != RA_OK)
+        consumer = RA_STREAM_UNKNOWN;
     int prev = 0;
     RA_CHECK(enter_device(device, &prev));
     ra_status st = RA_OK;
-    if (caching_enabled()) {
+    if (shared && caching && consumer != RA_STREAM_UNKNOWN &&
+        wait_for_legacy_stream((cudaStream_t)compute) != cudaSuccess) {
+        (void)cudaGetLastError();
+        consumer = RA_STREAM_UNKNOWN;      /* fall back to synchronising */
+    }
+    if (shared && (!caching || consumer == RA_STREAM_UNKNOWN)) {
+        /* maybe still read on a stream we cannot name: see the top */
+        CUDA_CHECKGOTO(free_synchronising(ptr), st, exit);
+    } else if (caching) {
         int cls = 0;
         (void)size_class(nbytes == 0 ? 1 : nbytes, &cls);
         free_block *b = (free_block *)malloc(sizeof *b);
@@ -285,6 +398,8 @@ exit:
     return st;
 }
 
+static int compute_stream_exists(int device);
+
 void ra_cuda_empty_cache(void) {
     if (!ra_cuda_available(NULL)) return;
     int prev = 0;
@@ -292,8 +407,11 @@ void ra_cuda_empty_cache(void) {
         (void)cudaGetLastError();
         return;
     }
-    /* Pending kernels may still use cached blocks: finish them first. */
-    for (int d = 0; d < avail_count; d++) (void)ra_cuda_synchronize(d);
+    /* Pending kernels may still use cached blocks: finish them first, on
+     * the devices ringattn ran on (synchronising the others would create a
+     * context, and memory, on every GPU of the machine). */
+    for (int d = 0; d < avail_count; d++)
+        if (compute_stream_exists(d)) (void)ra_cuda_synchronize(d);
     pthread_mutex_lock(&pool_lock);
     release_cached_locked(-1);
     pthread_mutex_unlock(&pool_lock);
@@ -304,6 +422,13 @@ void ra_cuda_empty_cache(void) {
 
 static pthread_mutex_t stream_lock = PTHREAD_MUTEX_INITIALIZER;
 static cudaStream_t compute_streams[RA_MAX_DEVICES];
+
+static int compute_stream_exists(int device) {
+    pthread_mutex_lock(&stream_lock);
+    int exists = compute_streams[device] != NULL;
+    pthread_mutex_unlock(&stream_lock);
+    return exists;
+}
 
 ra_status ra_cuda_compute_stream(int device, void **stream) {
     *stream = NULL;
@@ -347,8 +472,8 @@ exit:
 /* DLPack stream numbering: -1 = no synchronisation wanted, 1 = the legacy
  * default stream, 2 = the per-thread default stream, anything else is a
  * cudaStream_t.  0 is ambiguous in the protocol; it is treated as legacy. */
-ra_status ra_cuda_export_sync(int device, intptr_t consumer_stream) {
-    if (consumer_stream == -1) return RA_OK;
+ra_status ra_cuda_export_sync(int device, void *block,
+                              intptr_t consumer_stream) {
     void *s = NULL;
     RA_CHECK(ra_cuda_compute_stream(device, &s));
     cudaStream_t consumer;
@@ -359,6 +484,20 @@ ra_status ra_cuda_export_sync(int device, intptr_t consumer_stream) {
     else
         consumer = (cudaStream_t)consumer_stream;
     if (consumer == (cudaStream_t)s) return RA_OK;
+    if (block != NULL) {
+        /* read outside the compute stream from now on: the free must wait
+         * for the consumer (see the top of this file) */
+        pthread_mutex_lock(&pool_lock);
+        int bad = shared_note_locked(block, consumer == cudaStreamLegacy
+                                                ? (intptr_t)1
+                                                : RA_STREAM_UNKNOWN);
+        pthread_mutex_unlock(&pool_lock);
+        if (bad) {
+            ra_set_error(RA_ERR_NOMEM, "out of host memory");
+            return RA_ERR_NOMEM;
+        }
+    }
+    if (consumer_stream == -1) return RA_OK;   /* the consumer syncs itself */
     int prev = 0;
     RA_CHECK(enter_device(device, &prev));
     ra_status st = RA_OK;
@@ -472,8 +611,9 @@ ra_status ra_cuda_compute_stream(int device, void **stream) {
     *stream = NULL;
     return no_cuda();
 }
-ra_status ra_cuda_export_sync(int device, intptr_t consumer_stream) {
-    (void)device; (void)consumer_stream;
+ra_status ra_cuda_export_sync(int device, void *block,
+                              intptr_t consumer_stream) {
+    (void)device; (void)block; (void)consumer_stream;
     return no_cuda();
 }
 ra_status ra_cuda_memcpy(int device, void *dst, int dst_is_device,

@@ -36,9 +36,14 @@ void ra_cuda_empty_cache(void);
 ra_status ra_cuda_compute_stream(int device, void **stream);
 
 /* DLPack producer side: make `consumer_stream` (a cudaStream_t value as an
- * integer; 1 = legacy default, 2 = per-thread default) wait for all work
- * queued so far on our compute stream, through an event. */
-ra_status ra_cuda_export_sync(int device, intptr_t consumer_stream);
+ * integer; 1 = legacy default, 2 = per-thread default, -1 = the consumer
+ * orders itself) wait for all work queued so far on our compute stream,
+ * through an event.  `block`: the start of the ra_cuda_malloc block being
+ * exported (NULL for memory ringattn does not own); a block read on
+ * another stream than the compute stream is not reused after its free
+ * before that reading is done (see cuda_rt.c). */
+ra_status ra_cuda_export_sync(int device, void *block,
+                              intptr_t consumer_stream);
 
 /* Host <-> device and device <-> device copies of contiguous bytes, ordered
  * on the compute stream; `sync` waits for completion. */

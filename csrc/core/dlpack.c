@@ -128,18 +128,11 @@ PyObject *ra_buffer_dlpack(PyObject *self, PyObject *args, PyObject *kwds) {
             return NULL;
         }
     }
+    intptr_t consumer = 1; /* None: the legacy default stream */
     if (b->device_type == RA_DEV_CUDA) {
-        intptr_t s = 1; /* None: the legacy default stream */
         if (stream != Py_None) {
-            s = (intptr_t)PyLong_AsLongLong(stream);
-            if (s == -1 && PyErr_Occurred()) return NULL;
-        }
-        if (s != -1) {
-            ra_status st;
-            Py_BEGIN_ALLOW_THREADS
-            st = ra_cuda_export_sync(b->device_id, s);
-            Py_END_ALLOW_THREADS
-            if (st != RA_OK) return ra_raise(st);
+            consumer = (intptr_t)PyLong_AsLongLong(stream);
+            if (consumer == -1 && PyErr_Occurred()) return NULL;
         }
     } else if (stream != Py_None) {
         long long s = PyLong_AsLongLong(stream);
@@ -171,6 +164,19 @@ PyObject *ra_buffer_dlpack(PyObject *self, PyObject *args, PyObject *kwds) {
         if (src == NULL) return NULL;
     } else {
         Py_INCREF(src);
+    }
+    if (src->device_type == RA_DEV_CUDA) {
+        /* after the copy above was queued: the consumer waits for it too */
+        ra_status st;
+        Py_BEGIN_ALLOW_THREADS
+        st = ra_cuda_export_sync(src->device_id,
+                                 src->block ? src->block->ptr : NULL,
+                                 consumer);
+        Py_END_ALLOW_THREADS
+        if (st != RA_OK) {
+            Py_DECREF(src);
+            return ra_raise(st);
+        }
     }
 
     ra_export_block *blk =

@@ -1,0 +1,141 @@
+/*
+ * attn_bwd_simt_dq.cu -- the generic backward's dq pass (every dtype, head_dim
+ * 1..256, CUDA cores): one block per (b, h, 16 queries) loops over the
+ * visible key tiles of 32; lane j handles key j, each warp owns 4 query
+ * rows and accumulates their dq rows in registers.  The method, the shapes
+ * and the score recomputation are described in attn_bwd_simt.cu.
+ */
+#include "attn_bwd_simt.cuh"
+
+namespace {
+
+using namespace ra::bwd_simt;
+
+template <typename T, int DPL>
+__global__ void __launch_bounds__(kWarps * 32)
+dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
+    typedef typename ra::Acc<T>::type A;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int D = (int)p.head_dim;
+    const int ldk = D | 1;
+    A *sq = reinterpret_cast<A *>(smem_raw);  // 16 x D, owned queries
+    A *sdo = sq + kBlockRows * D;               // 16 x D
+    A *sk = sdo + kBlockRows * D;               // 32 x ldk, streamed keys
+    A *sv = sk + kTile * ldk;                   // 32 x ldk
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const ra::QBlock blk = ra::q_block<kBlockRows>(p, n_qblocks);
+    const int64_t b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0;
+    const A scale = (A)p.scale;
+
+    const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
+    const T *dog = (const T *)p.dout + b * p.dout_batch_stride + h * p.dout_head_stride;
+    const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
+    const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
+    for (int idx = threadIdx.x; idx < kBlockRows * D; idx += blockDim.x) {
+        const int r = idx / D, d = idx % D;
+        const int64_t i = q0 + r;
+        const bool ok = i < p.seqlen_q;
+        sq[idx] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) * scale : (A)0;  // as the forward
+        sdo[idx] = ok ? ra::to_acc(dog[i * p.dout_seq_stride + d]) : (A)0;
+    }
+
+    A dq[kRowsPerWarp][DPL], lse[kRowsPerWarp], delta[kRowsPerWarp];
+    int64_t qpos[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; r++) {
+        const int64_t i = q0 + warp * kRowsPerWarp + r;
+        qpos[r] = p.q_pos_offset + i * p.q_pos_stride;
+        const int64_t li = b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_seq_stride;
+        const bool ok = i < p.seqlen_q;
+        lse[r] = ok ? ((const A *)p.lse)[li] : ra::neg_inf<A>();
+        delta[r] = ok ? ((const A *)p.delta)[li] : (A)0;
+#pragma unroll
+        for (int t = 0; t < DPL; t++) dq[r][t] = 0;
+    }
+
+    const int64_t kend = ra::block_key_end<kBlockRows>(p, q0);
+
+    for (int64_t j0 = 0; j0 < kend; j0 += kTile) {
+        __syncthreads();  // owned Q, dO written / previous tile consumed
+        for (int idx = threadIdx.x; idx < kTile * D; idx += blockDim.x) {
+            const int r = idx / D, d = idx % D;
+            const int64_t j = j0 + r;
+            const bool ok = j < kend;
+            sk[r * ldk + d] = ok ? ra::to_acc(kg[j * p.k_seq_stride + d]) : (A)0;
+            sv[r * ldk + d] = ok ? ra::to_acc(vg[j * p.v_seq_stride + d]) : (A)0;
+        }
+        __syncthreads();
+
+        const int64_t key = j0 + lane;
+        const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
+        const bool kvalid = key < kend;
+        const int jn = (int)(kend - j0 < kTile ? kend - j0 : kTile);
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; r++) {
+            if (lse[r] == ra::neg_inf<A>()) continue;  // warp-uniform: empty row, dq = 0
+            const A *qr = sq + (warp * kRowsPerWarp + r) * D;
+            const A *dor = sdo + (warp * kRowsPerWarp + r) * D;
+            const A *kj = sk + lane * ldk;
+            const A *vj = sv + lane * ldk;
+            A s = 0, dp = 0;
+            for (int d = 0; d < D; d++) {
+                s += qr[d] * kj[d];
+                dp += dor[d] * vj[d];
+            }
+            const bool vis = kvalid && (!p.causal || kpos <= qpos[r]);
+            const A pr = vis ? ra::exp_acc(fmin(s - lse[r], (A)0)) : (A)0;
+            const A ds = pr * (dp - delta[r]);
+            for (int j = 0; j < jn; j++) {
+                const A dsb = __shfl_sync(0xffffffffu, ds, j);
+                const A *krow = sk + j * ldk;
+#pragma unroll
+                for (int t = 0; t < DPL; t++) {
+                    const int d = lane + 32 * t;
+                    if (d < D) dq[r][t] += dsb * krow[d];
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; r++) {
+        const int64_t i = q0 + warp * kRowsPerWarp + r;
+        if (i >= p.seqlen_q) continue;
+        const int64_t oq = b * p.dq_batch_stride + i * p.dq_seq_stride + h * p.dq_head_stride;
+#pragma unroll
+        for (int t = 0; t < DPL; t++) {
+            const int d = lane + 32 * t;
+            if (d >= D) continue;
+            const A g = dq[r][t] * scale;
+            if (p.accumulate) ((A *)p.dq)[oq + d] += g;
+            else ra::store_dyn(p.dq, oq + d, p.grad_dtype, (double)g);
+        }
+    }
+}
+
+struct Launch {
+    template <typename T, int DPL>
+    static ra_status run(const ra_attn_bwd_params &p, cudaStream_t s) {
+        typedef typename ra::Acc<T>::type A;
+        const int D = (int)p.head_dim;
+        const int ld = D | 1;
+        // dq: grid B * H * ceil(S_q / 16), 128 threads
+        if (p.seqlen_q > 0) {
+            const size_t smem = (size_t)(2 * kBlockRows * D + 2 * kTile * ld) * sizeof(A);
+            RA_CHECK(ra_set_smem(dq_simt_kernel<T, DPL>, smem));
+            const int64_t n_qblocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
+            int64_t blocks = 0;
+            RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
+            dq_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_qblocks);
+            RA_CUDA_CHECK_LAUNCH("dq_simt_kernel");
+        }
+        return RA_OK;
+    }
+};
+
+}  // namespace
+
+ra_status ra_bwd_simt_dq(const ra_attn_bwd_params &p, cudaStream_t s) {
+    return ra_simt_dispatch<Launch>(p, s, "attention backward");
+}
