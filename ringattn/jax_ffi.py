@@ -249,10 +249,12 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
 
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
-                      causal=False, scale=None, host_fallback=None):
-    """Differentiable dilated attention.  The kernels exist on the CPU; on
-    other platforms ``host_fallback(q, k, v)`` (a host-callback version) runs
-    instead, chosen when the program is lowered."""
+                      causal=False, scale=None, return_lse=False,
+                      host_fallback=None):
+    """Differentiable dilated attention: out, or (out, lse) with return_lse.
+    The kernels exist on the CPU; on other platforms ``host_fallback(q, k,
+    v)`` (a host-callback version with the same outputs) runs instead, chosen
+    when the program is lowered."""
     segs, rates = _dilated.check_config(segment_lengths, dilation_rates)
     check_qkv(q, k, v)
     if k.shape[1] != q.shape[1]:
@@ -262,7 +264,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
         lambda q, k, v: dilated_fwd(q, k, v, segs, rates, causal=causal,
                                     scale=scale),
         lambda *a: dilated_bwd(*a, segs, rates, causal=causal, scale=scale),
-        False)
+        bool(return_lse))
     if host_fallback is None:
         return native(q, k, v)
     return jax.lax.platform_dependent(q, k, v, cpu=native, default=host_fallback)

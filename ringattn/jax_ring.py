@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from . import _C
 from . import jax_ffi as _ffi
 from . import layout as _layout
+from .attention import _flag
 
 
 def shard_map(f, mesh, in_specs, out_specs, check=True):
@@ -116,8 +117,11 @@ class _Ring:
             out, lse = _ffi.fwd_acc(q, *kv, out, lse, **self.kw(step))
         return out.astype(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse):
+    def backward(self, dout, q, k, v, out, lse, dlse=None):
         delta = _ffi.bwd_preprocess(dout, out, num_threads=self.threads)
+        if dlse is not None:
+            # d lse_i / d s_ij = P_ij: a cotangent of lse enters as delta - g
+            delta = delta - dlse.astype(delta.dtype)
         acc = _ffi.acc_dtype(q.dtype)
         dq, dk, dv = _ffi.bwd(dout, q, k, v, lse, delta, grad_dtype=acc,
                               **self.kw(0))
@@ -133,12 +137,14 @@ class _Ring:
 
 
 def ring_attention(q, k, v, *, axis_name, causal=False, scale=None,
-                   layout="contiguous", seq_len=None):
+                   layout="contiguous", seq_len=None, return_lse=False):
     """Exact attention over the sequence sharded along mesh axis `axis_name`.
 
     Call under ``jax.shard_map``.  q: (B, n_r, H, D); k, v: (B, n_r, H_kv,
     D): this device's shard in `layout` ('contiguous' | 'zigzag' |
-    'striped').  Returns out (B, n_r, H, D) in q's dtype; differentiable.
+    'striped').  Returns out (B, n_r, H, D) in q's dtype, or (out, lse) with
+    return_lse (lse (B, H, n_r) float32, float64 for float64 inputs);
+    differentiable, through lse too.
     """
     _ffi.check_qkv(q, k, v)
     if not isinstance(layout, str) or layout not in _layout.LAYOUTS:
@@ -161,17 +167,23 @@ def ring_attention(q, k, v, *, axis_name, causal=False, scale=None,
                          "jax_enable_x64")
     ring = _Ring(axis_name, p, bool(causal), scale, position_table(n, p, layout))
 
+    return_lse = _flag(return_lse, "return_lse")
+
+    def outputs(out, lse):
+        return (out, lse) if return_lse else out
+
     @jax.custom_vjp
     def f(q, k, v):
-        return ring.forward(q, k, v)[0]
+        return outputs(*ring.forward(q, k, v))
 
     def f_fwd(q, k, v):
         out, lse = ring.forward(q, k, v)
-        return out, (q, k, v, out, lse)
+        return outputs(out, lse), (q, k, v, out, lse)
 
-    def f_bwd(res, dout):
+    def f_bwd(res, cotangent):
         q, k, v, out, lse = res
-        return ring.backward(dout.astype(out.dtype), q, k, v, out, lse)
+        dout, dlse = cotangent if return_lse else (cotangent, None)
+        return ring.backward(dout.astype(out.dtype), q, k, v, out, lse, dlse)
 
     f.defvjp(f_fwd, f_bwd)
     return f(q, k, v)
