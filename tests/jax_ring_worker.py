@@ -36,22 +36,36 @@ def run_case(case, arrays):
     spec = P(None, "sp")
     place = lambda x: jax.device_put(jnp.asarray(x[:, order].astype(dt)),
                                      NamedSharding(mesh, spec))
+    with_lse = case.get("lse", False)
+    # lse (B, H, n_r) is sharded along its last dim
+    lse_spec = P(None, None, "sp")
     ring = shard_map(lambda q, k, v: rj.ring_attention(
         q, k, v, axis_name="sp", causal=case["causal"], layout=layout,
-        seq_len=n), mesh, spec, spec)
+        seq_len=n, return_lse=with_lse), mesh, spec,
+        (spec, lse_spec) if with_lse else spec)
 
-    def out_and_grads(q, k, v, dout):
+    def out_and_grads(q, k, v, dout, *dlse):
         out, pullback = jax.vjp(ring, q, k, v)
+        if with_lse:
+            return out + tuple(pullback((dout, dlse[0])))
         return (out,) + tuple(pullback(dout))
 
     args = [place(x) for x in (q, k, v, dout)]
+    if with_lse:
+        dlse = arrays[f"{case['name']}/dlse"][:, :, order]
+        args.append(jax.device_put(jnp.asarray(dlse, jnp.float64 if dt == np.float64
+                                               else jnp.float32),
+                                   NamedSharding(mesh, lse_spec)))
     step = jax.jit(out_and_grads)
     text = step.lower(*args).as_text()
     results = step(*args)
     back = np.argsort(order)
+    names = ("out", "lse", "dq", "dk", "dv") if with_lse else ("out", "dq", "dk", "dv")
     got = {name: np.asarray(r.astype(jnp.float32) if dt.itemsize == 2 else r,
-                            dtype=np.float64)[:, back]
-           for name, r in zip(("out", "dq", "dk", "dv"), results)}
+                            dtype=np.float64)[..., back] if name == "lse" else
+           np.asarray(r.astype(jnp.float32) if dt.itemsize == 2 else r,
+                      dtype=np.float64)[:, back]
+           for name, r in zip(names, results)}
     got["targets"] = np.array(sorted({t for t in (
         "ringattn_attn_fwd", "ringattn_attn_fwd_acc", "ringattn_attn_bwd_pre",
         "ringattn_attn_bwd", "ringattn_attn_bwd_acc") if f"@{t}(" in text}))

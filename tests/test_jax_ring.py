@@ -36,12 +36,19 @@ def _cases():
     for dtype in ("float32", "bfloat16"):
         cases.append(dict(p=4, layout="zigzag", causal=True, m=29, H=4, Hkv=2,
                           D=32, dtype=dtype))
+    # lse returned and differentiated through
+    for layout in ("contiguous", "zigzag", "striped"):
+        cases.append(dict(p=3, layout=layout, causal=True, m=7, H=4, Hkv=2,
+                          D=8, dtype="float64", lse=True))
+    cases.append(dict(p=2, layout="zigzag", causal=False, m=11, H=2, Hkv=2,
+                      D=16, dtype="float32", lse=True))
     # one token per device; more devices' worth of heads than tokens
     cases.append(dict(p=4, layout="striped", causal=True, m=1, H=2, Hkv=1, D=4,
                       dtype="float64"))
     for c in cases:
         c["name"] = (f"p{c['p']}-{c['layout']}-{'causal' if c['causal'] else 'full'}"
-                     f"-n{c['p'] * c['m']}-h{c['H']}/{c['Hkv']}-{c['dtype']}")
+                     f"-n{c['p'] * c['m']}-h{c['H']}/{c['Hkv']}-{c['dtype']}"
+                     f"{'-lse' if c.get('lse') else ''}")
     return cases
 
 
@@ -56,9 +63,12 @@ def ring_runs(tmp_path_factory):
     for c in CASES:
         q, k, v, dout = random_problem(rng, 2, c["p"] * c["m"], c["H"], c["Hkv"],
                                        c["D"], c["dtype"])
-        inputs[c["name"]] = (q, k, v, dout)
-        for name, x in zip(("q", "k", "v", "dout"), (q, k, v, dout)):
-            arrays[f"{c['name']}/{name}"] = x.astype(np.float64)
+        dlse = (rng.standard_normal((2, c["H"], c["p"] * c["m"]))
+                if c.get("lse") else None)
+        inputs[c["name"]] = (q, k, v, dout, dlse)
+        for name, x in zip(("q", "k", "v", "dout", "dlse"), (q, k, v, dout, dlse)):
+            if x is not None:
+                arrays[f"{c['name']}/{name}"] = x.astype(np.float64)
     tmp = tmp_path_factory.mktemp("jax_ring")
     cases_path, out_path = tmp / "cases.npz", tmp / "results.npz"
     np.savez(cases_path, cases=np.array(json.dumps(CASES)), **arrays)
@@ -76,12 +86,16 @@ def ring_runs(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_ring_matches_reference(ring_runs, case):
     inputs, results = ring_runs
-    q, k, v, dout = inputs[case["name"]]
+    q, k, v, dout, dlse = inputs[case["name"]]
     pos = np.arange(q.shape[1])
     kw = dict(causal=case["causal"], q_pos=pos, k_pos=pos)
-    ref_out, _ = ref_attention(q, k, v, **kw)
-    refs = (ref_out,) + tuple(ref_attention_backward(dout, q, k, v, **kw))
-    for name, ref in zip(("out", "dq", "dk", "dv"), refs):
+    ref_out, ref_lse = ref_attention(q, k, v, **kw)
+    grads = tuple(ref_attention_backward(dout, q, k, v, dlse=dlse, **kw))
+    names = ("out", "dq", "dk", "dv")
+    refs = (ref_out,) + grads
+    if dlse is not None:
+        names, refs = ("lse",) + names, (ref_lse,) + refs
+    for name, ref in zip(names, refs):
         assert_close(results[f"{case['name']}/{name}"], ref, case["dtype"], name)
 
 
