@@ -9,6 +9,7 @@
 #include "core/dlpack.h"
 #include "core/module.h"
 #include "core/ndarray.h"
+#include "xla/ffi_targets.h"
 
 static int ra_module_exec(PyObject *m) {
     ra_module_state *st = (ra_module_state *)PyModule_GetState(m);
@@ -33,6 +34,7 @@ static int ra_module_exec(PyObject *m) {
     if (ra_attn_exec(m, st) < 0) goto fail;
     if (ra_comm_exec(m, st) < 0) goto fail;
     if (ra_cuda_exec(m, st) < 0) goto fail;
+    if (ra_xla_exec(m, st) < 0) goto fail;
     if (PyModule_AddIntConstant(m, "DLPACK_MAJOR", RA_DLPACK_MAJOR) < 0)
         goto fail;
     return 0;

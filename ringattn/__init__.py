@@ -10,7 +10,58 @@ Python layer.  Arrays in: NumPy, JAX, CuPy, PyTorch, or anything with
     out = ra.attention(q, k, v, causal=True)            # q: (B, S, H, D)
 """
 
-from . import _C
+import os as _os
+import sys as _sys
+from importlib.machinery import EXTENSION_SUFFIXES as _EXT_SUFFIXES
+
+
+def _has_compiled_core(folder):
+    return any(_os.path.exists(_os.path.join(folder, "_C" + suffix))
+               for suffix in _EXT_SUFFIXES)
+
+
+def _hand_over_to_installed_copy():
+    """Replace this core-less source tree in ``sys.modules`` by an installed
+    ringattn found further along ``sys.path``, or raise ImportError.
+
+    Python started at the root of a clone puts the clone's ``ringattn/`` (no
+    compiled ``_C``) ahead of the installed package.  The import system
+    returns whatever ``sys.modules["ringattn"]`` holds once this file has run,
+    so ``import ringattn``, its submodules and ``python -m ringattn`` all
+    resolve to the installed copy.
+    """
+    import importlib.util
+
+    here = _os.path.realpath(_os.path.dirname(_os.path.abspath(__file__)))
+    for entry in _sys.path:
+        folder = _os.path.join(entry or _os.getcwd(), __name__)
+        init = _os.path.join(folder, "__init__.py")
+        if (_os.path.realpath(folder) == here or not _os.path.isfile(init)
+                or not _has_compiled_core(folder)):
+            continue
+        spec = importlib.util.spec_from_file_location(
+            __name__, init, submodule_search_locations=[folder])
+        module = importlib.util.module_from_spec(spec)
+        _sys.modules[__name__] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del _sys.modules[__name__]
+            raise
+        return
+    raise ImportError(
+        f"{here} is a ringattn source tree without its compiled core "
+        f"(ringattn/_C), and no installed ringattn was found on sys.path. "
+        f"Install it (python -m pip install .) or build the core in place "
+        f"(python setup.py build_ext --inplace).", name=__name__, path=here)
+
+
+if not _has_compiled_core(_os.path.dirname(_os.path.abspath(__file__))):
+    # After the hand-over the rest of this file binds names to the installed
+    # copy's submodules (already in sys.modules); its result is discarded.
+    _hand_over_to_installed_copy()
+
+from . import _C  # noqa: E402
 from ._C import Buffer, Comm, CommError
 from .attention import attention, attention_backward, merge
 from .comm import ThreadsGroup, init, nccl_unique_id, nccl_version
@@ -23,8 +74,7 @@ from .ring_dilated import (ring_dilated_attention,
 from .interop import empty, from_dlpack, zeros
 from .layout import shard_indices
 from .sharding import shard, unshard
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def memory_stats():

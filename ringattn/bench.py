@@ -7,16 +7,19 @@
         same run, and (b) a dense NumPy attention.  Without --threads it runs
         itself twice in subprocesses: single-threaded and with every core.
 --ring  ring time over single-rank time for p = 1, 2, 4 local ranks on the
-        same total work, and the share of transfer time hidden behind
-        compute.
+        same total work, the share of transfer time hidden behind compute,
+        and each rank's peak ringattn memory.
 --dilated, --gpu, --ring --gpu: see ringattn.bench_dilated /
         ringattn.bench_gpu / ringattn.bench_gpu_ring (the NCCL ring).
+--plot FILE draws the --cpu and --ring tables (ringattn.bench_plot).
 """
 
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -162,21 +165,34 @@ def _env_for_threads(n):
 
 
 def run_cpu(args):
-    seq_lens = ([int(s) for s in args.seq_lens.split(",") if s]
+    """Print the CPU table(s); returns (status, tables) where tables is a
+    list of {"threads", "rate", "rows"} (one per thread count)."""
+    seq_lens = ([int(s) for s in (args.seq_lens or "").split(",") if s]
                 or ([256, 512] if args.quick else [1024, 4096, 8192]))
     if args.threads:
         rate, rows = cpu_table(args.threads, seq_lens, args.repeat)
         print(format_cpu_table(args.threads, rate, rows), flush=True)
-        return 0
+        table = {"threads": args.threads, "rate": rate, "rows": rows}
+        if args.rows_json:
+            with open(args.rows_json, "w") as f:
+                json.dump(table, f)
+        return 0, [table]
     ncores = os.cpu_count() or 1
-    status = 0
-    for n in sorted({1, ncores}):
-        cmd = [sys.executable, "-m", "ringattn", "bench", "--cpu", "--threads",
-               str(n), "--repeat", str(args.repeat),
-               "--seq-lens", ",".join(map(str, seq_lens))]
-        status |= subprocess.call(cmd, env=_env_for_threads(n))
-        print()
-    return status
+    status, tables = 0, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sorted({1, ncores}):
+            rows_json = os.path.join(tmp, f"threads{n}.json")
+            cmd = [sys.executable, "-m", "ringattn", "bench", "--cpu",
+                   "--threads", str(n), "--repeat", str(args.repeat),
+                   "--seq-lens", ",".join(map(str, seq_lens)),
+                   "--rows-json", rows_json]
+            code = subprocess.call(cmd, env=_env_for_threads(n))
+            status |= code
+            if code == 0:
+                with open(rows_json) as f:
+                    tables.append(json.load(f))
+            print()
+    return status, tables
 
 
 # ---- ring ---------------------------------------------------------------
@@ -195,6 +211,9 @@ def _ring_rank(comm, cfg):
     q, k, v = (rng.standard_normal((B, len(pos), H, D), dtype=np.float32)
                for _ in range(3))
     best = None
+    # each rank is its own process: ringattn's statistics are this rank's
+    ra.reset_peak_memory_stats()
+    base = ra.memory_stats()["cpu"]["current"]
     for _ in range(cfg["repeat"]):
         comm.barrier()
         prof = {}
@@ -205,6 +224,7 @@ def _ring_rank(comm, cfg):
         t = time.perf_counter() - t0
         if best is None or t < best[0]:
             best = (t, prof)
+    peak = ra.memory_stats()["cpu"]["peak"] - base
     # the same transfers with no compute: the time the ring must hide
     from ringattn import _C
 
@@ -221,10 +241,11 @@ def _ring_rank(comm, cfg):
         xfer.append(time.perf_counter() - t0)
     return {"rank": r, "time": best[0], "wait": best[1]["wait_s"],
             "compute": best[1]["compute_s"], "xfer": min(xfer),
-            "bytes": best[1]["bytes_sent"]}
+            "bytes": best[1]["bytes_sent"], "peak": peak}
 
 
 def run_ring(args):
+    """Print the ring table row by row; returns (status, rows)."""
     import numpy as np
 
     import ringattn as ra
@@ -235,11 +256,14 @@ def run_ring(args):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((B, n, H, D), dtype=np.float32)
                for _ in range(3))
-    lines = [f"ring on one machine: n={n}, B={B}, H={H}, D={D}, float32, "
-             f"zigzag, host backend; {ncores} cores shared by the ranks", "",
-             "| p | causal | single-rank s | ring s | ring / single | compute s "
-             "| exposed wait s | transfer s | hidden share | MiB sent/rank |",
-             "|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    print(f"ring on one machine: n={n}, B={B}, H={H}, D={D}, float32, "
+          f"zigzag, host backend; {ncores} cores shared by the ranks\n\n"
+          "| p | causal | single-rank s | ring s | ring / single | compute s "
+          "| exposed wait s | transfer s | hidden share | MiB sent/rank "
+          "| peak MiB/rank |\n"
+          "|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+          flush=True)
+    rows = []
     for causal in (False, True):
         single = _median_time(lambda: ra.attention(q, k, v, causal=causal),
                               args.repeat)
@@ -248,41 +272,54 @@ def run_ring(args):
                    "causal": causal, "repeat": args.repeat,
                    "threads": max(1, ncores // p)}
             res = ra.launch(_ring_rank, p, args=(cfg,), backend="host")
-            t = max(x["time"] for x in res)
-            wait = max(x["wait"] for x in res)
-            comp = max(x["compute"] for x in res)
-            xfer = max(x["xfer"] for x in res)
-            hidden = (f"{1.0 - min(1.0, wait / xfer):.0%}" if p > 1 and xfer > 0
-                      else "n/a")
-            mib = max(x["bytes"] for x in res) / 2 ** 20
-            lines.append(f"| {p} | {'yes' if causal else 'no'} | {single:.3f} | "
-                         f"{t:.3f} | {t / single:.2f} | {comp:.3f} | {wait:.3f} "
-                         f"| {xfer:.3f} | {hidden} | {mib:.1f} |")
-            print(lines[-1], flush=True)
+            row = {"p": p, "causal": causal, "single_s": single,
+                   "ring_s": max(x["time"] for x in res),
+                   "wait_s": max(x["wait"] for x in res),
+                   "compute_s": max(x["compute"] for x in res),
+                   "xfer_s": max(x["xfer"] for x in res),
+                   "sent_mib": max(x["bytes"] for x in res) / 2 ** 20,
+                   "peak_mib": max(x["peak"] for x in res) / 2 ** 20}
+            rows.append(row)
+            xfer = row["xfer_s"]
+            hidden = (f"{1.0 - min(1.0, row['wait_s'] / xfer):.0%}"
+                      if p > 1 and xfer > 0 else "n/a")
+            print(f"| {p} | {'yes' if causal else 'no'} | {single:.3f} | "
+                  f"{row['ring_s']:.3f} | {row['ring_s'] / single:.2f} | "
+                  f"{row['compute_s']:.3f} | {row['wait_s']:.3f} | "
+                  f"{xfer:.3f} | {hidden} | {row['sent_mib']:.1f} | "
+                  f"{row['peak_mib']:.1f} |", flush=True)
     print()
-    print("\n".join(lines))
-    return 0
+    return 0, rows
 
 
 def run(args):
-    did = False
+    """``ringattn bench`` with parsed (CLI-checked) arguments; returns the
+    exit status."""
     status = 0
+    if args.jax:
+        from .bench_jax import run as run_jax
+
+        return run_jax(args)
+    cpu_tables, ring_rows = [], []
     if args.cpu or not (args.ring or args.dilated or args.gpu):
-        status |= run_cpu(args)
-        did = True
+        code, cpu_tables = run_cpu(args)
+        status |= code
     if args.ring and not args.gpu:
-        status |= run_ring(args)
-        did = True
+        code, ring_rows = run_ring(args)
+        status |= code
     if args.dilated:
         from .bench_dilated import run as run_dilated
 
         status |= run_dilated(args)
-        did = True
     if args.gpu:
         if args.ring:
             from .bench_gpu_ring import run as run_gpu
         else:
             from .bench_gpu import run as run_gpu
         status |= run_gpu(args)
-        did = True
-    return status if did else 2
+    if args.plot and (cpu_tables or ring_rows):
+        from .bench_plot import draw
+
+        draw(args.plot, cpu_tables, ring_rows)
+        print(f"plot written to {args.plot}")
+    return status

@@ -66,6 +66,7 @@ def run(args):
              "| n | dilated fwd s | dilated bwd s | dense fwd s | dense bwd s "
              "| fwd speed-up |",
              "|---:|---:|---:|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
     for n in ns:
         rng = np.random.default_rng(n)
         q, k, v, do = (rng.standard_normal((B, n, H, D), dtype=np.float32)
@@ -84,16 +85,16 @@ def run(args):
             dense = f"{ff:.2f} | {fb:.2f} | {ff / df:.1f}x"
         else:
             dense = "not run | not run | -"
-        lines.append(f"| {n} | {df:.2f} | {db:.2f} | {dense} |")
-        print(lines[-1], flush=True)
+        print(f"| {n} | {df:.2f} | {db:.2f} | {dense} |", flush=True)
 
     p = 4
-    lines += ["", f"ring, p={p} ranks (threads backend), contiguous layout, "
+    lines = ["", f"ring, p={p} ranks (threads backend), contiguous layout, "
                   "causal; bytes = what each rank sent in the forward",
               "",
               "| n | dilated ring s | dense ring s | dilated MiB/rank (max) "
               "| dense MiB/rank (max) | bytes ratio |",
               "|---:|---:|---:|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
     for n in ns:
         cfg = {"n": n, "B": B, "H": H, "D": D, "segs": segs, "rates": RATES,
                "dense": n <= dense_max}
@@ -110,9 +111,7 @@ def run(args):
             den_s, note = "not run", " (computed)"
         ratio = (f"{den_b / dil_b:.1f}x" if dil_b else
                  "no traffic (every segment inside a shard)")
-        lines.append(f"| {n} | {dil_s:.2f} | {den_s} | {dil_b / 2**20:.1f} | "
-                     f"{den_b / 2**20:.1f}{note} | {ratio} |")
-        print(lines[-1], flush=True)
+        print(f"| {n} | {dil_s:.2f} | {den_s} | {dil_b / 2**20:.1f} | "
+              f"{den_b / 2**20:.1f}{note} | {ratio} |", flush=True)
     print()
-    print("\n".join(lines))
     return 0

@@ -166,26 +166,93 @@ def _cuda_device_index(device):
     return index
 
 
+# launchers whose environment names this process's place in the job, in the
+# order they are read: (name, rank, size, local rank, local size)
+LAUNCHER_ENV = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MPICH/PMI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
+)
+
+
+def launcher_env():
+    """This process's place in the job from the first launcher whose
+    variables are set: {"launcher", "rank", "size", "local_rank",
+    "local_size", "vars"} (local_* None where the launcher does not say),
+    or None.  RANK / WORLD_SIZE (torchrun, ``ringattn launch``) come first,
+    then Open MPI, MPICH/PMI and Slurm."""
+    for name, rank_var, size_var, local_var, local_size_var in LAUNCHER_ENV:
+        rank, size = _env_int(rank_var), _env_int(size_var)
+        if rank is None and size is None:
+            continue
+        local_size = _env_int(local_size_var) if local_size_var else None
+        if name == "Slurm" and _env_int("SLURM_NNODES") == 1:
+            local_size = size
+        return {"launcher": name, "rank": rank, "size": size,
+                "local_rank": _env_int(local_var),
+                "local_size": local_size,
+                "vars": f"{rank_var}={os.environ.get(rank_var)}, "
+                        f"{size_var}={os.environ.get(size_var)}"}
+    return None
+
+
 def _default_cuda_device(rank):
-    """This rank's GPU: LOCAL_RANK (else rank) modulo the visible devices."""
+    """This rank's GPU: the launcher's local rank (else rank) modulo the
+    visible devices."""
     count = _C.cuda_device_count()
-    local = _env_int("LOCAL_RANK")
+    env = launcher_env()
+    local = env["local_rank"] if env else None
     index = local if local is not None else rank
     return index % count if count > 0 else 0
 
 
-def _rank_and_size(rank, world_size):
-    """(rank, world_size) from the arguments or RANK / WORLD_SIZE; a single
-    rank when neither says otherwise.  ValueError names what is wrong."""
-    if world_size is None:
-        world_size = _env_int("WORLD_SIZE")
+def _check_launcher_rendezvous(env, world_size, rendezvous):
+    """An MPI or Slurm launcher starts the ranks but sets no rendezvous for
+    ringattn: without one they would not find each other, so say which
+    variables to set instead of waiting (or running N separate jobs)."""
+    if (rendezvous is None or env is None or env["launcher"] == "torchrun"
+            or world_size == 1):
+        return
+    master_addr, master_port = rendezvous
+    has_port = (master_port is not None or _env_int("RINGATTN_MASTER_PORT")
+                is not None or _env_int("MASTER_PORT") is not None)
+    has_addr = master_addr is not None or bool(os.environ.get("MASTER_ADDR"))
+    one_node = env["local_size"] is not None and env["local_size"] == world_size
+    if has_port and (has_addr or one_node):
+        return
+    missing, example = [], []
+    if not (has_addr or one_node):
+        missing.append("MASTER_ADDR (rank 0's host)")
+        example.append("-x MASTER_ADDR=host0")
+    if not has_port:
+        missing.append("MASTER_PORT (or RINGATTN_MASTER_PORT)")
+        example.append("-x MASTER_PORT=29500")
+    raise ValueError(
+        f"{env['launcher']} started this process as rank {env['rank']} of "
+        f"{world_size} ({env['vars']}), but ringattn's rendezvous is not "
+        f"set: set {' and '.join(missing)} in every rank's environment "
+        f"(e.g. mpirun {' '.join(example)}), or pass master_addr= / "
+        f"master_port= to ra.init()")
+
+
+def _rank_and_size(rank, world_size, rendezvous=None):
+    """(rank, world_size) from the arguments or the launcher's environment
+    (``launcher_env``); a single rank when neither says otherwise.
+    rendezvous: (master_addr, master_port) arguments when this backend needs
+    a host rendezvous, checked against an MPI/Slurm launch.  ValueError
+    names what is wrong."""
+    env = launcher_env()
+    if world_size is None and env is not None:
+        world_size = env["size"]
     if world_size is None:
         world_size = 1
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got "
                          f"{world_size!r}")
-    if rank is None:
-        rank = _env_int("RANK")
+    if rank is None and env is not None:
+        rank = env["rank"]
     if rank is None:
         if world_size != 1:
             raise ValueError(f"rank is required when world_size is "
@@ -193,6 +260,7 @@ def _rank_and_size(rank, world_size):
         rank = 0
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    _check_launcher_rendezvous(env, world_size, rendezvous)
     return rank, world_size
 
 
@@ -216,7 +284,9 @@ def _rendezvous(master_addr, master_port, token, world_size, no_port_msg):
 
 def _init_nccl(rank, world_size, device, unique_id, master_addr,
                master_port, token, timeout):
-    rank, world_size = _rank_and_size(rank, world_size)
+    own_id = unique_id is not None or bool(os.environ.get("NCCL_COMM_ID"))
+    rank, world_size = _rank_and_size(
+        rank, world_size, None if own_id else (master_addr, master_port))
     index = _cuda_device_index(device)
     if index == -1:
         raise ValueError("backend 'nccl' moves CUDA memory: device must be a "
@@ -247,11 +317,16 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
     """Create this rank's communicator.
 
     Arguments left as None come from the launcher's environment (set by
-    ``ringattn launch``, ``ra.launch``, torchrun, ...):
+    ``ringattn launch``, ``ra.launch``, torchrun, mpirun, srun, ...):
 
-    * ``rank``: ``RANK`` (default 0 when ``world_size`` is 1);
-    * ``world_size``: ``WORLD_SIZE`` (default 1: a single-rank communicator,
-      where ``sendrecv`` to self is a copy);
+    * ``rank``, ``world_size``: ``RANK`` / ``WORLD_SIZE``, else Open MPI's
+      ``OMPI_COMM_WORLD_RANK`` / ``OMPI_COMM_WORLD_SIZE``, else MPICH's
+      ``PMI_RANK`` / ``PMI_SIZE``, else Slurm's ``SLURM_PROCID`` /
+      ``SLURM_NTASKS`` (default: a single-rank communicator, where
+      ``sendrecv`` to self is a copy).  MPI and Slurm set no rendezvous:
+      under them set ``MASTER_PORT`` (or ``RINGATTN_MASTER_PORT``), and
+      ``MASTER_ADDR`` when the ranks span machines; without them ``init``
+      raises ValueError saying so;
     * ``master_addr``: ``MASTER_ADDR`` (default ``127.0.0.1``);
     * the rendezvous port: ``master_port`` if given, else
       ``RINGATTN_MASTER_PORT``, else ``MASTER_PORT + 1``.  ringattn never
@@ -275,7 +350,8 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
     ``"nccl"`` (GPUs).
 
     nccl: ``device`` is this rank's GPU (``"cuda:N"``, ``("cuda", N)`` or
-    ``N``; default ``LOCAL_RANK`` modulo the visible devices).  The ranks
+    ``N``; default the launcher's local rank (``LOCAL_RANK``,
+    ``OMPI_COMM_WORLD_LOCAL_RANK``, ...) modulo the visible devices).  The ranks
     meet through, in order: ``unique_id`` (128 bytes from
     ``ra.nccl_unique_id()`` on one rank, shared by every rank),
     ``NCCL_COMM_ID``, or the host rendezvous above (rank 0 makes the id; the
@@ -339,7 +415,8 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
         return _init_nccl(rank, world_size, device, unique_id, master_addr,
                           master_port, token, timeout)
 
-    rank, world_size = _rank_and_size(rank, world_size)
+    rank, world_size = _rank_and_size(rank, world_size,
+                                      (master_addr, master_port))
     if world_size == 1:
         return _C.host_comm(0, 1, timeout=timeout)
 

@@ -6,6 +6,8 @@ ml_dtypes bfloat16).  Results are ``Buffer`` objects turned back into the
 kind of the first input: NumPy in gives NumPy out, JAX gives JAX, ...
 """
 
+import warnings
+
 from . import _C
 
 Buffer = _C.Buffer
@@ -28,15 +30,48 @@ def kind_of(x):
     return "other"
 
 
+_warned_about_grad = False
+
+
+def _detach_with_warning(x):
+    """`x` detached; the first time, a warning that gradients stop here."""
+    global _warned_about_grad
+    if not _warned_about_grad:
+        _warned_about_grad = True
+        warnings.warn(
+            "ringattn got a torch tensor that requires grad: the result has "
+            "no grad_fn and no gradient flows back through it; use "
+            "ringattn.torch (e.g. ringattn.torch.attention) for autograd. "
+            "This warning is shown once.", UserWarning, stacklevel=4)
+    return x.detach()
+
+
+def _is_jax_tracer(x):
+    try:
+        import jax
+    except ImportError:
+        return False
+    return isinstance(x, jax.core.Tracer)
+
+
 def to_buffer(x, name="x"):
     """A ``Buffer`` viewing `x`'s memory (no copy).
 
-    Raises TypeError for non-arrays and BufferError when the producer cannot
-    export.  PyTorch tensors that require grad are detached first (the
-    autodiff wrappers in ``ringattn.torch`` handle gradients).
+    Raises TypeError for non-arrays and for JAX tracers (abstract values
+    inside ``jax.jit`` / ``grad`` / ``vmap``: ``ringattn.jax`` is the way
+    there), BufferError when the producer cannot export.  PyTorch tensors
+    that require grad are detached, with a one-time warning pointing to
+    ``ringattn.torch``, whose autograd wrappers handle gradients.
     """
-    if kind_of(x) == "torch" and getattr(x, "requires_grad", False):
-        x = x.detach()
+    kind = kind_of(x)
+    if kind == "torch" and getattr(x, "requires_grad", False):
+        x = _detach_with_warning(x)
+    elif kind == "jax" and _is_jax_tracer(x):
+        raise TypeError(
+            f"{name}: got a JAX tracer ({type(x).__name__}), an abstract "
+            f"value inside jax.jit, grad or vmap that has no data to read; "
+            f"use ringattn.jax (e.g. ringattn.jax.attention), which works "
+            f"under jit and grad")
     return _C.from_dlpack(x, name)
 
 

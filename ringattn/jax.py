@@ -1,29 +1,41 @@
 """JAX autodiff for ringattn (``import ringattn.jax``; imports JAX lazily).
 
-Each function is a ``jax.custom_vjp`` whose forward and backward call the
-ringattn kernels through host callbacks, so it works under ``jax.jit`` and
-``jax.grad``.  On the CPU the arrays cross zero-copy; device arrays are
-staged through the host (correct, not fast: on a GPU call ``ra.attention`` on
-the device arrays directly).  The ring variants use ordered ``io_callback``
-so every rank issues its communication in program order.
+``attention`` and ``dilated_attention`` run the kernels as XLA FFI custom
+calls (ringattn/jax_ffi.py): under ``jax.jit`` they work on XLA's own
+buffers and stream, forward and ``jax.grad``, and ``jax.vmap`` batches them.
+``ring_attention(q, k, v, axis_name=...)`` is the ring inside a JAX program
+(under ``jax.shard_map``; ringattn/jax_ring.py).
+
+The comm-object ring wrappers (``ring_attention(q, k, v, comm)``,
+``ring_dilated_attention``) are a ``jax.custom_vjp`` whose forward and
+backward call ringattn's ring through ordered ``io_callback``, so every rank
+issues its communication in program order; device arrays are staged through
+the host there.
 
 Shapes as ``ringattn.attention``: q (B, S_q, H, D); k, v (B, S_k, H_kv, D).
+With ``return_lse=True`` each returns (out, lse), lse (B, H, S_q) float32
+(float64 for float64 inputs), and ``jax.grad`` flows through lse too.
 """
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import io_callback
 
-from .attention import attention as _attention_fwd
-from .attention import attention_backward as _attention_bwd
 from . import dilated as _dilated
+from . import jax_ffi as _ffi
+from . import jax_ring as _jax_ring
 from . import ring as _ring
 from . import ring_dilated as _ring_dilated
+from .lse_grad import default_scale, lse_cotangent_grads
 
 __all__ = ["attention", "dilated_attention", "ring_attention",
-           "ring_dilated_attention"]
+           "ring_dilated_attention", "merge"]
+
+_ffi.register()
+merge = _ffi.merge
 
 
 def _sds(x):
@@ -40,10 +52,13 @@ def _host(arrays):
     return [np.asarray(a) for a in arrays]
 
 
-def _make(forward, backward, ordered):
+def _make(forward, backward, ordered, scale, return_lse):
     """custom_vjp over (q, k, v) from host functions:
     forward(q, k, v) -> (out, lse); backward(dout, q, k, v, out, lse) ->
-    (dq, dk, dv)."""
+    (dq, dk, dv).  Returns out, or (out, lse) when return_lse; the lse is
+    differentiable (``ringattn.lse_grad``), at the cost of one more forward
+    and backward in the backward pass only when lse is used: symbolic zeros
+    tell, at trace time, which outputs the loss reads."""
     def call(fn, shapes, *args):
         host = lambda *a: tuple(np.asarray(x) for x in fn(*_host(a)))
         if ordered:
@@ -51,65 +66,98 @@ def _make(forward, backward, ordered):
         return jax.pure_callback(host, shapes, *args,
                                  vmap_method="sequential")
 
+    def lse_terms(dlse, q, k, v, out, lse):
+        return lse_cotangent_grads(dlse, q, k, v, out, lse, forward, backward,
+                                   default_scale(q, scale))
+
+    def outputs(out, lse):
+        return (out, lse) if return_lse else out
+
     @jax.custom_vjp
     def f(q, k, v):
-        return call(forward, (_sds(q), _lse_sds(q)), q, k, v)[0]
+        return outputs(*call(forward, (_sds(q), _lse_sds(q)), q, k, v))
 
     def f_fwd(q, k, v):
+        q, k, v = q.value, k.value, v.value      # symbolic_zeros: wrapped
         out, lse = call(forward, (_sds(q), _lse_sds(q)), q, k, v)
-        return out, (q, k, v, out, lse)
+        return outputs(out, lse), (q, k, v, out, lse)
 
-    def f_bwd(res, dout):
+    def f_bwd(res, cotangent):
         q, k, v, out, lse = res
-        return tuple(call(backward, (_sds(q), _sds(k), _sds(v)), dout, q, k,
-                          v, out, lse))
+        dout, dlse = cotangent if return_lse else (cotangent, None)
+        if isinstance(dout, SymbolicZero):
+            grads = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
+        else:
+            grads = list(call(backward, (_sds(q), _sds(k), _sds(v)), dout,
+                              q, k, v, out, lse))
+        if dlse is not None and not isinstance(dlse, SymbolicZero):
+            lse_dq, lse_dk = call(lse_terms, (_sds(q), _sds(k)), dlse, q, k,
+                                  v, out, lse)
+            grads[0], grads[1] = grads[0] + lse_dq, grads[1] + lse_dk
+        return tuple(grads)
 
-    f.defvjp(f_fwd, f_bwd)
+    f.defvjp(f_fwd, f_bwd, symbolic_zeros=True)
     return f
 
 
-def attention(q, k, v, *, causal=False, scale=None):
-    """Differentiable ``ringattn.attention`` for JAX arrays."""
-    f = _make(
-        lambda q, k, v: _attention_fwd(q, k, v, causal=causal,
-                                             scale=scale, return_lse=True),
-        lambda do, q, k, v, o, l: _attention_bwd(
-            do, q, k, v, o, l, causal=causal, scale=scale),
-        ordered=False)
-    return f(q, k, v)
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+    """Differentiable ``ringattn.attention`` for JAX arrays (one XLA FFI
+    custom call forward, two backward): out, or (out, lse) with
+    return_lse=True."""
+    return _ffi.attention(q, k, v, causal=causal, scale=scale,
+                          return_lse=return_lse)
 
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
-                      causal=False, scale=None):
-    """Differentiable ``ringattn.dilated_attention`` for JAX arrays."""
+                      causal=False, scale=None, return_lse=False):
+    """Differentiable ``ringattn.dilated_attention`` for JAX arrays (XLA FFI
+    custom calls on the CPU; host callbacks on other platforms): out, or
+    (out, lse) with return_lse=True."""
     segs, rates = _dilated.check_config(segment_lengths, dilation_rates)
     f = _make(
         lambda q, k, v: _dilated.dilated_attention(
             q, k, v, segs, rates, causal=causal, scale=scale, return_lse=True),
         lambda do, q, k, v, o, l: _dilated.dilated_attention_backward(
             do, q, k, v, o, l, segs, rates, causal=causal, scale=scale),
-        ordered=False)
-    return f(q, k, v)
+        ordered=False, scale=scale, return_lse=return_lse)
+    return _ffi.dilated_attention(q, k, v, segs, rates, causal=causal,
+                                  scale=scale, return_lse=return_lse,
+                                  host_fallback=f)
 
 
-def ring_attention(q, k, v, comm, *, causal=False, scale=None,
-                   layout="contiguous", seq_len=None):
-    """Differentiable ``ringattn.ring_attention`` on this rank's shard."""
+def ring_attention(q, k, v, comm=None, *, axis_name=None, causal=False,
+                   scale=None, layout="contiguous", seq_len=None,
+                   return_lse=False):
+    """Differentiable ``ringattn.ring_attention``: out, or (out, lse) with
+    return_lse=True.
+
+    With ``axis_name``: the ring inside a JAX program, called under
+    ``jax.shard_map`` over that mesh axis (see ``ringattn.jax_ring``).
+    With ``comm``: this rank's shard over ringattn's communicator.
+    """
+    if (comm is None) == (axis_name is None):
+        raise TypeError("ring_attention: pass exactly one of comm (ringattn's "
+                        "communicator) or axis_name (a shard_map mesh axis)")
+    if axis_name is not None:
+        return _jax_ring.ring_attention(q, k, v, axis_name=axis_name,
+                                        causal=causal, scale=scale,
+                                        layout=layout, seq_len=seq_len,
+                                        return_lse=return_lse)
     kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len)
     f = _make(
         lambda q, k, v: _ring.ring_attention(q, k, v, comm, return_lse=True,
                                              **kw),
         lambda do, q, k, v, o, l: _ring.ring_attention_backward(
             do, q, k, v, o, l, comm, **kw),
-        ordered=True)
+        ordered=True, scale=scale, return_lse=return_lse)
     return f(q, k, v)
 
 
 def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
                            causal=False, scale=None, layout="contiguous",
-                           seq_len=None):
+                           seq_len=None, return_lse=False):
     """Differentiable ``ringattn.ring_dilated_attention`` on this rank's
-    shard."""
+    shard: out, or (out, lse) with return_lse=True."""
     segs, rates = _dilated.check_config(segment_lengths, dilation_rates)
     kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len)
     f = _make(
@@ -117,5 +165,5 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
             q, k, v, comm, segs, rates, return_lse=True, **kw),
         lambda do, q, k, v, o, l: _ring_dilated.ring_dilated_attention_backward(
             do, q, k, v, o, l, comm, segs, rates, **kw),
-        ordered=True)
+        ordered=True, scale=scale, return_lse=return_lse)
     return f(q, k, v)

@@ -361,18 +361,36 @@ def launch(fn, nprocs, args=(), backend="auto", timeout=None):
 # ---- ringattn launch -n N script.py ----------------------------------------
 
 def _launch_parser():
-    p = argparse.ArgumentParser(
+    from .cli import Parser, nonnegative_int, port, positive_float, positive_int
+
+    p = Parser(
         prog="ringattn launch",
-        description="Start N ranks of a Python script with the environment "
-                    "ringattn.init() reads (RANK, WORLD_SIZE, LOCAL_RANK, "
-                    "MASTER_ADDR, MASTER_PORT, RINGATTN_MASTER_PORT, "
-                    "RINGATTN_TOKEN).  If one rank fails the others are "
-                    "stopped; the exit code is the first failing rank's.")
-    p.add_argument("-n", "--nprocs", type=int, required=True,
-                   help="number of ranks")
-    p.add_argument("--master-addr", default="127.0.0.1",
-                   help="address of rank 0 (default 127.0.0.1)")
-    p.add_argument("--timeout", type=float, default=None,
+        description="Start N ranks of a Python script on this machine with "
+                    "the environment ringattn.init() reads (RANK, WORLD_SIZE, "
+                    "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, "
+                    "RINGATTN_MASTER_PORT, RINGATTN_TOKEN), torchrun-style.  "
+                    "Several machines: run it on each with the same --nnodes, "
+                    "--master-addr and --master-port and its own --node-rank "
+                    "(global rank = node_rank * nprocs + local rank), and the "
+                    "same RINGATTN_TOKEN secret in every node's environment.  "
+                    "If one rank fails the others are stopped; the exit code "
+                    "is the first failing rank's.")
+    p.add_argument("-n", "--nprocs", "--nproc-per-node", dest="nprocs",
+                   type=positive_int, required=True,
+                   help="ranks on this machine")
+    p.add_argument("--nnodes", type=positive_int, default=1,
+                   help="machines in the job")
+    p.add_argument("--node-rank", type=nonnegative_int, default=0,
+                   help="this machine's index, 0 .. nnodes-1")
+    p.add_argument("--master-addr", default=None,
+                   help="address of the machine of rank 0, reachable from "
+                        "every node (required with --nnodes > 1; default "
+                        "127.0.0.1)")
+    p.add_argument("--master-port", type=port, default=None,
+                   help="port of rank 0's launcher rendezvous (MASTER_PORT; "
+                        "ringattn's own is MASTER_PORT + 1); required with "
+                        "--nnodes > 1 (default: a free port)")
+    p.add_argument("--timeout", type=positive_float, default=None,
                    help="seconds before all ranks are stopped (default: none)")
     p.add_argument("-m", dest="module", default=None,
                    help="run a module (python -m) instead of a script")
@@ -382,12 +400,40 @@ def _launch_parser():
     return p
 
 
+def _job_env(opts, parser):
+    """The environment every rank of this node shares."""
+    if opts.node_rank >= opts.nnodes:
+        parser.error(f"argument --node-rank: must be below --nnodes "
+                     f"{opts.nnodes}, got {opts.node_rank}")
+    env = {
+        "WORLD_SIZE": str(opts.nnodes * opts.nprocs),
+        "LOCAL_WORLD_SIZE": str(opts.nprocs),
+        "GROUP_RANK": str(opts.node_rank),
+    }
+    if opts.nnodes == 1:
+        env["MASTER_ADDR"] = opts.master_addr or "127.0.0.1"
+        env["MASTER_PORT"] = str(opts.master_port or free_port())
+        env["RINGATTN_MASTER_PORT"] = str(free_port())
+        env["RINGATTN_TOKEN"] = secrets.token_hex(16)
+        return env
+    # several machines: every node must agree on the rendezvous (ringattn's
+    # port is MASTER_PORT + 1) and on the token, which therefore comes from
+    # the environment (RINGATTN_TOKEN; without it ringattn.init() warns that
+    # the transport is unauthenticated)
+    for flag in ("master_addr", "master_port"):
+        if getattr(opts, flag) is None:
+            parser.error(f"argument --{flag.replace('_', '-')}: required "
+                         f"with --nnodes {opts.nnodes} (the same on every "
+                         f"node)")
+    env["MASTER_ADDR"] = opts.master_addr
+    env["MASTER_PORT"] = str(opts.master_port)
+    return env
+
+
 def main_launch(argv):
     """``ringattn launch -n N script.py [args...]``; returns the exit code."""
     parser = _launch_parser()
     opts = parser.parse_args(list(argv))
-    if opts.nprocs < 1:
-        parser.error(f"-n must be >= 1, got {opts.nprocs}")
     if opts.module is None and opts.script is None:
         parser.error("a script (or -m module) is required")
     if opts.module is not None:
@@ -396,20 +442,18 @@ def main_launch(argv):
         target = [opts.script]
     cmd = [sys.executable] + target + list(opts.script_args)
     base_env = dict(os.environ)
-    base_env.update({
-        "WORLD_SIZE": str(opts.nprocs),
-        "LOCAL_WORLD_SIZE": str(opts.nprocs),
-        "MASTER_ADDR": opts.master_addr,
-        "MASTER_PORT": str(free_port()),
-        "RINGATTN_MASTER_PORT": str(free_port()),
-        "RINGATTN_TOKEN": secrets.token_hex(16),
-    })
+    if opts.nnodes > 1:
+        # a ringattn port inherited from elsewhere would differ per node
+        base_env.pop("RINGATTN_MASTER_PORT", None)
+    base_env.update(_job_env(opts, parser))
+    first_rank = opts.node_rank * opts.nprocs
     procs = []
     exits = queue.Queue()       # (rank, code) in the order ranks ended
     first_bad = 0
     try:
-        for rank in range(opts.nprocs):
-            env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+        for local in range(opts.nprocs):
+            rank = first_rank + local
+            env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(local))
             procs.append(subprocess.Popen(cmd, env=env))
             threading.Thread(target=lambda r=rank, p=procs[-1]:
                              exits.put((r, p.wait())), daemon=True).start()

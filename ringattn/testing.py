@@ -305,7 +305,7 @@ def ref_attention(q, k, v, causal=False, scale=None, q_pos=None, k_pos=None,
 
 
 def ref_attention_backward(dout, q, k, v, causal=False, scale=None, q_pos=None,
-                           k_pos=None, bias=None, out=None):
+                           k_pos=None, bias=None, out=None, dlse=None):
     """Analytic gradients of ``ref_attention``'s out with respect to q, k, v.
 
     dout: (B, S_q, H, D); other arguments as ``ref_attention``.  The forward
@@ -320,6 +320,8 @@ def ref_attention_backward(dout, q, k, v, causal=False, scale=None, q_pos=None,
     the exact float64 out, giving the true gradient.  Passing the kernel's
     own out isolates the backward kernel from the forward's rounding, which
     for bfloat16 moves dq by up to ~1e-2 of max|dq| at S ~ 1e3.
+    dlse: optional (B, H, S_q) cotangent of lse (d lse_i / d s_ij = P_ij):
+    dS gains P * dlse.
     Returns float64 (dq (B, S_q, H, D), dk, dv (B, S_k, H_kv, D)).
     """
     qh, kh, vh, scale, group = _prepare(q, k, v, scale)
@@ -342,6 +344,8 @@ def ref_attention_backward(dout, q, k, v, causal=False, scale=None, q_pos=None,
             raise ValueError(
                 f"out: expected shape {(B, S_q, H, D)}, got {out_h.shape}")
         delta = (doh * out_h.transpose(0, 2, 1, 3)).sum(axis=-1)[..., None]
+    if dlse is not None:
+        delta = delta - to_numpy(dlse).astype(np.float64)[..., None]
     dscores = probs * (dprobs - delta)
     dq = scale * np.matmul(dscores, kh)                        # (B, H, S_q, D)
     dk = scale * np.matmul(dscores.swapaxes(-1, -2), qh)       # (B, H, S_k, D)

@@ -5,6 +5,12 @@ lazily).
 and the backward calls the ringattn backward kernels.  Tensors cross
 zero-copy through DLPack, on the CPU or a CUDA device.
 
+With ``return_lse=True`` the lse is differentiable too (its gradient costs
+one more forward and backward pass, only when lse is used; see
+``ringattn.lse_grad``).  Second derivatives are not implemented: a double
+backward raises RuntimeError (as PyTorch's flash attention does) rather
+than returning zeros.
+
 Shapes as ``ringattn.attention``: q (B, S_q, H, D); k, v (B, S_k, H_kv, D).
 """
 
@@ -16,34 +22,77 @@ from .attention import attention_backward as _attention_bwd
 from . import dilated as _dilated
 from . import ring as _ring
 from . import ring_dilated as _ring_dilated
+from .lse_grad import default_scale, lse_cotangent_grads
 
 __all__ = ["attention", "dilated_attention", "ring_attention",
            "ring_dilated_attention"]
 
 
-class _Attention(torch.autograd.Function):
-    """Generic wrapper: `forward_fn(q, k, v) -> (out, lse)`,
-    `backward_fn(dout, q, k, v, out, lse) -> (dq, dk, dv)`."""
+class _NoSecondDerivative(torch.autograd.Function):
+    """Passes first-order gradients through; differentiating them raises.
+    `anchor` is a tensor that requires grad, so the outputs join the graph."""
 
     @staticmethod
-    def forward(ctx, q, k, v, forward_fn, backward_fn):
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            "ringattn.torch: the derivative of ringattn's attention backward "
+            "(a second derivative, double backward) is not implemented; "
+            "differentiate ringattn attention once, or use "
+            "torch.nn.functional.scaled_dot_product_attention's math backend "
+            "for higher derivatives")
+
+
+class _Attention(torch.autograd.Function):
+    """Generic wrapper: `forward_fn(q, k, v) -> (out, lse)`,
+    `backward_fn(dout, q, k, v, out, lse) -> (dq, dk, dv)`; `scale` is the
+    resolved softmax scale (for the gradient through lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, forward_fn, backward_fn, scale):
         out, lse = forward_fn(q.detach(), k.detach(), v.detach())
-        ctx.backward_fn = backward_fn
+        ctx.forward_fn, ctx.backward_fn, ctx.scale = forward_fn, backward_fn, scale
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)      # an unused output's grad: None
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backward_fn(dout.contiguous(), q.detach(), k.detach(),
-                                     v.detach(), out, lse)
-        return dq, dk, dv, None, None
+    def backward(ctx, dout, dlse):
+        saved = ctx.saved_tensors
+        detach = lambda x: None if x is None else x.detach()
+        with torch.no_grad():
+            grads = _gradients(ctx, detach(dout), detach(dlse),
+                               *(x.detach() for x in saved))
+        if not torch.is_grad_enabled():
+            return grads + (None, None, None)
+        # create_graph=True: a second derivative through these gradients
+        # must raise, not silently be zero
+        anchors = [x for x in saved[:3] + (dout, dlse)
+                   if x is not None and x.requires_grad]
+        return _NoSecondDerivative.apply(anchors[0] if anchors else None,
+                                         *grads) + (None, None, None)
 
 
-def _apply(q, k, v, fwd, bwd, return_lse):
+def _gradients(ctx, dout, dlse, q, k, v, out, lse):
+    """(dq, dk, dv) from the cotangents of out and lse (None when unused)."""
+    if dout is not None:
+        dq, dk, dv = ctx.backward_fn(dout.contiguous(), q, k, v, out, lse)
+    else:
+        dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
+    if dlse is not None:
+        lse_dq, lse_dk = lse_cotangent_grads(
+            dlse.contiguous(), q, k, v, out, lse, ctx.forward_fn,
+            ctx.backward_fn, ctx.scale)
+        dq, dk = dq + lse_dq, dk + lse_dk
+    return dq, dk, dv
+
+
+def _apply(q, k, v, fwd, bwd, scale, return_lse):
     return_lse = flag(return_lse, "return_lse")
-    out, lse = _Attention.apply(q, k, v, fwd, bwd)
+    out, lse = _Attention.apply(q, k, v, fwd, bwd, default_scale(q, scale))
     return (out, lse) if return_lse else out
 
 
@@ -55,7 +104,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
                                              scale=scale, return_lse=True),
         lambda do, q, k, v, o, l: _attention_bwd(
             do, q, k, v, o, l, causal=causal, scale=scale),
-        return_lse)
+        scale, return_lse)
 
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
@@ -68,7 +117,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
             q, k, v, segs, rates, causal=causal, scale=scale, return_lse=True),
         lambda do, q, k, v, o, l: _dilated.dilated_attention_backward(
             do, q, k, v, o, l, segs, rates, causal=causal, scale=scale),
-        return_lse)
+        scale, return_lse)
 
 
 def ring_attention(q, k, v, comm, *, causal=False, scale=None,
@@ -81,7 +130,7 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
                                              **kw),
         lambda do, q, k, v, o, l: _ring.ring_attention_backward(
             do, q, k, v, o, l, comm, **kw),
-        return_lse)
+        scale, return_lse)
 
 
 def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
@@ -97,4 +146,4 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
             q, k, v, comm, segs, rates, return_lse=True, **kw),
         lambda do, q, k, v, o, l: _ring_dilated.ring_dilated_attention_backward(
             do, q, k, v, o, l, comm, segs, rates, **kw),
-        return_lse)
+        scale, return_lse)

@@ -73,3 +73,158 @@ def test_bench_cpu_quick_prints_a_table():
 def test_no_command_prints_help():
     proc = run_cli()
     assert proc.returncode == 2 and "demo" in proc.stdout, describe(proc)
+
+
+# ---- every flag checked: one line, exit 2, no traceback ----------------------
+
+BAD_FLAGS = [
+    (["demo", "--ranks", "0"], "--ranks"),
+    (["demo", "--ranks", "-2"], "--ranks"),
+    (["demo", "--seq-len", "-5"], "--seq-len"),
+    (["demo", "--seq-len", "0"], "--seq-len"),
+    (["demo", "--batch", "0"], "--batch"),
+    (["demo", "--samples", "0"], "--samples"),
+    (["demo", "--heads", "0"], "--heads"),
+    (["demo", "--head-dim", "0"], "--head-dim"),
+    (["demo", "--head-dim", "100000"], "--head-dim"),
+    (["demo", "--heads", "6", "--kv-heads", "4"], "--kv-heads"),
+    (["demo", "--kv-heads", "-1"], "--kv-heads"),
+    (["demo", "--threads", "-1"], "--threads"),
+    (["demo", "--seed", "-3"], "--seed"),
+    (["demo", "--seq-len", "abc"], "--seq-len"),
+    (["demo", "--layout", "diagonal"], "--layout"),
+    (["demo", "--backend", "mpi"], "--backend"),
+    (["demo", "--dtype", "int8"], "--dtype"),
+    (["bench", "--repeat", "0"], "--repeat"),
+    (["bench", "--threads", "-1"], "--threads"),
+    (["bench", "--seq-lens", "512,0"], "--seq-lens"),
+    (["bench", "--seq-lens", ","], "--seq-lens"),
+    (["bench", "--plot", "/no/such/folder/x.png"], "--plot"),
+    (["bench", "--dilated", "--plot", "x.png"], "--plot"),
+    (["launch", "-n", "0", "job.py"], "--nprocs"),
+    (["launch", "-n", "2", "--timeout", "-1", "job.py"], "--timeout"),
+    (["launch", "-n", "2", "--master-port", "0", "job.py"], "--master-port"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, flag", BAD_FLAGS,
+                         ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_exit_2(args, flag):
+    proc = run_cli(*args)
+    lines = proc.stderr.strip().splitlines()
+    ok = (proc.returncode == 2 and len(lines) == 1 and flag in lines[0]
+          and "Traceback" not in proc.stderr and not proc.stdout.strip())
+    assert ok, describe(proc)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["demo", "bench", "launch"])
+def test_help_shows_every_flag_with_help_and_default(command):
+    from ringattn.cli import build_parser
+    from ringattn.launch import _launch_parser
+
+    parser = (_launch_parser() if command == "launch"
+              else build_parser()[1][command])
+    proc = run_cli(command, "--help")
+    flags = [a for a in parser._actions
+             if a.option_strings and a.help not in (None, "==SUPPRESS==")]
+    missing = [a.option_strings[-1] for a in flags
+               if a.option_strings[-1] not in proc.stdout]
+    undocumented = [a.option_strings[-1] for a in flags if not a.help]
+    no_default = [a.option_strings[-1] for a in flags
+                  if a.default is not None and not a.required
+                  and "--help" not in a.option_strings
+                  and f"(default: {a.default})" not in " ".join(proc.stdout.split())]
+    ok = (proc.returncode == 0 and not missing and not undocumented
+          and not no_default)
+    assert ok, (missing, undocumented, no_default, describe(proc))
+
+
+@pytest.mark.timeout(60)
+def test_version_flag():
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and \
+        proc.stdout.strip() == f"ringattn {ringattn.__version__}", describe(proc)
+
+
+@pytest.mark.timeout(150)
+def test_demo_progress_is_plain_lines_off_a_terminal():
+    """stderr is a pipe here: one line per ring step, no carriage return."""
+    proc = run_cli("demo", "-n", "96", "-p", "2", "--backend", "threads",
+                   "--heads", "2", "--head-dim", "8")
+    steps = [line for line in proc.stderr.splitlines() if "ring step" in line]
+    ok = (proc.returncode == 0 and "\r" not in proc.stderr and len(steps) == 4)
+    assert ok, describe(proc)
+
+
+@pytest.mark.timeout(150)
+def test_demo_threads_memory_is_labelled_process_wide():
+    proc = run_cli("demo", "-n", "96", "-p", "2", "--backend", "threads",
+                   "--heads", "2", "--head-dim", "8", "--quiet")
+    ok = (proc.returncode == 0 and "all 2 ranks together" in proc.stdout
+          and "not measurable with the threads backend" in proc.stdout)
+    assert ok, describe(proc)
+
+
+def test_demo_relative_error_is_what_it_says():
+    """max |got - ref| / max |ref|, with no floor of 1 under max |ref|."""
+    import numpy as np
+
+    from ringattn.demo import relative_error
+
+    ref = np.array([0.01, -0.02, -np.inf])
+    got = np.array([0.011, -0.02, -np.inf])
+    zero = np.zeros(3)
+    assert (np.isclose(relative_error(got, ref), 0.001 / 0.02)
+            and relative_error(zero, zero) == 0.0
+            and relative_error(zero + 1e-9, zero) == float("inf")
+            and relative_error(np.array([0.01, -0.02, 5.0]), ref)
+            == float("inf"))
+
+
+@pytest.mark.timeout(300)
+def test_bench_ring_prints_each_row_once(tmp_path):
+    proc = run_cli("bench", "--ring", "--quick", "--repeat", "1", timeout=280)
+    rows = [line for line in proc.stdout.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+    ok = (proc.returncode == 0 and len(rows) == 6 == len(set(rows))
+          and "peak MiB/rank" in proc.stdout)
+    assert ok, describe(proc)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra", [[], ["--ring"]])
+def test_bench_gpu_without_a_gpu_fails_saying_why(extra):
+    if ringattn.cuda_available():
+        pytest.skip("a GPU is available")
+    proc = run_cli("bench", "--gpu", *extra)
+    out = proc.stdout + proc.stderr
+    ok = (proc.returncode != 0 and "no usable GPU" in out
+          and "Traceback" not in out)
+    assert ok, describe(proc)
+
+
+@pytest.mark.timeout(300)
+def test_bench_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    image = tmp_path / "bench.png"
+    proc = run_cli("bench", "--cpu", "--quick", "--threads", "1",
+                   "--repeat", "1", "--seq-lens", "64,128", "--plot",
+                   str(image), timeout=280)
+    ok = (proc.returncode == 0 and image.exists()
+          and image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n")
+    assert ok, describe(proc)
+
+
+@pytest.mark.timeout(60)
+def test_bench_plot_without_matplotlib_says_so():
+    code = ("import sys; sys.modules['matplotlib'] = None; "
+            "from ringattn.cli import main; "
+            "sys.exit(main(['bench', '--plot', 'x.png']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=50)
+    lines = proc.stderr.strip().splitlines()
+    ok = (proc.returncode == 2 and len(lines) == 1
+          and "pip install matplotlib" in lines[0])
+    assert ok, describe(proc)

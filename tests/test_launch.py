@@ -4,7 +4,9 @@ functions live at module level so that spawned processes can import them."""
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,7 @@ import pytest
 import ringattn
 
 from ringattn import _C
-from ringattn.launch import LaunchError, launch, main_launch
+from ringattn.launch import LaunchError, free_port, launch, main_launch
 
 CommError = _C.CommError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ringattn.__file__)))  # where ringattn is imported from
@@ -208,14 +210,15 @@ SCRIPT = textwrap.dedent("""
     import os, sys
     import numpy as np
     import ringattn as ra
-    from ringattn.comm import init
+    from ringattn.comm import init, launcher_env
     comm = init()
     send = np.full(3, float(comm.rank))
     recv = np.empty(3)
     comm.sendrecv(send, (comm.rank + 1) % comm.size, recv,
                   (comm.rank - 1) % comm.size)
+    local = launcher_env()["local_rank"]
     with open(os.path.join(sys.argv[1], f"rank{comm.rank}.txt"), "w") as f:
-        f.write(f"{comm.size} {os.environ['LOCAL_RANK']} {recv[0]:.0f}")
+        f.write(f"{comm.size} {local} {recv[0]:.0f}")
     if len(sys.argv) > 2 and comm.rank == int(sys.argv[2]):
         sys.exit(5)
     comm.barrier()
@@ -241,8 +244,7 @@ def test_cli_launch_runs_a_script_on_n_ranks(tmp_path):
     script.write_text(SCRIPT)
     rc = run_cli(["-n", "2", str(script), str(tmp_path)])
     assert rc == 0
-    got = sorted((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
-    assert got == ["2 0 1", "2 1 0"]
+    assert ring_files(tmp_path, 2) == ring_expected(2, 2)
 
 
 @pytest.mark.timeout(90)
@@ -253,3 +255,100 @@ def test_cli_launch_returns_the_failing_exit_code(tmp_path):
     rc = run_cli(["-n", "2", str(script), str(tmp_path), "1"])
     assert rc == 5
     assert time.monotonic() - start < 40
+
+
+def ring_files(folder, size):
+    return sorted((folder / f"rank{r}.txt").read_text() for r in range(size))
+
+
+def ring_expected(size, per_node):
+    """What SCRIPT writes: size, local rank, the previous rank's value."""
+    return sorted(f"{size} {r % per_node} {(r - 1) % size}"
+                  for r in range(size))
+
+
+def adjacent_free_ports():
+    """A free port P with P + 1 free too (ringattn's rendezvous is P + 1)."""
+    for _ in range(20):
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    pytest.skip("no two adjacent free ports")
+
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+               "MASTER_ADDR", "MASTER_PORT", "RINGATTN_MASTER_PORT",
+               "RINGATTN_TOKEN")
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_cli_launch_over_two_nodes(tmp_path):
+    """Two `ringattn launch`, one per node, on this machine: 4 ranks with
+    global rank = node_rank * nprocs + local rank."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    port = adjacent_free_ports()
+    env = clean_env(RINGATTN_TOKEN="a secret both nodes share")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "ringattn", "launch", "--nnodes", "2",
+         "--node-rank", str(node), "-n", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "--timeout", "90", str(script),
+         str(tmp_path)], env=env, cwd=ROOT) for node in (0, 1)]
+    codes = [p.wait(timeout=110) for p in procs]
+    assert codes == [0, 0] and ring_files(tmp_path, 4) == ring_expected(4, 2)
+
+
+MPIRUN = shutil.which("mpirun")
+needs_mpirun = pytest.mark.skipif(
+    MPIRUN is None, reason="mpirun not installed (Debian: openmpi-bin)")
+
+
+def mpirun(nprocs, script, *args, env=None):
+    cmd = [MPIRUN, "-n", str(nprocs), "--oversubscribe"]
+    env = clean_env(**(env or {}))
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1",
+                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd += [x for var in ("MASTER_PORT", "PYTHONPATH") if var in env
+            for x in ("-x", var)]
+    return subprocess.run(cmd + [sys.executable, str(script), *args],
+                          env=env, capture_output=True, text=True,
+                          timeout=100, cwd=ROOT)
+
+
+@needs_mpirun
+@pytest.mark.timeout(120)
+def test_real_mpirun_ring(tmp_path):
+    """Open MPI's ranks and local ranks reach ra.init(); MASTER_PORT is the
+    one variable a one-machine mpirun needs."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    proc = mpirun(3, script, str(tmp_path),
+                  env={"MASTER_PORT": str(adjacent_free_ports())})
+    ok = proc.returncode == 0 and ring_files(tmp_path, 3) == ring_expected(3, 3)
+    assert ok, proc.stdout + proc.stderr
+
+
+@needs_mpirun
+@pytest.mark.timeout(120)
+def test_real_mpirun_without_a_port_says_what_to_set(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    proc = mpirun(2, script, str(tmp_path))
+    out = proc.stdout + proc.stderr
+    ok = (proc.returncode != 0 and "Open MPI started this process" in out
+          and "set MASTER_PORT" in out
+          and not (tmp_path / "rank0.txt").exists())
+    assert ok, out

@@ -5,7 +5,9 @@ csrc/ is cut into concept folders whose dependencies point one way:
     core/   may include core/ only
     attn/   core/, attn/, and cuda/attn_cuda.h (the CUDA launchers)
     comm/   core/, comm/
-    csrc/   (module.c, the module's init) any of core/, attn/, comm/
+    xla/    core/, xla/, attn/attn_params.h and attn/attn_cpu.h (the CPU
+            kernels), and cuda/attn_cuda.h (the CUDA launchers)
+    csrc/   (module.c, the module's init) any of core/, attn/, comm/, xla/
     cuda/   cuda/, core/, and attn/attn_params.h (the kernels' params)
 
 Every function shared between files is declared in a header: no .c or .cu
@@ -30,13 +32,16 @@ ALLOWED = {
     "core": {"core"},
     "attn": {"core", "attn", "cuda"},
     "comm": {"core", "comm"},
-    "csrc": {"core", "attn", "comm"},
+    "xla": {"core", "attn", "cuda", "xla"},
+    "csrc": {"core", "attn", "comm", "xla"},
     "cuda": {"cuda", "core", "attn"},
 }
 # where a folder may reach into another only through one header
 ONLY_THROUGH = {
     ("attn", "cuda"): {"cuda/attn_cuda.h"},
     ("cuda", "attn"): {"csrc/attn/attn_params.h"},
+    ("xla", "cuda"): {"cuda/attn_cuda.h"},
+    ("xla", "attn"): {"csrc/attn/attn_params.h", "csrc/attn/attn_cpu.h"},
 }
 SOURCE_SUFFIXES = (".c", ".cu")
 HEADER_SUFFIXES = (".h", ".cuh")

@@ -1,0 +1,256 @@
+/*
+ * ffi_bwd.c -- the backward handlers.
+ *
+ *   ringattn_attn_bwd_pre  (dout, out) -> delta = rowsum(dout * out)
+ *   ringattn_attn_bwd      (dout, q, k, v, lse, delta[, positions])
+ *                          -> (dq, dk, dv)
+ *   ringattn_attn_bwd_acc  (dout, q, k, v, lse, delta, dq, dk, dv[, positions])
+ *                          -> (dq, dk, dv) float32 (float64), aliased: this
+ *                          block's gradients are added in place
+ *   ringattn_dilated_bwd   (dout, q, k, v, lse, delta) -> (dq, dk, dv)  CPU
+ *
+ * dout, q, dq: (B, S_q, H, D); k, v, dk, dv: (B, S_k, H_kv, D); lse, delta:
+ * (B, H, S_q) acc dtype: lse is the final one over all keys.  Gradients are
+ * deterministic (same bits on every run: no atomics on either platform).
+ */
+#include <string.h>
+
+#include "xla/ffi_args.h"
+#include "xla/ffi_device.h"
+#include "xla/ffi_handlers.h"
+
+typedef struct bwd_job {
+    const ra_xla_qkv *d;
+    int64_t B;
+    const char *dout, *q, *k, *v, *lse, *delta;
+    char *dq, *dk, *dv;
+    ra_dtype grad_dtype;
+    const ra_xla_opts *o;
+} bwd_job;
+
+static void bwd_params(ra_attn_bwd_params *p, const bwd_job *j,
+                       const ra_xla_block *blk, int accumulate) {
+    const ra_xla_qkv *d = j->d;
+    const size_t es = ra_dtype_size(d->dtype), gs = ra_dtype_size(j->grad_dtype),
+                 ls = ra_dtype_size(d->acc);
+    const size_t qrow = (size_t)(blk->q_off * d->H * d->D),
+                 krow = (size_t)(blk->k_off * d->Hkv * d->D);
+    memset(p, 0, sizeof *p);
+    p->q = j->q + qrow * es;
+    p->dout = j->dout + qrow * es;
+    p->k = j->k + krow * es;
+    p->v = j->v + krow * es;
+    p->lse = j->lse + (size_t)blk->q_off * ls;
+    p->delta = (char *)j->delta + (size_t)blk->q_off * ls;
+    p->dq = j->dq + qrow * gs;
+    p->dk = j->dk + krow * gs;
+    p->dv = j->dv + krow * gs;
+    p->dtype = d->dtype;
+    p->out_dtype = d->dtype;
+    p->grad_dtype = j->grad_dtype;
+    p->batch = j->B;
+    p->seqlen_q = blk->nq;
+    p->seqlen_k = blk->nk;
+    p->heads = d->H;
+    p->heads_kv = d->Hkv;
+    p->head_dim = d->D;
+    p->q_batch_stride = p->dout_batch_stride = p->dq_batch_stride =
+        p->out_batch_stride = d->Sq * d->H * d->D;
+    p->q_seq_stride = p->dout_seq_stride = p->dq_seq_stride =
+        p->out_seq_stride = d->H * d->D;
+    p->q_head_stride = p->dout_head_stride = p->dq_head_stride =
+        p->out_head_stride = d->D;
+    p->k_batch_stride = p->v_batch_stride = p->dk_batch_stride =
+        p->dv_batch_stride = d->Sk * d->Hkv * d->D;
+    p->k_seq_stride = p->v_seq_stride = p->dk_seq_stride = p->dv_seq_stride =
+        d->Hkv * d->D;
+    p->k_head_stride = p->v_head_stride = p->dk_head_stride =
+        p->dv_head_stride = d->D;
+    p->lse_batch_stride = d->H * d->Sq;
+    p->lse_head_stride = d->Sq;
+    p->lse_seq_stride = 1;
+    p->scale = j->o->scale;
+    p->causal = j->o->causal;
+    p->q_pos_offset = blk->q_start;
+    p->q_pos_stride = blk->q_stride;
+    p->k_pos_offset = blk->k_start;
+    p->k_pos_stride = blk->k_stride;
+    p->accumulate = accumulate;
+    p->deterministic = 1;
+    p->num_threads = j->o->num_threads;
+}
+
+/* As fwd_pieces: one plain call, or blocks added into the gradients (zeroed
+ * first for a call without gradient inputs). */
+static ra_status bwd_pieces(const ra_xla_call *c, const bwd_job *j,
+                            const ra_xla_pieces *pp, int accumulate) {
+    const ra_xla_qkv *d = j->d;
+    ra_attn_bwd_params p;
+    ra_xla_block blocks[RA_XLA_MAX_BLOCKS];
+    if (!accumulate && ra_xla_single_block(pp, &blocks[0])) {
+        bwd_params(&p, j, &blocks[0], 0);
+        return ra_xla_run_bwd(c, &p);
+    }
+    if (!accumulate) {
+        if (j->grad_dtype != d->acc) {
+            ra_set_error(RA_ERR_TYPE,
+                         "dq: a backward over several position pieces "
+                         "accumulates in %s, got %s",
+                         ra_dtype_name(d->acc), ra_dtype_name(j->grad_dtype));
+            return RA_ERR_TYPE;
+        }
+        const size_t gs = ra_dtype_size(d->acc);
+        RA_CHECK(ra_xla_zero(c, j->dq, (size_t)(j->B * d->Sq * d->H * d->D) * gs));
+        RA_CHECK(ra_xla_zero(c, j->dk, (size_t)(j->B * d->Sk * d->Hkv * d->D) * gs));
+        RA_CHECK(ra_xla_zero(c, j->dv, (size_t)(j->B * d->Sk * d->Hkv * d->D) * gs));
+    }
+    const int n = ra_xla_state_blocks(pp, j->o->causal, blocks);
+    for (int i = 0; i < n; i++) {
+        bwd_params(&p, j, &blocks[i], 1);
+        RA_CHECK(ra_xla_run_bwd(c, &p));
+    }
+    return RA_OK;
+}
+
+/* dout, q, k, v, lse, delta: arguments 0..5; dq, dk, dv: results 0..2. */
+static ra_status load_bwd(ra_xla_call *c, ra_xla_tensor *t, ra_xla_tensor *g,
+                          ra_xla_qkv *d, ra_xla_opts *o, int accumulate) {
+    static const char *names[6] = {"dout", "q", "k", "v", "lse", "delta"};
+    static const int cores[6] = {4, 4, 4, 4, 3, 3};
+    for (int i = 0; i < 6; i++) RA_CHECK(ra_xla_arg(c, i, names[i], cores[i], &t[i]));
+    RA_CHECK(ra_xla_check_qkv(&t[1], &t[2], &t[3], d));
+    RA_CHECK(ra_xla_check_rows(&t[0], d, d->Sq, d->H, d->dtype, d->dtype));
+    RA_CHECK(ra_xla_check_bhs(&t[4], d));
+    RA_CHECK(ra_xla_check_bhs(&t[5], d));
+    RA_CHECK(ra_xla_ret(c, 0, "dq", 4, &g[0]));
+    RA_CHECK(ra_xla_ret(c, 1, "dk", 4, &g[1]));
+    RA_CHECK(ra_xla_ret(c, 2, "dv", 4, &g[2]));
+    const ra_dtype want = accumulate ? d->acc : d->dtype;
+    RA_CHECK(ra_xla_check_rows(&g[0], d, d->Sq, d->H, want, d->acc));
+    RA_CHECK(ra_xla_check_rows(&g[1], d, d->Sk, d->Hkv, g[0].dtype, g[0].dtype));
+    RA_CHECK(ra_xla_check_rows(&g[2], d, d->Sk, d->Hkv, g[0].dtype, g[0].dtype));
+    return ra_xla_read_opts(c, d->D, o);
+}
+
+static bwd_job make_job(const ra_xla_lead *l, ra_xla_tensor *t,
+                        ra_xla_tensor *g, const ra_xla_qkv *d,
+                        const ra_xla_opts *o, int64_t it, int whole) {
+    bwd_job j = {d, whole ? l->count * d->B : d->B,
+                 ra_xla_item(l, &t[0], it, whole), ra_xla_item(l, &t[1], it, whole),
+                 ra_xla_item(l, &t[2], it, whole), ra_xla_item(l, &t[3], it, whole),
+                 ra_xla_item(l, &t[4], it, whole), ra_xla_item(l, &t[5], it, whole),
+                 ra_xla_item(l, &g[0], it, whole), ra_xla_item(l, &g[1], it, whole),
+                 ra_xla_item(l, &g[2], it, whole), g[0].dtype, o};
+    return j;
+}
+
+static ra_status attn_bwd(ra_xla_call *c, int accumulate) {
+    const int base = accumulate ? 9 : 6;
+    ra_xla_tensor t[9], g[3], pos;
+    ra_xla_qkv d;
+    ra_xla_opts o;
+    ra_xla_lead l;
+    int nq = 1;
+    RA_CHECK(load_bwd(c, t, g, &d, &o, accumulate));
+    if (accumulate) {
+        static const char *names[3] = {"running dq", "running dk", "running dv"};
+        for (int i = 0; i < 3; i++) {
+            RA_CHECK(ra_xla_arg(c, 6 + i, names[i], 4, &t[6 + i]));
+            RA_CHECK(ra_xla_check_alias(&t[6 + i], &g[i]));
+        }
+    }
+    RA_CHECK(ra_xla_lead_plan(&l, &g[0], g, 3));
+    RA_CHECK(ra_xla_lead_plan(&l, &g[0], t, base));
+    RA_CHECK(ra_xla_positions_arg(c, base, &g[0], &pos, &nq));
+    if (accumulate) {   /* XLA aliases them; copy if it could not */
+        for (int i = 0; i < 3; i++)
+            RA_CHECK(ra_xla_copy(c, g[i].data, t[6 + i].data,
+                                 (size_t)(l.count * ra_xla_core_numel(&g[i])) *
+                                     ra_dtype_size(d.acc)));
+    }
+    const int one = l.folded && (pos.data == NULL || ra_xla_lead_shared(&pos));
+    const int64_t iters = one ? 1 : l.count;
+    for (int64_t it = 0; it < iters; it++) {
+        ra_xla_pieces pp;
+        RA_CHECK(ra_xla_load_pieces(c, &pos, nq, &l, it, d.Sq, d.Sk, &pp));
+        bwd_job j = make_job(&l, t, g, &d, &o, it, one);
+        RA_CHECK(bwd_pieces(c, &j, &pp, accumulate));
+    }
+    return RA_OK;
+}
+
+ra_status ra_xla_attn_bwd(ra_xla_call *c) { return attn_bwd(c, 0); }
+ra_status ra_xla_attn_bwd_acc(ra_xla_call *c) { return attn_bwd(c, 1); }
+
+ra_status ra_xla_dilated_bwd(ra_xla_call *c) {
+    ra_xla_tensor t[6], g[3];
+    ra_xla_qkv d;
+    ra_xla_opts o;
+    ra_xla_lead l;
+    ra_dilated_config cfg;
+    RA_CHECK(load_bwd(c, t, g, &d, &o, 0));
+    RA_CHECK(ra_xla_read_dilated(c, &d, &cfg));
+    RA_CHECK(ra_xla_lead_plan(&l, &g[0], g, 3));
+    RA_CHECK(ra_xla_lead_plan(&l, &g[0], t, 6));
+    const int64_t iters = l.folded ? 1 : l.count;
+    for (int64_t it = 0; it < iters; it++) {
+        bwd_job j = make_job(&l, t, g, &d, &o, it, l.folded);
+        const ra_xla_block all = {0, d.Sq, 0, 1, 0, d.Sk, 0, 1};
+        ra_attn_bwd_params p;
+        bwd_params(&p, &j, &all, 0);
+        RA_CHECK(ra_xla_run_dilated_bwd(c, &p, &cfg));
+    }
+    return RA_OK;
+}
+
+/* ---- delta ------------------------------------------------------------------ */
+
+ra_status ra_xla_bwd_preprocess(ra_xla_call *c) {
+    ra_xla_tensor t[2], delta;
+    ra_xla_lead l;
+    ra_xla_qkv d;
+    RA_CHECK(ra_xla_arg(c, 0, "dout", 4, &t[0]));
+    RA_CHECK(ra_xla_arg(c, 1, "out", 4, &t[1]));
+    RA_CHECK(ra_xla_ret(c, 0, "delta", 3, &delta));
+    if (t[0].dtype == RA_DTYPE_OTHER) {
+        ra_set_error(RA_ERR_TYPE, "dout: expected a float dtype");
+        return RA_ERR_TYPE;
+    }
+    memset(&d, 0, sizeof d);
+    d.B = ra_xla_dim(&t[0], 0);
+    d.Sq = ra_xla_dim(&t[0], 1);
+    d.H = d.Hkv = ra_xla_dim(&t[0], 2);
+    d.D = ra_xla_dim(&t[0], 3);
+    d.dtype = t[0].dtype;
+    d.acc = ra_acc_dtype(d.dtype);
+    RA_CHECK(ra_xla_check_rows(&t[1], &d, d.Sq, d.H, d.dtype, d.dtype));
+    RA_CHECK(ra_xla_check_bhs(&delta, &d));
+    int64_t nt = 0;
+    int present = 0;
+    RA_CHECK(ra_xla_attr_int(c, "num_threads", &nt, &present));
+    RA_CHECK(ra_xla_lead_plan(&l, &delta, t, 2));
+    const int64_t iters = l.folded ? 1 : l.count;
+    for (int64_t it = 0; it < iters; it++) {
+        ra_attn_bwd_params p;
+        memset(&p, 0, sizeof p);
+        p.out = ra_xla_item(&l, &t[1], it, l.folded);
+        p.dout = ra_xla_item(&l, &t[0], it, l.folded);
+        p.q = p.k = p.v = p.dout;  /* not read; the checks want them set */
+        p.delta = ra_xla_item(&l, &delta, it, l.folded);
+        p.dtype = p.out_dtype = p.grad_dtype = d.dtype;
+        p.batch = l.folded ? l.count * d.B : d.B;
+        p.seqlen_q = p.seqlen_k = d.Sq;
+        p.heads = p.heads_kv = d.H;
+        p.head_dim = d.D;
+        p.out_batch_stride = p.dout_batch_stride = d.Sq * d.H * d.D;
+        p.out_seq_stride = p.dout_seq_stride = d.H * d.D;
+        p.out_head_stride = p.dout_head_stride = d.D;
+        p.lse_batch_stride = d.H * d.Sq;
+        p.lse_head_stride = d.Sq;
+        p.lse_seq_stride = 1;
+        p.q_pos_stride = p.k_pos_stride = 1;
+        p.num_threads = nt > 0 && nt < 4096 ? (int)nt : 0;
+        RA_CHECK(ra_xla_run_bwd_preprocess(c, &p));
+    }
+    return RA_OK;
+}

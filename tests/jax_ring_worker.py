@@ -1,0 +1,90 @@
+"""Runs ``ringattn.jax.ring_attention`` under ``jax.shard_map`` on p CPU
+devices, for tests/test_jax_ring.py.
+
+A separate process because XLA_FLAGS=--xla_force_host_platform_device_count
+must be set before JAX is imported, and the rest of the test suite must
+keep its one CPU device.  The parent writes the cases (global q, k, v, dout
+in natural order) to an .npz; this writes back, per case, out and dq, dk,
+dv (as float64, natural order) and what the lowered forward+backward
+program contains.
+
+usage: python jax_ring_worker.py CASES.npz RESULTS.npz
+"""
+
+import json
+import sys
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import ringattn as ra
+import ringattn.jax as rj
+from ringattn.jax_ring import shard_map
+from ringattn.testing import np_dtype
+
+
+def run_case(case, arrays):
+    p, layout = case["p"], case["layout"]
+    q, k, v, dout = (arrays[f"{case['name']}/{x}"] for x in ("q", "k", "v", "dout"))
+    dt = np_dtype(case["dtype"])
+    n = q.shape[1]
+    order = np.concatenate(ra.shard_indices(n, p, layout))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:p]), ("sp",))
+    spec = P(None, "sp")
+    place = lambda x: jax.device_put(jnp.asarray(x[:, order].astype(dt)),
+                                     NamedSharding(mesh, spec))
+    with_lse = case.get("lse", False)
+    # lse (B, H, n_r) is sharded along its last dim
+    lse_spec = P(None, None, "sp")
+    ring = shard_map(lambda q, k, v: rj.ring_attention(
+        q, k, v, axis_name="sp", causal=case["causal"], layout=layout,
+        seq_len=n, return_lse=with_lse), mesh, spec,
+        (spec, lse_spec) if with_lse else spec)
+
+    def out_and_grads(q, k, v, dout, *dlse):
+        out, pullback = jax.vjp(ring, q, k, v)
+        if with_lse:
+            return out + tuple(pullback((dout, dlse[0])))
+        return (out,) + tuple(pullback(dout))
+
+    args = [place(x) for x in (q, k, v, dout)]
+    if with_lse:
+        dlse = arrays[f"{case['name']}/dlse"][:, :, order]
+        args.append(jax.device_put(jnp.asarray(dlse, jnp.float64 if dt == np.float64
+                                               else jnp.float32),
+                                   NamedSharding(mesh, lse_spec)))
+    step = jax.jit(out_and_grads)
+    text = step.lower(*args).as_text()
+    results = step(*args)
+    back = np.argsort(order)
+    names = ("out", "lse", "dq", "dk", "dv") if with_lse else ("out", "dq", "dk", "dv")
+    got = {name: np.asarray(r.astype(jnp.float32) if dt.itemsize == 2 else r,
+                            dtype=np.float64)[..., back] if name == "lse" else
+           np.asarray(r.astype(jnp.float32) if dt.itemsize == 2 else r,
+                      dtype=np.float64)[:, back]
+           for name, r in zip(names, results)}
+    got["targets"] = np.array(sorted({t for t in (
+        "ringattn_attn_fwd", "ringattn_attn_fwd_acc", "ringattn_attn_bwd_pre",
+        "ringattn_attn_bwd", "ringattn_attn_bwd_acc") if f"@{t}(" in text}))
+    got["callbacks"] = np.array("callback" in text)
+    got["permutes"] = np.array(text.count("collective_permute"))
+    return got
+
+
+def main():
+    cases_path, out_path = sys.argv[1], sys.argv[2]
+    arrays = dict(np.load(cases_path))
+    cases = json.loads(str(arrays.pop("cases")))
+    jax.config.update("jax_enable_x64", True)
+    out = {}
+    for case in cases:
+        for key, value in run_case(case, arrays).items():
+            out[f"{case['name']}/{key}"] = value
+    np.savez(out_path, **out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""``ringattn.jax.ring_attention`` under ``jax.shard_map`` on 1-4 CPU devices
+against the float64 reference: every layout, causal and not, GQA, forward
+and gradients, several dtypes and odd shard lengths.
+
+The rings run in one subprocess (tests/jax_ring_worker.py) started with
+XLA_FLAGS=--xla_force_host_platform_device_count=4, so this process and
+the rest of the suite keep JAX's default single CPU device.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ringattn.testing import assert_close, random_problem, ref_attention, \
+    ref_attention_backward
+
+pytest.importorskip("jax")
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      "jax_ring_worker.py")
+
+
+def _cases():
+    cases = []
+    # (p, tokens per shard, heads, kv heads, head dim)
+    shapes = {1: (7, 4, 2, 8), 2: (9, 4, 1, 16), 3: (5, 6, 3, 8), 4: (13, 4, 2, 8)}
+    for p, (m, H, Hkv, D) in shapes.items():
+        for layout in ("contiguous", "zigzag", "striped"):
+            for causal in (False, True):
+                cases.append(dict(p=p, layout=layout, causal=causal, m=m, H=H,
+                                  Hkv=Hkv, D=D, dtype="float64"))
+    for dtype in ("float32", "bfloat16"):
+        cases.append(dict(p=4, layout="zigzag", causal=True, m=29, H=4, Hkv=2,
+                          D=32, dtype=dtype))
+    # lse returned and differentiated through
+    for layout in ("contiguous", "zigzag", "striped"):
+        cases.append(dict(p=3, layout=layout, causal=True, m=7, H=4, Hkv=2,
+                          D=8, dtype="float64", lse=True))
+    cases.append(dict(p=2, layout="zigzag", causal=False, m=11, H=2, Hkv=2,
+                      D=16, dtype="float32", lse=True))
+    # one token per device; more devices' worth of heads than tokens
+    cases.append(dict(p=4, layout="striped", causal=True, m=1, H=2, Hkv=1, D=4,
+                      dtype="float64"))
+    for c in cases:
+        c["name"] = (f"p{c['p']}-{c['layout']}-{'causal' if c['causal'] else 'full'}"
+                     f"-n{c['p'] * c['m']}-h{c['H']}/{c['Hkv']}-{c['dtype']}"
+                     f"{'-lse' if c.get('lse') else ''}")
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def ring_runs(tmp_path_factory):
+    """Inputs (per case) and what the worker computed from them."""
+    rng = np.random.default_rng(20240611)
+    arrays, inputs = {}, {}
+    for c in CASES:
+        q, k, v, dout = random_problem(rng, 2, c["p"] * c["m"], c["H"], c["Hkv"],
+                                       c["D"], c["dtype"])
+        dlse = (rng.standard_normal((2, c["H"], c["p"] * c["m"]))
+                if c.get("lse") else None)
+        inputs[c["name"]] = (q, k, v, dout, dlse)
+        for name, x in zip(("q", "k", "v", "dout", "dlse"), (q, k, v, dout, dlse)):
+            if x is not None:
+                arrays[f"{c['name']}/{name}"] = x.astype(np.float64)
+    tmp = tmp_path_factory.mktemp("jax_ring")
+    cases_path, out_path = tmp / "cases.npz", tmp / "results.npz"
+    np.savez(cases_path, cases=np.array(json.dumps(CASES)), **arrays)
+    env = dict(os.environ,
+               XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, WORKER, str(cases_path), str(out_path)],
+                          env=env, capture_output=True, text=True, timeout=540)
+    if proc.returncode != 0:
+        pytest.fail(f"ring worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return inputs, dict(np.load(out_path))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_ring_matches_reference(ring_runs, case):
+    inputs, results = ring_runs
+    q, k, v, dout, dlse = inputs[case["name"]]
+    pos = np.arange(q.shape[1])
+    kw = dict(causal=case["causal"], q_pos=pos, k_pos=pos)
+    ref_out, ref_lse = ref_attention(q, k, v, **kw)
+    grads = tuple(ref_attention_backward(dout, q, k, v, dlse=dlse, **kw))
+    names = ("out", "dq", "dk", "dv")
+    refs = (ref_out,) + grads
+    if dlse is not None:
+        names, refs = ("lse",) + names, (ref_lse,) + refs
+    for name, ref in zip(names, refs):
+        assert_close(results[f"{case['name']}/{name}"], ref, case["dtype"], name)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", [c for c in CASES if c["dtype"] == "float64"
+                                  and c["layout"] == "zigzag"],
+                         ids=lambda c: c["name"])
+def test_ring_program_is_custom_calls_and_permutes(ring_runs, case):
+    """The lowered forward+backward is FFI custom calls and ppermutes: no
+    host callback, one k/v hop per step forward, k/v plus dk/dv hops back."""
+    _, results = ring_runs
+    targets = set(results[f"{case['name']}/targets"].tolist())
+    assert not results[f"{case['name']}/callbacks"]
+    expected = {"ringattn_attn_fwd", "ringattn_attn_bwd_pre", "ringattn_attn_bwd"}
+    if case["p"] > 1:
+        expected |= {"ringattn_attn_fwd_acc", "ringattn_attn_bwd_acc"}
+    assert targets == expected
+    assert results[f"{case['name']}/permutes"] >= (3 * (case["p"] - 1) + 1
+                                                   if case["p"] > 1 else 0)
