@@ -29,6 +29,7 @@ from . import jax_ffi as _ffi
 from . import jax_ring as _jax_ring
 from . import ring as _ring
 from . import ring_dilated as _ring_dilated
+from .checks import flag
 from .lse_grad import default_scale, lse_cotangent_grads
 
 __all__ = ["attention", "dilated_attention", "ring_attention",
@@ -104,6 +105,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     """Differentiable ``ringattn.attention`` for JAX arrays (one XLA FFI
     custom call forward, two backward): out, or (out, lse) with
     return_lse=True."""
+    causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
     return _ffi.attention(q, k, v, causal=causal, scale=scale,
                           return_lse=return_lse)
 
@@ -113,6 +115,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
     """Differentiable ``ringattn.dilated_attention`` for JAX arrays (XLA FFI
     custom calls on the CPU; host callbacks on other platforms): out, or
     (out, lse) with return_lse=True."""
+    causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
     segs, rates = _dilated.check_config(segment_lengths, dilation_rates)
     f = _make(
         lambda q, k, v: _dilated.dilated_attention(
@@ -135,6 +138,7 @@ def ring_attention(q, k, v, comm=None, *, axis_name=None, causal=False,
     ``jax.shard_map`` over that mesh axis (see ``ringattn.jax_ring``).
     With ``comm``: this rank's shard over ringattn's communicator.
     """
+    causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
     if (comm is None) == (axis_name is None):
         raise TypeError("ring_attention: pass exactly one of comm (ringattn's "
                         "communicator) or axis_name (a shard_map mesh axis)")
@@ -158,6 +162,7 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
                            seq_len=None, return_lse=False):
     """Differentiable ``ringattn.ring_dilated_attention`` on this rank's
     shard: out, or (out, lse) with return_lse=True."""
+    causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
     segs, rates = _dilated.check_config(segment_lengths, dilation_rates)
     kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len)
     f = _make(

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from . import _C
 from . import jax_ffi as _ffi
 from . import layout as _layout
-from .attention import _flag
+from .checks import flag as _flag
 
 
 def shard_map(f, mesh, in_specs, out_specs, check=True):

@@ -448,3 +448,18 @@ def test_ring_and_local_refuse_with_the_same_message(overrides):
     with pytest.raises(type(local.value)) as ring:
         ra.ring_attention(a["q"], a["k"], a["v"], _one_rank(), scale=scale)
     assert str(ring.value) == str(local.value)
+
+
+@pytest.mark.parametrize("name", ["attention", "dilated_attention",
+                                  "ring_attention", "ring_dilated_attention"])
+@pytest.mark.parametrize("flag", ["causal", "return_lse"])
+def test_jax_wrappers_check_flags(name, flag):
+    """ringattn.jax's entry points refuse a non-bool flag before tracing."""
+    pytest.importorskip("jax")
+    rj = pytest.importorskip("ringattn.jax")
+    q, k, v = qkv(S_k=5)
+    args = {"attention": (q, k, v), "dilated_attention": (q, k, v, [4], [2]),
+            "ring_attention": (q, k, v, _one_rank()),
+            "ring_dilated_attention": (q, k, v, _one_rank(), [4], [2])}[name]
+    with pytest.raises(TypeError, match=rf"^{flag}: expected a bool"):
+        getattr(rj, name)(*args, **{flag: "false"})
