@@ -14,6 +14,9 @@ Conventions (DESIGN.md section 2):
 * causal: key j is visible to query i iff ``k_pos[j] <= q_pos[i]``; by
   default positions align bottom-right: ``q_pos = arange(S_q) + S_k - S_q``,
   ``k_pos = arange(S_k)``.
+* masks (``ref_visible``): documents (segment ids), a window (left, right)
+  around the query's position, and soft-capping of the scaled scores; a key
+  is visible iff every rule allows it.
 * a query row that sees no key gets ``out = 0`` and ``lse = -inf``.
 
 Inputs may be any float dtype (float16, float32, float64, ml_dtypes
@@ -29,6 +32,7 @@ import numpy as np
 __all__ = [
     "to_numpy", "np_dtype", "random_qkv", "tolerance", "max_error",
     "assert_close", "ref_attention", "ref_attention_backward", "ref_merge",
+    "ref_visible", "ref_segment_ids",
     "dilated_bias", "ref_dilated_attention", "ref_dilated_attention_backward",
     "ref_dilated_attention_by_branches",
 ]
@@ -246,18 +250,56 @@ def _prepare(q, k, v, scale):
     return qh, kh, vh, float(scale), group
 
 
-def _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias):
-    """(B or 1, H or 1, S_q, S_k) float64 additive bias: 0 / -inf mask + `bias`."""
-    total = np.zeros((1, 1, S_q, S_k))
-    if causal:
-        qp = (np.arange(S_q) + S_k - S_q) if q_pos is None else np.asarray(q_pos)
-        kp = np.arange(S_k) if k_pos is None else np.asarray(k_pos)
-        if qp.shape != (S_q,) or kp.shape != (S_k,):
+def _positions(S_q, S_k, q_pos, k_pos):
+    """Query and key positions: given, or aligned bottom-right."""
+    qp = (np.arange(S_q) + S_k - S_q) if q_pos is None else np.asarray(q_pos)
+    kp = np.arange(S_k) if k_pos is None else np.asarray(k_pos)
+    if qp.shape != (S_q,) or kp.shape != (S_k,):
+        raise ValueError(
+            f"q_pos, k_pos: expected shapes ({S_q},), ({S_k},), got "
+            f"{qp.shape}, {kp.shape}")
+    return qp.astype(np.int64), kp.astype(np.int64)
+
+
+def ref_visible(S_q, S_k, causal=False, q_pos=None, k_pos=None,
+                segment_ids=None, kv_segment_ids=None, window=None):
+    """(B or 1, 1, S_q, S_k) bool: key j visible to query i under every rule
+    (DESIGN §2 "Masks"): causal ``k_pos <= q_pos``; window (left, right)
+    ``q_pos - left <= k_pos <= q_pos + right`` (None: that side unbounded);
+    documents ``segment_ids[b, i] == kv_segment_ids[b, j]`` (kv ids default
+    to segment_ids, which then needs S_q == S_k)."""
+    visible = np.ones((1, 1, S_q, S_k), bool)
+    if causal or window is not None:
+        qp, kp = _positions(S_q, S_k, q_pos, k_pos)
+        dist = kp[None, :] - qp[:, None]             # k_pos - q_pos
+        if causal:
+            visible &= (dist <= 0)[None, None]
+        if window is not None:
+            left, right = window
+            if left is not None:
+                visible &= (dist >= -int(left))[None, None]
+            if right is not None:
+                visible &= (dist <= int(right))[None, None]
+    if segment_ids is None and kv_segment_ids is not None:
+        raise ValueError("kv_segment_ids: given without segment_ids")
+    if segment_ids is not None:
+        q_ids = np.asarray(to_numpy(segment_ids))
+        kv_ids = q_ids if kv_segment_ids is None else \
+            np.asarray(to_numpy(kv_segment_ids))
+        if q_ids.ndim != 2 or q_ids.shape[1] != S_q or kv_ids.ndim != 2 or \
+                kv_ids.shape[1] != S_k or kv_ids.shape[0] != q_ids.shape[0]:
             raise ValueError(
-                f"q_pos, k_pos: expected shapes ({S_q},), ({S_k},), got "
-                f"{qp.shape}, {kp.shape}")
-        visible = kp[None, :] <= qp[:, None]
-        total = np.where(visible, 0.0, -np.inf)[None, None]
+                f"segment_ids, kv_segment_ids: expected shapes (B, {S_q}) and "
+                f"(B, {S_k}), got {q_ids.shape} and {kv_ids.shape}")
+        visible = visible & (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+    return visible
+
+
+def _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias, masks=None):
+    """(B or 1, H or 1, S_q, S_k) float64 additive bias: 0 / -inf mask + `bias`.
+    masks: dict of ``ref_visible``'s segment_ids, kv_segment_ids, window."""
+    visible = ref_visible(S_q, S_k, causal, q_pos, k_pos, **(masks or {}))
+    total = np.where(visible, 0.0, -np.inf)
     if bias is not None:
         b = np.asarray(bias, dtype=np.float64)
         if b.ndim == 3:
@@ -266,12 +308,23 @@ def _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias):
     return total
 
 
-def _probabilities(qh, kh, scale, bias):
+def _scores(qh, kh, scale, softcap):
+    """Scaled scores (B, H, S_q, S_k), soft-capped when softcap is set:
+    s -> softcap * tanh(s / softcap).  Also returns d capped / d s (None
+    without a cap)."""
+    scores = scale * np.matmul(qh, kh.swapaxes(-1, -2))
+    if softcap is None:
+        return scores, None
+    t = np.tanh(scores / softcap)
+    return softcap * t, 1.0 - t * t
+
+
+def _probabilities(qh, kh, scale, bias, softcap=None):
     """Softmax probabilities P (B, H, S_q, S_k) and lse (B, H, S_q).
 
     Rows whose every score is -inf get P = 0 and lse = -inf.
     """
-    scores = scale * np.matmul(qh, kh.swapaxes(-1, -2)) + bias
+    scores = _scores(qh, kh, scale, softcap)[0] + bias
     row_max = scores.max(axis=-1, keepdims=True) if scores.shape[-1] else \
         np.full(scores.shape[:-1] + (1,), -np.inf)
     empty = ~np.isfinite(row_max)
@@ -285,27 +338,35 @@ def _probabilities(qh, kh, scale, bias):
 
 
 def ref_attention(q, k, v, causal=False, scale=None, q_pos=None, k_pos=None,
-                  bias=None):
+                  bias=None, segment_ids=None, kv_segment_ids=None,
+                  window=None, softcap=None):
     """Exact softmax attention in float64.
 
     q: (B, S_q, H, D); k, v: (B, S_k, H_kv, D); any float dtype.
-    q_pos (S_q,), k_pos (S_k,): integer positions for the causal mask
-    (default bottom-right aligned); ignored unless `causal`.
+    q_pos (S_q,), k_pos (S_k,): integer positions for the causal mask and
+    the window (default bottom-right aligned).
     bias: optional float64 additive score bias, shape (H or 1, S_q, S_k) or
     (B or 1, H or 1, S_q, S_k); entries may be -inf (key hidden).
+    segment_ids (B, S_q), kv_segment_ids (B, S_k), window (left, right):
+    the masks of ``ref_visible``.  softcap: the scaled score s becomes
+    ``softcap * tanh(s / softcap)`` before the bias and the softmax.
     Returns (out (B, S_q, H, D) float64, lse (B, H, S_q) float64).
     """
     qh, kh, vh, scale, _ = _prepare(q, k, v, scale)
     B, H, S_q, _ = qh.shape
     S_k = kh.shape[2]
-    total_bias = _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias)
-    probs, lse = _probabilities(qh, kh, scale, total_bias)
+    masks = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                 window=window)
+    total_bias = _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias, masks)
+    probs, lse = _probabilities(qh, kh, scale, total_bias, softcap)
     out = np.matmul(probs, vh).transpose(0, 2, 1, 3)           # (B, S_q, H, D)
     return np.ascontiguousarray(out), lse
 
 
 def ref_attention_backward(dout, q, k, v, causal=False, scale=None, q_pos=None,
-                           k_pos=None, bias=None, out=None, dlse=None):
+                           k_pos=None, bias=None, out=None, dlse=None,
+                           segment_ids=None, kv_segment_ids=None, window=None,
+                           softcap=None):
     """Analytic gradients of ``ref_attention``'s out with respect to q, k, v.
 
     dout: (B, S_q, H, D); other arguments as ``ref_attention``.  The forward
@@ -321,7 +382,8 @@ def ref_attention_backward(dout, q, k, v, causal=False, scale=None, q_pos=None,
     own out isolates the backward kernel from the forward's rounding, which
     for bfloat16 moves dq by up to ~1e-2 of max|dq| at S ~ 1e3.
     dlse: optional (B, H, S_q) cotangent of lse (d lse_i / d s_ij = P_ij):
-    dS gains P * dlse.
+    dS gains P * dlse.  Masks and softcap as ``ref_attention``; with a
+    softcap dS is taken through the tanh: dS *= 1 - tanh(s / softcap)^2.
     Returns float64 (dq (B, S_q, H, D), dk, dv (B, S_k, H_kv, D)).
     """
     qh, kh, vh, scale, group = _prepare(q, k, v, scale)
@@ -333,8 +395,10 @@ def ref_attention_backward(dout, q, k, v, causal=False, scale=None, q_pos=None,
         raise ValueError(
             f"dout: expected shape {(B, S_q, H, D)}, got {do.shape}")
     doh = do.transpose(0, 2, 1, 3)
-    total_bias = _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias)
-    probs, _ = _probabilities(qh, kh, scale, total_bias)
+    masks = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                 window=window)
+    total_bias = _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias, masks)
+    probs, _ = _probabilities(qh, kh, scale, total_bias, softcap)
     dprobs = np.matmul(doh, vh.swapaxes(-1, -2))               # (B, H, S_q, S_k)
     if out is None:
         delta = (probs * dprobs).sum(axis=-1, keepdims=True)
@@ -347,6 +411,8 @@ def ref_attention_backward(dout, q, k, v, causal=False, scale=None, q_pos=None,
     if dlse is not None:
         delta = delta - to_numpy(dlse).astype(np.float64)[..., None]
     dscores = probs * (dprobs - delta)
+    if softcap is not None:
+        dscores = dscores * _scores(qh, kh, scale, softcap)[1]
     dq = scale * np.matmul(dscores, kh)                        # (B, H, S_q, D)
     dk = scale * np.matmul(dscores.swapaxes(-1, -2), qh)       # (B, H, S_k, D)
     dv = np.matmul(probs.swapaxes(-1, -2), doh)
@@ -503,3 +569,13 @@ def ref_dilated_attention_by_branches(q, k, v, segment_lengths, dilation_rates,
         total_out, total_lse = ref_merge(total_out, total_lse, branch_out,
                                          branch_lse)
     return total_out, total_lse
+
+
+def ref_segment_ids(cu_seqlens, seq_len):
+    """(1, seq_len) int32 document ids from flash-attn style cumulative
+    lengths [0, l_0, l_0 + l_1, ...]: token t gets id i where
+    cu_seqlens[i] <= t < cu_seqlens[i + 1]; tokens past the last document
+    get id len(cu_seqlens) - 1 (padding: a document of its own)."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    ids = np.searchsorted(cu, np.arange(seq_len), side="right") - 1
+    return ids.astype(np.int32)[None]

@@ -15,6 +15,8 @@
  *   pos_k(j) = k_pos_offset + j * k_pos_stride
  * With causal set, key j is visible to query i iff pos_k(j) <= pos_q(i).
  * Both strides are >= 1, so positions increase along the sequence.
+ * The masks of ra_attn_mask narrow that further (a key is visible iff every
+ * rule allows it), and soft-capping reshapes the scores.
  * A query row that sees no key gets out = 0 and lse = -inf, never NaN.
  */
 #ifndef RA_ATTN_PARAMS_H
@@ -28,6 +30,29 @@ extern "C" {
 
 #define RA_MAX_HEAD_DIM 256
 #define RA_MAX_BRANCHES 16
+
+/* Masks and soft-capping (DESIGN 2, "Masks"), shared by forward and
+ * backward.  All zero means none: every rule is off.
+ *
+ *   documents: key j is visible to query i iff
+ *       q_segment_ids[b, i] == kv_segment_ids[b, j]
+ *     (int32, (B, S_q) and (B, S_k), strides in elements; both NULL or both
+ *     set -- the Python layer passes q's ids for kv when only they are given)
+ *   window (has_window = 1): key j is visible to query i iff
+ *       pos_q(i) - window_left <= pos_k(j) <= pos_q(i) + window_right
+ *     with the affine positions above; a side < 0 is unbounded
+ *   softcap > 0: the scaled score s becomes softcap * tanh(s / softcap)
+ *     before the softmax; lse is of the capped scores and the backward
+ *     multiplies dS by 1 - tanh(s / softcap)^2.
+ */
+typedef struct ra_attn_mask {
+    const int32_t *q_segment_ids, *kv_segment_ids;
+    int64_t q_seg_batch_stride, q_seg_seq_stride;
+    int64_t kv_seg_batch_stride, kv_seg_seq_stride;
+    int has_window;
+    int64_t window_left, window_right;
+    double softcap;
+} ra_attn_mask;
 
 typedef struct ra_attn_fwd_params {
     const void *q, *k, *v;
@@ -48,6 +73,7 @@ typedef struct ra_attn_fwd_params {
     int causal;
     int64_t q_pos_offset, q_pos_stride;
     int64_t k_pos_offset, k_pos_stride;
+    ra_attn_mask mask;
 
     /* accumulate = 1: out (out_dtype == ra_acc_dtype(dtype)) and lse hold a
      * running state -- the normalised output and lse over keys already seen
@@ -83,6 +109,8 @@ typedef struct ra_attn_bwd_params {
     int causal;
     int64_t q_pos_offset, q_pos_stride;
     int64_t k_pos_offset, k_pos_stride;
+
+    ra_attn_mask mask;
 
     /* accumulate = 1: dq, dk, dv are added into (grad_dtype must then be the
      * acc dtype); 0: they are overwritten. */
