@@ -208,7 +208,7 @@ static void k_fwd_block(const ra_fwd_blk *fb, void *scratch) {
         if (m->kv_sorted) ra_ids_narrow(m->kv_ids, qmin, qmax, &jlo, &jhi);
     }
 
-    for (int64_t kb = jlo / BK; kb * BK < jhi; kb++) {
+    for (int64_t kb = jlo / BK; jlo < jhi && kb * BK < jhi; kb++) {
         const int64_t j0 = kb * BK;
         /* keys [ja, jb) of the block are in [jlo, jhi) */
         const int64_t ja = jlo > j0 ? jlo - j0 : 0;
