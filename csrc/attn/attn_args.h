@@ -27,7 +27,10 @@ extern const char *BHS;  /* "(batch, heads, seq_q)" */
 
 void release_args(tensor_arg *a, int n);
 const char *ra_device_name(int device_type);
-int dtype_error(const char *name, ra_buffer *b);
+int dtype_error(const char *name, ra_buffer *b);   /* not a float dtype */
+/* TypeError "name: expected <expected>, got <b's dtype>"; -1 */
+int dtype_error_expecting(const char *name, ra_buffer *b,
+                          const char *expected);
 int load_tensor(tensor_arg *a, PyObject *obj, const char *name, int ndim,
                 const char *dims_doc);  /* copies a strided last dim */
 int load_output(tensor_arg *a, PyObject *obj, const char *name, int ndim,
@@ -60,6 +63,19 @@ ra_buffer *alloc_out(int ndim, const int64_t *shape, ra_dtype t,
 /* 3-d (B, H, S_q) acc-dtype tensor such as lse or delta */
 int load_bhs(tensor_arg *a, PyObject *obj, const char *name, const qkv_dims *d,
              int writable);
+
+/* The mask keywords of attn_fwd / attn_bwd as Python passed them (NULL or
+ * None when absent); attn_mask_args.c. */
+typedef struct {
+    PyObject *segment_ids, *kv_segment_ids, *window, *softcap;
+} mask_kwargs;
+/* Check them against q/k/v's dims and fill *m (zeroed first: no mask).
+ * ids[0], ids[1] receive the int32 q and kv ids (owned; the caller releases
+ * them after the kernel ran).  -1 with the named exception on bad input. */
+int parse_masks(const mask_kwargs *kw, const qkv_dims *d, tensor_arg ids[2],
+                ra_attn_mask *m);
+/* 1 if any rule of *m is on */
+int mask_is_set(const ra_attn_mask *m);
 
 /* segment_lengths / dilation_rates -> config (ValueError on bad values) */
 int ra_parse_dilated(PyObject *segs, PyObject *rates, ra_dilated_config *cfg);
