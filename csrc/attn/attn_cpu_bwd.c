@@ -63,6 +63,10 @@ void ra_cpu_zero_rows(void *g, ra_dtype dt, int64_t B, int64_t S, int64_t Hx,
 
 ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
     RA_CHECK(ra_cpu_check_bwd(p));
+    if (ra_cpu_mask_is_set(&p->mask)) {
+        ra_set_error(RA_ERR_UNSUPPORTED, "attention: masks are not honoured yet");
+        return RA_ERR_UNSUPPORTED;
+    }
     const int64_t B = p->batch, Sq = p->seqlen_q, Sk = p->seqlen_k;
     const int64_t H = p->heads, Hkv = p->heads_kv, D = p->head_dim;
     const int nt = ra_cpu_threads_for(

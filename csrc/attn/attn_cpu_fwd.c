@@ -51,10 +51,32 @@ static ra_status check_dims(ra_dtype dtype, int64_t B, int64_t sq, int64_t sk,
     return RA_OK;
 }
 
+static ra_status check_mask(const ra_attn_mask *m) {
+    if ((m->q_segment_ids == NULL) != (m->kv_segment_ids == NULL)) {
+        ra_set_error(RA_ERR_VALUE,
+                     "attention: segment ids for queries and keys go "
+                     "together (got one of them)");
+        return RA_ERR_VALUE;
+    }
+    if (!(m->softcap >= 0.0) || isinf(m->softcap)) {
+        ra_set_error(RA_ERR_VALUE,
+                     "attention: softcap must be finite and > 0 (or 0 for "
+                     "none), got %g",
+                     m->softcap);
+        return RA_ERR_VALUE;
+    }
+    return RA_OK;
+}
+
+int ra_cpu_mask_is_set(const ra_attn_mask *m) {
+    return m->q_segment_ids != NULL || m->has_window || m->softcap > 0;
+}
+
 ra_status ra_cpu_check_fwd(const ra_attn_fwd_params *p) {
     RA_CHECK(check_dims(p->dtype, p->batch, p->seqlen_q, p->seqlen_k, p->heads,
                         p->heads_kv, p->head_dim, p->q_pos_stride,
                         p->k_pos_stride));
+    RA_CHECK(check_mask(&p->mask));
     ra_dtype acc = ra_acc_dtype(p->dtype);
     if (p->out_dtype != p->dtype && p->out_dtype != acc) {
         ra_set_error(RA_ERR_TYPE, "attention: out dtype %s for inputs %s",
@@ -74,6 +96,12 @@ ra_status ra_cpu_check_bwd(const ra_attn_bwd_params *p) {
     RA_CHECK(check_dims(p->dtype, p->batch, p->seqlen_q, p->seqlen_k, p->heads,
                         p->heads_kv, p->head_dim, p->q_pos_stride,
                         p->k_pos_stride));
+    RA_CHECK(check_mask(&p->mask));
+    if (p->branches != NULL && ra_cpu_mask_is_set(&p->mask)) {
+        ra_set_error(RA_ERR_VALUE,
+                     "attention backward: a dilated branch takes no masks");
+        return RA_ERR_VALUE;
+    }
     ra_dtype acc = ra_acc_dtype(p->dtype);
     if ((p->out_dtype != p->dtype && p->out_dtype != acc) ||
         (p->grad_dtype != p->dtype && p->grad_dtype != acc)) {
@@ -95,6 +123,10 @@ ra_status ra_cpu_check_bwd(const ra_attn_bwd_params *p) {
 
 ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
     RA_CHECK(ra_cpu_check_fwd(p));
+    if (ra_cpu_mask_is_set(&p->mask)) {
+        ra_set_error(RA_ERR_UNSUPPORTED, "attention: masks are not honoured yet");
+        return RA_ERR_UNSUPPORTED;
+    }
     const int64_t B = p->batch, Sq = p->seqlen_q, Sk = p->seqlen_k;
     const int64_t H = p->heads, Hkv = p->heads_kv, D = p->head_dim;
     if (B == 0 || Sq == 0 || H == 0) return RA_OK;

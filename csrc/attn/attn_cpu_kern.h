@@ -121,6 +121,9 @@ extern const ra_cpu_kernels ra_cpu_kernels_f32_avx512, ra_cpu_kernels_f32_avx2,
 /* The table for arithmetic of `dtype` at the best SIMD level of this CPU. */
 const ra_cpu_kernels *ra_cpu_kernels_for(ra_dtype dtype);
 
+/* 1 if any rule of the mask is on (documents, window, softcap). */
+int ra_cpu_mask_is_set(const ra_attn_mask *m);
+
 /* Argument checks shared by the dense and dilated drivers (RA_OK or an
  * error with a message). */
 ra_status ra_cpu_check_fwd(const ra_attn_fwd_params *p);
