@@ -22,7 +22,7 @@ Record (little-endian, ``RECORD_SIZE`` bytes)::
     scale bits u64 |
     masks u8 (bit 0: window, bit 1: softcap, bit 2: segment ids) |
     window left, right i64 (-1: that side unbounded) | softcap bits u64 |
-    ID_CHUNKS x (min, max) segment id i64 (min > max: no token) |
+    ID_CHUNKS x (min, max) segment id i64 ((1, 0): no token) |
     MAX_BRANCHES x (segment length, dilation rate) i64
     (unused fields zero)
 
@@ -56,6 +56,7 @@ RECORD_SIZE = _HEAD.size + _MASKS.size + MAX_BRANCHES * _BRANCH.size
 _HAS_SCALE, _HAS_SEQ_LEN = 1, 2
 _WINDOW, _SOFTCAP, _IDS = 1, 2, 4
 _INT32 = (-2**31, 2**31 - 1)
+EMPTY_RANGE = (1, 0)          # the id range of a chunk without tokens
 
 # longest sequence a ring takes (a bound far above any memory, so that a
 # peer's record can never make a rank compute with unbounded numbers)
@@ -111,7 +112,7 @@ def describe(op, q, k, causal, scale, layout, seq_len, segment_lengths=(),
     q, k Buffers, scale None or a finite real, seq_len None or an int,
     window None or (left, right) of ints >= 0 or None, softcap None or a
     float > 0).  id_ranges: None (no segment ids), else the (min, max)
-    segment id of each of ``id_chunks`` (min > max for an empty chunk)."""
+    segment id of each of ``id_chunks`` (EMPTY_RANGE for an empty one)."""
     B, n_r, H, D = q.shape
     return {
         "op": op, "batch": B, "heads": H, "heads_kv": k.shape[2],
@@ -192,9 +193,10 @@ def _decode_masks(record):
         raise ValueError("softcap bits set without a softcap")
     if masks & _IDS:
         ranges = tuple(zip(bounds[0::2], bounds[1::2]))
-        if any(lo <= hi and not (_INT32[0] <= lo and hi <= _INT32[1])
-               for lo, hi in ranges):
-            raise ValueError(f"segment id ranges {ranges} outside int32")
+        if any((lo, hi) != EMPTY_RANGE and
+               not _INT32[0] <= lo <= hi <= _INT32[1] for lo, hi in ranges):
+            raise ValueError(f"segment id ranges {ranges}: expected int32 "
+                             f"min <= max, or {EMPTY_RANGE} for no token")
     elif any(bounds):
         raise ValueError("segment id ranges set without segment ids")
     return window, softcap, ranges
@@ -308,9 +310,14 @@ def _piece_id_ranges(plan, rank, chunk_ranges):
     """(min, max) segment id of each of `rank`'s pieces: the union of the
     ranges of the chunks (``id_chunks``) it covers."""
     chunks = id_chunks(plan.lengths[rank], plan.layout)
+    if any(rows and (lo, hi) == EMPTY_RANGE
+           for (_, rows), (lo, hi) in zip(chunks, chunk_ranges)):
+        raise _C.CommError(
+            f"rank {plan.rank}: ring agreement: rank {rank} sent no segment "
+            f"id range for a chunk that has tokens")
     out = []
     for off, _, _, length in plan.local_pieces(rank):
-        lo, hi = 1, 0                           # empty
+        lo, hi = EMPTY_RANGE
         for (c_off, c_len), (c_lo, c_hi) in zip(chunks, chunk_ranges):
             if c_len and c_lo <= c_hi and c_off < off + length and \
                     off < c_off + c_len:

@@ -25,11 +25,12 @@ import time
 import numpy as np
 
 from . import _C, checks
-from .agreement import (MAX_SEQ_LEN, RingPlan, agree, describe, id_chunks,
-                        shard_lengths)
+from .agreement import (EMPTY_RANGE, MAX_SEQ_LEN, RingPlan, agree, describe,
+                        id_chunks, shard_lengths)
 from .hops import HopPlan
 from .interop import kind_of, from_buffer, to_buffer, to_numpy
 from .layout import check_layout, shard_progressions
+from .masks import mask_kwargs
 from .ring_blocks import Block, Packed, exchange
 
 __all__ = ["ring_attention", "ring_attention_backward"]
@@ -132,22 +133,23 @@ def _window_sides(window):
 
 
 def _int32_ids(ids, host):
-    """int32 segment ids on the device of `ids` (host: their values on the
-    host, already int32)."""
-    kind = kind_of(ids)
-    dtype = str(getattr(ids, "dtype", ""))
-    if kind == "numpy" or "cpu" in str(getattr(ids, "device", "cpu")):
+    """int32 segment ids on the device of `ids` as a Buffer (host: their
+    values on the host as int32; the C core has checked they fit)."""
+    buf = to_buffer(ids, "segment_ids")
+    if buf.dtype == "int32":
+        return buf
+    if buf.device[0] == "cpu":
         return to_buffer(np.ascontiguousarray(host), "segment_ids")
-    if dtype.endswith("int32"):
-        return to_buffer(ids, "segment_ids")
+    kind = kind_of(ids)
     if kind == "torch":
         import torch
 
         return to_buffer(ids.to(torch.int32), "segment_ids")
     if kind == "cupy":
         return to_buffer(ids.astype("int32"), "segment_ids")
-    raise TypeError(f"segment_ids: a ring on a device takes int32 ids (or "
-                    f"torch / CuPy arrays), got {type(ids).__name__} {dtype}")
+    raise TypeError(f"segment_ids: a ring on a {buf.device[0]} device takes "
+                    f"int32 ids (or a torch / CuPy array of integers), got "
+                    f"{buf.dtype}")
 
 
 class RingMasks:
@@ -169,7 +171,7 @@ class RingMasks:
             self.chunk_ranges = [
                 (int(host[:, off:off + rows].min()),
                  int(host[:, off:off + rows].max())) if rows and host.size
-                else (1, 0)
+                else EMPTY_RANGE
                 for off, rows in id_chunks(host.shape[1], layout)]
 
     def kernel_kw(self):
@@ -184,13 +186,6 @@ class RingMasks:
     def describe(self):
         return dict(window=self.window, softcap=self.softcap,
                     id_ranges=self.chunk_ranges)
-
-
-def raw_mask_kw(segment_ids, window, softcap):
-    """The mask keywords as given, for the local entry points' own checks
-    (only those given, so calls without masks pass none)."""
-    kw = dict(segment_ids=segment_ids, window=window, softcap=softcap)
-    return {name: x for name, x in kw.items() if x is not None}
 
 
 @functools.lru_cache(maxsize=64)
@@ -311,7 +306,7 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
     call = RingCall(comm, layout, seq_len, num_threads, timeout, progress,
                     profile)
     kind = kind_of(q)
-    mask_kw = raw_mask_kw(segment_ids, window, softcap)
+    mask_kw = mask_kwargs(segment_ids, None, window, softcap)
     (qb, kb, vb), masks, plan, hops = _prepare(
         comm, "fwd", [("q", q), ("k", k), ("v", v)],
         lambda q, k, v: _C.attn_fwd(q, k, v, causal=causal, scale=scale,
@@ -427,7 +422,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
     call = RingCall(comm, layout, seq_len, num_threads, timeout, progress,
                     profile)
     kind = kind_of(q)
-    mask_kw = raw_mask_kw(segment_ids, window, softcap)
+    mask_kw = mask_kwargs(segment_ids, None, window, softcap)
     bufs, masks, plan, hops = _prepare(
         comm, "bwd", [("q", q), ("k", k), ("v", v), ("dout", dout),
                       ("out", out), ("lse", lse)],
