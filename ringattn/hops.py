@@ -30,9 +30,14 @@ that no later rank needs go straight home to the owner (``home_rows``)
 instead of finishing a lap.
 """
 
+import functools
+
 import numpy as np
 
-__all__ = ["distance_bounds", "meet", "HopPlan"]
+from .agreement import RingPlan, shard_lengths
+from .layout import shard_progressions
+
+__all__ = ["distance_bounds", "meet", "HopPlan", "layout_hops"]
 
 
 def distance_bounds(n, causal, window):
@@ -252,3 +257,12 @@ class HopPlan:
             out.append(((int(off[r, a]) + qi0, qi1 - qi0),
                         (int(off[s, b]) + kj0 - row0, kj1 - kj0), positions))
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def layout_hops(n, p, rank, layout, causal, window):
+    """The HopPlan of rank `rank` for n tokens over p ranks in `layout`
+    without segment ids (cached: it depends on nothing else)."""
+    plan = RingPlan(rank, p, n, shard_lengths(n, p, layout), layout,
+                    [shard_progressions(n, p, layout, i) for i in range(p)])
+    return HopPlan(plan, causal, window)

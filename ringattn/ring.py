@@ -17,7 +17,6 @@ Shapes (local shard of n_r tokens): q, out, dout (B, n_r, H, D); k, v
 (B, n_r, H_kv, D); lse (B, H, n_r) float32 (float64 for float64 inputs).
 """
 
-import functools
 import operator
 import os
 import time
@@ -25,11 +24,10 @@ import time
 import numpy as np
 
 from . import _C, checks
-from .agreement import (EMPTY_RANGE, MAX_SEQ_LEN, RingPlan, agree, describe,
-                        id_chunks, shard_lengths)
-from .hops import HopPlan
+from .agreement import EMPTY_RANGE, MAX_SEQ_LEN, agree, describe, id_chunks
+from .hops import HopPlan, layout_hops
 from .interop import kind_of, from_buffer, to_buffer, to_numpy
-from .layout import check_layout, shard_progressions
+from .layout import check_layout
 from .masks import mask_kwargs
 from .ring_blocks import Block, Packed, exchange
 
@@ -188,19 +186,12 @@ class RingMasks:
                     id_ranges=self.chunk_ranges)
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_hops(n, p, rank, layout, causal, window):
-    plan = RingPlan(rank, p, n, shard_lengths(n, p, layout), layout,
-                    [shard_progressions(n, p, layout, i) for i in range(p)])
-    return HopPlan(plan, causal, window)
-
-
 def hop_plan(plan, causal, window):
     """The HopPlan of an agreed call (cached when no segment ids enter)."""
     if plan.id_ranges is not None:
         return HopPlan(plan, causal, window, plan.id_ranges)
-    return _cached_hops(plan.n, plan.world_size, plan.rank, plan.layout,
-                        causal, window)
+    return layout_hops(plan.n, plan.world_size, plan.rank, plan.layout,
+                       causal, window)
 
 
 class _Step:
