@@ -196,7 +196,7 @@ ra_status ra_cpu_dilated_fwd(const ra_attn_fwd_params *p,
                     fb.qpos_st = r;
                     fb.kpos0 = fk;
                     fb.kpos_st = r;
-                    fb.causal = p->causal;
+                    fb.m.has_hi = p->causal;  /* hi_off 0: causal */
                     fb.scale = p->scale;
                     fb.out = ra_cpu_atw(so, b * so_bs + h * so_hs + row * so_ss, acc);
                     fb.out_ss = so_ss * r;
@@ -359,7 +359,7 @@ ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
                         bb.kr = blk + (size_t)(2 * D * BK) * rs;
                         bb.nk = n; bb.kpos0 = fk + j0 * r; bb.kpos_st = r;
                         bb.dk = dkb; bb.dv = dvb; bb.D = D; bb.Dp = Dp;
-                        bb.causal = p->causal;
+                        bb.m.has_hi = p->causal;
                         bb.branches = cfg; bb.head = h;
                         kn->bwd_kblock(&bb, my);
                         kn->store_rows(dkb, n, D, Dp, RA_LN2,   /* q was scaled */

@@ -12,6 +12,8 @@
  * flash-style tile kernel (attn_cpu_tiles.h) that streams the key blocks
  * with an online softmax.  Each item writes only its own rows of out/lse,
  * so there are no races and the result does not depend on the thread count.
+ * Masks reach the tiles as an ra_tile_mask (attn_cpu_mask.c): position
+ * bounds, contiguous ids, the softcap; the tiles skip what no row sees.
  */
 #include "attn/attn_cpu.h"
 #include "attn/attn_cpu_kern.h"
@@ -123,10 +125,6 @@ ra_status ra_cpu_check_bwd(const ra_attn_bwd_params *p) {
 
 ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
     RA_CHECK(ra_cpu_check_fwd(p));
-    if (ra_cpu_mask_is_set(&p->mask)) {
-        ra_set_error(RA_ERR_UNSUPPORTED, "attention: masks are not honoured yet");
-        return RA_ERR_UNSUPPORTED;
-    }
     const int64_t B = p->batch, Sq = p->seqlen_q, Sk = p->seqlen_k;
     const int64_t H = p->heads, Hkv = p->heads_kv, D = p->head_dim;
     if (B == 0 || Sq == 0 || H == 0) return RA_OK;
@@ -144,12 +142,16 @@ ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
     size_t kv_bytes = ra_cpu_bytes(B, Hkv, per_head, (int64_t)rs);
     size_t scr_bytes = scr_each * (size_t)nt;
     char *kv = NULL, *scr = NULL;
+    ra_cpu_ids ids;
+    ra_tile_mask tm;
     ra_status st = RA_OK;
 
     if (per_head > 0 && kv_bytes == 0) {
         ra_set_error(RA_ERR_OVERFLOW, "attention: scratch size overflows");
         return RA_ERR_OVERFLOW;
     }
+    ra_cpu_tile_mask(p->causal, &p->mask, &tm);
+    RA_CHECK(ra_cpu_ids_prepare(&p->mask, B, Sq, Sk, &ids));
     kv = (char *)ra_host_alloc(kv_bytes);
     if (kv == NULL) { st = RA_ERR_NOMEM; goto exit; }
     scr = (char *)ra_host_alloc(scr_bytes);
@@ -195,6 +197,7 @@ ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
                 const char *base =
                     kv + (size_t)(b * Hkv + g) * (size_t)per_head * rs;
                 ra_fwd_blk fb;
+                memset(&fb, 0, sizeof fb);
                 fb.q = ra_cpu_at(p->q, b * p->q_batch_stride +
                                            h * p->q_head_stride +
                                            i0 * p->q_seq_stride, p->dtype);
@@ -210,7 +213,8 @@ ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
                 fb.qpos_st = p->q_pos_stride;
                 fb.kpos0 = p->k_pos_offset;
                 fb.kpos_st = p->k_pos_stride;
-                fb.causal = p->causal;
+                fb.m = tm;
+                ra_cpu_tile_ids(&ids, b, Sq, Sk, i0, 0, &fb.m);
                 fb.scale = p->scale;
                 fb.out = ra_cpu_atw(p->out, b * p->out_batch_stride +
                                                 h * p->out_head_stride +
@@ -233,5 +237,6 @@ ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
 exit:
     ra_host_free(scr, scr_bytes);
     ra_host_free(kv, kv_bytes);
+    ra_cpu_ids_free(&ids);
     return st;
 }

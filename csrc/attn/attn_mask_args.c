@@ -290,6 +290,8 @@ int parse_masks(const mask_kwargs *kw, const qkv_dims *d, tensor_arg ids[2],
         return -1;
     }
     if (q_ids != NULL) {
+        if (load_ids(&ids[0], q_ids, "segment_ids", d->Sq, "seq_q", d) < 0)
+            return -1;
         if (kv_ids == NULL && d->Sq != d->Sk) {
             PyErr_Format(PyExc_ValueError,
                          "kv_segment_ids: needed when q and k differ in "
@@ -298,8 +300,6 @@ int parse_masks(const mask_kwargs *kw, const qkv_dims *d, tensor_arg ids[2],
                          (long long)d->Sq, (long long)d->Sk);
             return -1;
         }
-        if (load_ids(&ids[0], q_ids, "segment_ids", d->Sq, "seq_q", d) < 0)
-            return -1;
         if (kv_ids != NULL) {
             if (load_ids(&ids[1], kv_ids, "kv_segment_ids", d->Sk, "seq_k",
                          d) < 0)
