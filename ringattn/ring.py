@@ -17,6 +17,7 @@ Shapes (local shard of n_r tokens): q, out, dout (B, n_r, H, D); k, v
 (B, n_r, H_kv, D); lse (B, H, n_r) float32 (float64 for float64 inputs).
 """
 
+import contextlib
 import operator
 import os
 import time
@@ -233,6 +234,15 @@ class _Profile:
                 reqs.append(req)
         return reqs
 
+    @contextlib.contextmanager
+    def computing(self):
+        """Count the time inside as kernel time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.compute_s += time.perf_counter() - t0
+
     def wait(self, reqs):
         t0 = time.perf_counter()
         for req in reqs:
@@ -352,11 +362,25 @@ def _kv_slots(hops, B, Hkv, D, dtype, dev, masks=None):
     return Packed(2, B, Hkv, D, hops.max_rows(), dtype, dev, with_ids)
 
 
-def _trips(hops):
-    """(trip, hops) of the trips a call takes: the right one always (its
-    step 0 is the local block), the left one when it has hops."""
-    return [(trip, hops.hops(trip)) for trip in HopPlan.TRIPS
-            if trip == "right" or hops.hops(trip) > 0]
+def _walk(hops, call):
+    """Every step of a call: (trip, its hops, d, s, compute) for the block
+    of rank s held after d hops of `trip` (d = 0: our own), compute when
+    this rank sees any of it; progress(step, steps) after each step.  The
+    right trip always comes (its step 0 is the local block), the left one
+    when it has hops."""
+    done, total = 0, hops.steps()
+    for trip in HopPlan.TRIPS:
+        n_hops = hops.hops(trip)
+        if trip == "left" and n_hops == 0:
+            continue
+        for d in range(n_hops + 1):
+            s = hops.block_at(trip, d)
+            local = d == 0 and trip == "right"
+            yield trip, n_hops, d, s, local or (d > 0 and hops.needs(s))
+            if local or d > 0:
+                done += 1
+                if call.progress is not None:
+                    call.progress(done, total)
 
 
 def _ring_forward(qb, kb, vb, comm, step, call):
@@ -366,17 +390,14 @@ def _ring_forward(qb, kb, vb, comm, step, call):
     acc = "float64" if qb.dtype == "float64" else "float32"
     out, lse = empty_state(B, n_r, H, D, acc, dev)
     kv = _kv_slots(hops, B, kb.shape[2], D, qb.dtype, dev, masks)
-    prof, done, total = _Profile(), 0, hops.steps()
-    for trip, n_hops in _trips(hops):
-        cur = Block(kb, vb, masks.ids, (0, n_r))
-        for d in range(n_hops + 1):
-            s = hops.block_at(trip, d)
-            reqs = nxt = None
-            if d < n_hops:
-                reqs, nxt = _kv_hop(comm, prof, kv, hops, trip, d, cur,
-                                    call.timeout)
-            t0 = time.perf_counter()
-            if (d == 0 and trip == "right") or (d > 0 and hops.needs(s)):
+    prof = _Profile()
+    for trip, n_hops, d, s, compute in _walk(hops, call):
+        if d == 0:
+            cur = Block(kb, vb, masks.ids, (0, n_r))
+        reqs, nxt = _kv_hop(comm, prof, kv, hops, trip, d, cur,
+                            call.timeout) if d < n_hops else ([], None)
+        if compute:
+            with prof.computing():
                 for (q_off, q_len), (k_off, k_len), kw in step.calls(
                         s, cur.ids, cur.rows[0]):
                     _C.attn_fwd(qb.narrow(1, q_off, q_len),
@@ -385,13 +406,8 @@ def _ring_forward(qb, kb, vb, comm, step, call):
                                 out=out.narrow(1, q_off, q_len),
                                 lse=lse.narrow(2, q_off, q_len),
                                 accumulate=True, **kw)
-            prof.compute_s += time.perf_counter() - t0
-            prof.wait(reqs or [])
-            cur = nxt
-            if d > 0 or trip == "right":
-                done += 1
-                if call.progress is not None:
-                    call.progress(done, total)
+        prof.wait(reqs)
+        cur = nxt
     prof.report(call.profile, hops)
     return out, lse
 
@@ -497,56 +513,51 @@ def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, step, call):
     kv = _kv_slots(hops, B, Hkv, D, qb.dtype, dev, masks)
     dkv = _kv_slots(hops, B, Hkv, D, acc, dev)
     home = _Home(dkv, hops, n_r, dev, acc)
-    prof, done, total = _Profile(), 0, hops.steps()
-    for trip, n_hops in _trips(hops):
-        dst, src = _trip_ends(hops, trip)
-        cur, grads = Block(kb, vb, masks.ids, (0, n_r)), home.grads
-        pending, arrived = [], None
-        for d in range(n_hops + 1):
-            s = hops.block_at(trip, d)
-            if d > 0:       # this block's dk/dv, and rows of ours, arrive
-                prof.wait(pending)
-                home.settle()
-                grads = arrived
-            reqs = nxt = None
-            if d < n_hops:
-                reqs, nxt = _kv_hop(comm, prof, kv, hops, trip, d, cur,
-                                    call.timeout)
-            t0 = time.perf_counter()
-            if (d == 0 and trip == "right") or (d > 0 and hops.needs(s)):
+    prof, pending, arrived = _Profile(), [], None
+    for trip, n_hops, d, s, compute in _walk(hops, call):
+        if d == 0:
+            cur, grads = Block(kb, vb, masks.ids, (0, n_r)), home.grads
+        else:           # this block's dk/dv, and rows of ours, arrive
+            prof.wait(pending)
+            home.settle()
+            grads = arrived
+        reqs, nxt = _kv_hop(comm, prof, kv, hops, trip, d, cur,
+                            call.timeout) if d < n_hops else ([], None)
+        if compute:
+            with prof.computing():
                 _bwd_block(step, doutb, qb, lseb, delta, dq, cur, grads, s)
-            prof.compute_s += time.perf_counter() - t0
-            prof.wait(reqs or [])
-            pending = []
-            if d < n_hops:
-                # dk/dv move on with the rows that go on
-                lo, hi = hops.grad_rows(trip, s, d + 1)
-                send = None
-                if hi > lo:
-                    base = 0 if d == 0 else hops.grad_rows(trip, s, d)[0]
-                    send = dkv.gather(0 if d == 0 else 2, grads, [(lo, hi)],
-                                      base)
-                nlo, nhi = hops.grad_rows(trip, hops.block_at(trip, d + 1),
-                                          d + 1)
-                arrived = None
-                if nhi > nlo:
-                    arrived = dkv.view((d + 1) % 2, nhi - nlo)[0]
-                pending += prof.start(comm, (send, None), dst,
-                                      (arrived, None), src,
-                                      _step_index(hops, trip, d),
-                                      call.timeout)
-            if d > 0:
-                pending += home.exchange(comm, prof, hops, trip, d, grads,
-                                         call.timeout)
-            cur = nxt
-            if d > 0 or trip == "right":
-                done += 1
-                if call.progress is not None:
-                    call.progress(done, total)
-        prof.wait(pending)
-        home.settle()
+        prof.wait(reqs)
+        pending, arrived = [], None
+        if d < n_hops:
+            pending, arrived = _grad_hop(comm, prof, dkv, hops, trip, d,
+                                         grads, call.timeout)
+        if d > 0:
+            pending += home.exchange(comm, prof, hops, trip, d, grads,
+                                     call.timeout)
+        if d == n_hops:
+            prof.wait(pending)
+            home.settle()
+        cur = nxt
     prof.report(call.profile, hops)
     return dq, Packed.part(home.grads, 0), Packed.part(home.grads, 1)
+
+
+def _grad_hop(comm, prof, dkv, hops, trip, d, grads, timeout):
+    """Start hop d + 1 of `trip` for the dk/dv: ours of the rows that go
+    on (packed into slot 0 from our own, slot 2 when cut), and the next
+    block's into slot (d + 1) % 2.  Returns (requests, where they land)."""
+    dst, src = _trip_ends(hops, trip)
+    s = hops.block_at(trip, d)
+    lo, hi = hops.grad_rows(trip, s, d + 1)
+    send = None
+    if hi > lo:
+        base = 0 if d == 0 else hops.grad_rows(trip, s, d)[0]
+        send = dkv.gather(0 if d == 0 else 2, grads, [(lo, hi)], base)
+    nlo, nhi = hops.grad_rows(trip, hops.block_at(trip, d + 1), d + 1)
+    arrived = dkv.view((d + 1) % 2, nhi - nlo)[0] if nhi > nlo else None
+    reqs = prof.start(comm, (send, None), dst, (arrived, None), src,
+                      _step_index(hops, trip, d), timeout)
+    return reqs, arrived
 
 
 def _bwd_block(step, doutb, qb, lseb, delta, dq, block, grads, s):

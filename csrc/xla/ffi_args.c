@@ -154,7 +154,7 @@ ra_status ra_xla_no_masks(const ra_xla_opts *o) {
     return RA_OK;
 }
 
-ra_status ra_xla_extra_args(const ra_xla_call *c, int base,
+static ra_status extra_args(const ra_xla_call *c, int base,
                             const ra_xla_opts *o, int *has_pos, int *ids_at) {
     const int64_t extra = c->frame->args.size - base - (o->has_ids ? 2 : 0);
     if (extra != 0 && extra != 1) {
@@ -170,7 +170,7 @@ ra_status ra_xla_extra_args(const ra_xla_call *c, int base,
     return RA_OK;
 }
 
-ra_status ra_xla_ids_args(const ra_xla_call *c, int i, const ra_xla_qkv *d,
+static ra_status ids_args(const ra_xla_call *c, int i, const ra_xla_qkv *d,
                           ra_xla_tensor *ids) {
     static const char *names[2] = {"segment_ids", "kv_segment_ids"};
     for (int j = 0; j < 2; j++) {
@@ -184,6 +184,25 @@ ra_status ra_xla_ids_args(const ra_xla_call *c, int i, const ra_xla_qkv *d,
         RA_CHECK(ra_xla_check_dims(&ids[j], dims,
                                    j == 0 ? "(batch, seq_q)" : "(batch, seq_k)"));
     }
+    return RA_OK;
+}
+
+ra_status ra_xla_optional_args(const ra_xla_call *c, int base,
+                               const ra_xla_opts *o, const ra_xla_qkv *d,
+                               const ra_xla_tensor *ref, ra_xla_lead *l,
+                               ra_xla_tensor *pos, int *nq,
+                               ra_xla_tensor *ids) {
+    int has_pos = 0, ids_at = 0;
+    RA_CHECK(extra_args(c, base, o, &has_pos, &ids_at));
+    if (o->has_ids) {
+        ra_xla_lead li;
+        RA_CHECK(ids_args(c, ids_at, d, ids));
+        RA_CHECK(ra_xla_lead_plan(&li, ref, ids, 2));
+        l->folded = l->folded && li.folded;
+    }
+    memset(pos, 0, sizeof *pos);
+    *nq = 1;
+    if (has_pos) RA_CHECK(ra_xla_positions_arg(c, base, ref, pos, nq));
     return RA_OK;
 }
 

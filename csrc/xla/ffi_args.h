@@ -50,14 +50,16 @@ ra_status ra_xla_read_opts(const ra_xla_call *c, int64_t D, ra_xla_opts *o);
 
 /* RA_ERR_VALUE if any mask attribute was given (dilated attention). */
 ra_status ra_xla_no_masks(const ra_xla_opts *o);
-/* The optional operands after the `base` ones: whether positions are
- * there (*has_pos) and where the ids start (*ids_at), from the operand
- * count and o->has_ids. */
-ra_status ra_xla_extra_args(const ra_xla_call *c, int base,
-                            const ra_xla_opts *o, int *has_pos, int *ids_at);
-/* Segment id operands i, i + 1: int32 (B, S_q) and (B, S_k). */
-ra_status ra_xla_ids_args(const ra_xla_call *c, int i, const ra_xla_qkv *d,
-                          ra_xla_tensor *ids);
+/* The optional operands after the `base` ones, checked: the positions
+ * (pos->data NULL when absent; *nq from q_pieces) and, with o->has_ids,
+ * the two segment id operands into ids[0..1], int32 (B, S_q) and
+ * (B, S_k).  ref is the result that fixes the leading dims; l->folded is
+ * cleared when the ids do not fold into the batch. */
+ra_status ra_xla_optional_args(const ra_xla_call *c, int base,
+                               const ra_xla_opts *o, const ra_xla_qkv *d,
+                               const ra_xla_tensor *ref, ra_xla_lead *l,
+                               ra_xla_tensor *pos, int *nq,
+                               ra_xla_tensor *ids);
 /* mask with its id pointers set for a block of q rows from q_off and k
  * rows from k_off (ids: the call's two id operands at this leading index,
  * NULL without ids). */

@@ -161,7 +161,7 @@ static ra_status attn_bwd(ra_xla_call *c, int accumulate) {
     ra_xla_qkv d;
     ra_xla_opts o;
     ra_xla_lead l;
-    int nq = 1, has_pos = 0, ids_at = 0;
+    int nq = 1;
     RA_CHECK(load_bwd(c, t, g, &d, &o, accumulate));
     if (accumulate) {
         static const char *names[3] = {"running dq", "running dk", "running dv"};
@@ -170,17 +170,9 @@ static ra_status attn_bwd(ra_xla_call *c, int accumulate) {
             RA_CHECK(ra_xla_check_alias(&t[6 + i], &g[i]));
         }
     }
-    RA_CHECK(ra_xla_extra_args(c, base, &o, &has_pos, &ids_at));
     RA_CHECK(ra_xla_lead_plan(&l, &g[0], g, 3));
     RA_CHECK(ra_xla_lead_plan(&l, &g[0], t, base));
-    if (o.has_ids) {
-        ra_xla_lead li;
-        RA_CHECK(ra_xla_ids_args(c, ids_at, &d, ids));
-        RA_CHECK(ra_xla_lead_plan(&li, &g[0], ids, 2));
-        l.folded = l.folded && li.folded;
-    }
-    memset(&pos, 0, sizeof pos);
-    if (has_pos) RA_CHECK(ra_xla_positions_arg(c, base, &g[0], &pos, &nq));
+    RA_CHECK(ra_xla_optional_args(c, base, &o, &d, &g[0], &l, &pos, &nq, ids));
     if (accumulate) {   /* XLA aliases them; copy if it could not */
         for (int i = 0; i < 3; i++)
             RA_CHECK(ra_xla_copy(c, g[i].data, t[6 + i].data,

@@ -143,7 +143,7 @@ static ra_status attn_fwd(ra_xla_call *c, int accumulate) {
     ra_xla_qkv d;
     ra_xla_opts o;
     ra_xla_lead l;
-    int nq = 1, has_pos = 0, ids_at = 0;
+    int nq = 1;
     RA_CHECK(load_fwd(c, t, r, &d, &o, accumulate));
     if (accumulate) {
         RA_CHECK(ra_xla_arg(c, 3, "running out", 4, &t[3]));
@@ -151,16 +151,8 @@ static ra_status attn_fwd(ra_xla_call *c, int accumulate) {
         RA_CHECK(ra_xla_check_alias(&t[3], &r[0]));
         RA_CHECK(ra_xla_check_alias(&t[4], &r[1]));
     }
-    RA_CHECK(ra_xla_extra_args(c, base, &o, &has_pos, &ids_at));
     RA_CHECK(ra_xla_lead_plan(&l, &r[0], t, base));
-    if (o.has_ids) {
-        ra_xla_lead li;
-        RA_CHECK(ra_xla_ids_args(c, ids_at, &d, ids));
-        RA_CHECK(ra_xla_lead_plan(&li, &r[0], ids, 2));
-        l.folded = l.folded && li.folded;
-    }
-    memset(&pos, 0, sizeof pos);
-    if (has_pos) RA_CHECK(ra_xla_positions_arg(c, base, &r[0], &pos, &nq));
+    RA_CHECK(ra_xla_optional_args(c, base, &o, &d, &r[0], &l, &pos, &nq, ids));
     if (accumulate) {   /* XLA aliases them; copy if it could not */
         for (int i = 0; i < 2; i++)
             RA_CHECK(ra_xla_copy(c, r[i].data, t[3 + i].data,
