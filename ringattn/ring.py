@@ -2,19 +2,30 @@
 
 Each rank holds a shard of q, k, v along the sequence (``layout``: DESIGN §4).
 Forward: the rank keeps its q and a float32 running state (out, lse); k/v
-blocks travel around the ring (send to r+1, receive from r-1), double
-buffered, the transfer of the next block started before the kernel on the
-current one so the two overlap.  Each block merges into the running state by
-the LSE rule inside the kernel (``accumulate``), so nothing is rounded to the
-input dtype between steps.  Blocks entirely in the causal future are skipped.
+blocks travel from rank to rank, double buffered, the transfer of the next
+block started before the kernel on the current one so the two overlap.
+Each block merges into the running state by the LSE rule inside the kernel
+(``accumulate``), so nothing is rounded to the input dtype between steps.
+
+Which hops a block makes is the call's plan (``ringattn.hops``), the same
+on every rank from the agreed data: the causal mask, the window and the
+ranges of the segment ids decide which ranks see which rows of it.  Without
+masks that is the plain ring -- send to r+1, receive from r-1, a block going
+on until the last rank that sees it; with a window on the contiguous layout,
+only the neighbours the window reaches, both ways when it has a right side,
+and each hop carries only the rows still needed ahead.  Pieces that nothing
+can see are never computed.  The segment ids of a block's rows travel
+beside it (a second, small message).
 
 Backward: each rank keeps q, out, lse, dout and accumulates dq; dk/dv
-accumulators (float32) travel with their k/v blocks and, after p hops, arrive
-back at their owner.  Only kv heads travel (GQA cuts traffic by H/H_kv).
+accumulators (float32) travel with their k/v rows, and the rows no later
+hop needs go straight home to their owner (after a full lap: one last hop,
+as in the plain ring).  Only kv heads travel (GQA cuts traffic by H/H_kv).
 Memory per rank is O(n/p).
 
 Shapes (local shard of n_r tokens): q, out, dout (B, n_r, H, D); k, v
-(B, n_r, H_kv, D); lse (B, H, n_r) float32 (float64 for float64 inputs).
+(B, n_r, H_kv, D); lse (B, H, n_r) float32 (float64 for float64 inputs);
+segment_ids (B, n_r) integers.
 """
 
 import contextlib
@@ -151,6 +162,16 @@ def _int32_ids(ids, host):
                     f"{buf.dtype}")
 
 
+def _id_range(ids, rows):
+    """(min, max) of a chunk's ids (B, rows); EMPTY_RANGE without rows, and
+    any range for a batch of 0 (nothing is computed then)."""
+    if not rows:
+        return EMPTY_RANGE
+    if not ids.size:
+        return (0, 0)
+    return int(ids.min()), int(ids.max())
+
+
 class RingMasks:
     """This rank's mask arguments, after the C core checked them.
 
@@ -167,11 +188,9 @@ class RingMasks:
         if segment_ids is not None:
             host = np.asarray(to_numpy(segment_ids)).astype(np.int32)
             self.ids = _int32_ids(segment_ids, host)
-            self.chunk_ranges = [
-                (int(host[:, off:off + rows].min()),
-                 int(host[:, off:off + rows].max())) if rows and host.size
-                else EMPTY_RANGE
-                for off, rows in id_chunks(host.shape[1], layout)]
+            self.chunk_ranges = [_id_range(host[:, off:off + rows], rows)
+                                 for off, rows in
+                                 id_chunks(host.shape[1], layout)]
 
     def kernel_kw(self):
         """The kernels' window / softcap keywords (none when unused)."""
@@ -196,21 +215,20 @@ def hop_plan(plan, causal, window):
 
 
 class _Step:
-    """The kernels' shared keywords and this rank's q-side buffers."""
+    """The call's plan, masks and the kernels' shared keywords."""
 
-    def __init__(self, hops, masks, causal, scale, threads, qids):
+    def __init__(self, hops, masks, causal, scale, threads):
         self.hops, self.masks = hops, masks
         self.kw = dict(causal=causal, scale=scale, num_threads=threads,
                        **masks.kernel_kw())
-        self.qids = qids
 
     def calls(self, s, block_ids, row0):
         """[(q rows, k rows, keywords)] of this rank against block s."""
         for (q_off, q_len), (k_off, k_len), positions in \
                 self.hops.calls(s, row0):
             kw = dict(self.kw, **positions)
-            if self.qids is not None:
-                kw["segment_ids"] = self.qids.narrow(1, q_off, q_len)
+            if self.masks.ids is not None:
+                kw["segment_ids"] = self.masks.ids.narrow(1, q_off, q_len)
                 kw["kv_segment_ids"] = block_ids.narrow(1, k_off, k_len)
             yield (q_off, q_len), (k_off, k_len), kw
 
@@ -258,19 +276,11 @@ class _Profile:
                            bytes_sent=self.sent)
 
 
-def _check_ids_length(masks, qb):
-    if masks.ids is not None and masks.ids.shape != (qb.shape[0],
-                                                     qb.shape[1]):
-        raise ValueError(f"segment_ids: expected shape {qb.shape[:2]} "
-                         f"(batch, this rank's shard), got {masks.ids.shape}")
-
-
 def _prepare(comm, op, named, local_check, causal, scale, call, masks_args):
     """Checked buffers, masks, the agreed plan and its hops: everything a
     ring call settles before its first transfer."""
     bufs = shard_buffers(named, local_check)
     masks = RingMasks(*masks_args, call.layout)
-    _check_ids_length(masks, bufs[0])
     plan = agree(comm, describe(op, bufs[0], bufs[1], causal, scale,
                                 call.layout, call.seq_len,
                                 **masks.describe()), call.timeout)
@@ -313,7 +323,7 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
         lambda q, k, v: _C.attn_fwd(q, k, v, causal=causal, scale=scale,
                                     check_only=True, **mask_kw),
         causal, scale, call, (segment_ids, window, softcap))
-    step = _Step(hops, masks, causal, scale, call.threads, masks.ids)
+    step = _Step(hops, masks, causal, scale, call.threads)
     out, lse = _ring_forward(qb, kb, vb, comm, step, call)
     out_final = as_result(out, qb, kind)
     if return_lse:
@@ -438,7 +448,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
             check_only=True, **mask_kw),
         causal, scale, call, (segment_ids, window, softcap))
     qb, kb, vb, doutb, outb, lseb = bufs
-    step = _Step(hops, masks, causal, scale, call.threads, masks.ids)
+    step = _Step(hops, masks, causal, scale, call.threads)
     dq, dk, dv = _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, step,
                                 call)
     return tuple(as_result(g, like, kind)
