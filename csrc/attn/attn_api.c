@@ -229,6 +229,7 @@ static PyObject *mod_init_state(PyObject *m, PyObject *args) {
     if (check_writable(&t[0]) < 0) goto done;
     if (load_bhs(&t[1], lo, "lse", &d, 1) < 0) goto done;
     ra_state_params sp;
+    memset(&sp, 0, sizeof sp);
     ra_buffer *o = t[0].buf, *l = t[1].buf;
     sp.out = o->data;
     sp.lse = l->data;
