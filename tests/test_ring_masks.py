@@ -153,13 +153,16 @@ def test_unsorted_ids_and_empty_shards(rng):
         assert not bad, f"n={n}, p={p}\n" + "\n".join(bad)
 
 
-HOST_CASES = [
-    # (p, layout, causal, documents, mask)
-    (2, "zigzag", True, True, dict(window=(5, 0))),
-    (3, "contiguous", False, False, dict(window=(4, 6), softcap=3.0)),
-    (4, "striped", True, True, dict(softcap=2.5)),
-    (4, "contiguous", True, True, dict(window=(12, 0))),
+HOST_MASKS = [
+    # (causal, documents, mask)
+    (True, True, dict(window=(5, 0))),
+    (False, False, dict(window=(4, 6), softcap=3.0)),
+    (True, True, dict(softcap=2.5)),
+    (False, True, dict(window=(None, 2))),
 ]
+# every p and layout, the masks in turn
+HOST_CASES = [(p, layout) + HOST_MASKS[(p + i) % len(HOST_MASKS)]
+              for p in (1, 2, 3, 4) for i, layout in enumerate(LAYOUTS)]
 
 
 @pytest.mark.timeout(180)
