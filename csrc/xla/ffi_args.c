@@ -189,20 +189,21 @@ static ra_status ids_args(const ra_xla_call *c, int i, const ra_xla_qkv *d,
 
 ra_status ra_xla_optional_args(const ra_xla_call *c, int base,
                                const ra_xla_opts *o, const ra_xla_qkv *d,
-                               const ra_xla_tensor *ref, ra_xla_lead *l,
-                               ra_xla_tensor *pos, int *nq,
+                               ra_xla_lead *l, ra_xla_tensor *pos, int *nq,
                                ra_xla_tensor *ids) {
     int has_pos = 0, ids_at = 0;
     RA_CHECK(extra_args(c, base, o, &has_pos, &ids_at));
     if (o->has_ids) {
-        ra_xla_lead li;
         RA_CHECK(ids_args(c, ids_at, d, ids));
-        RA_CHECK(ra_xla_lead_plan(&li, ref, ids, 2));
-        l->folded = l->folded && li.folded;
+        for (int j = 0; j < 2; j++) {
+            int full = 0;
+            RA_CHECK(ra_xla_lead_check(l, &ids[j], &full));
+            l->folded = l->folded && full;
+        }
     }
     memset(pos, 0, sizeof *pos);
     *nq = 1;
-    if (has_pos) RA_CHECK(ra_xla_positions_arg(c, base, ref, pos, nq));
+    if (has_pos) RA_CHECK(ra_xla_positions_arg(c, base, l, pos, nq));
     return RA_OK;
 }
 
@@ -223,7 +224,7 @@ void ra_xla_block_mask(ra_attn_mask *mask, const ra_xla_opts *o,
 /* ---- position pieces -------------------------------------------------------- */
 
 ra_status ra_xla_positions_arg(const ra_xla_call *c, int i,
-                               const ra_xla_tensor *ref, ra_xla_tensor *pos,
+                               const ra_xla_lead *l, ra_xla_tensor *pos,
                                int *nq) {
     memset(pos, 0, sizeof *pos);
     *nq = 1;
@@ -249,8 +250,7 @@ ra_status ra_xla_positions_arg(const ra_xla_call *c, int i,
                      (long long)n);
         return RA_ERR_VALUE;
     }
-    ra_xla_lead check;
-    RA_CHECK(ra_xla_lead_plan(&check, ref, pos, 1));
+    RA_CHECK(ra_xla_lead_check(l, pos, NULL));
     if (c->device_type == RA_DEV_CUDA && !ra_xla_lead_shared(pos)) {
         ra_set_error(RA_ERR_UNSUPPORTED,
                      "positions: batched (vmapped) positions are supported "

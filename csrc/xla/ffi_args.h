@@ -53,12 +53,11 @@ ra_status ra_xla_no_masks(const ra_xla_opts *o);
 /* The optional operands after the `base` ones, checked: the positions
  * (pos->data NULL when absent; *nq from q_pieces) and, with o->has_ids,
  * the two segment id operands into ids[0..1], int32 (B, S_q) and
- * (B, S_k).  ref is the result that fixes the leading dims; l->folded is
- * cleared when the ids do not fold into the batch. */
+ * (B, S_k).  Their leading dims are checked against the call's (l);
+ * l->folded is cleared when the ids do not fold into the batch. */
 ra_status ra_xla_optional_args(const ra_xla_call *c, int base,
                                const ra_xla_opts *o, const ra_xla_qkv *d,
-                               const ra_xla_tensor *ref, ra_xla_lead *l,
-                               ra_xla_tensor *pos, int *nq,
+                               ra_xla_lead *l, ra_xla_tensor *pos, int *nq,
                                ra_xla_tensor *ids);
 /* mask with its id pointers set for a block of q rows from q_off and k
  * rows from k_off (ids: the call's two id operands at this leading index,
@@ -80,7 +79,7 @@ typedef struct ra_xla_pieces {
 /* The position operand (argument i), checked once per call: *pos set, and
  * *nq from the q_pieces attribute.  Absent (fewer arguments): pos->data NULL. */
 ra_status ra_xla_positions_arg(const ra_xla_call *c, int i,
-                               const ra_xla_tensor *ref, ra_xla_tensor *pos,
+                               const ra_xla_lead *l, ra_xla_tensor *pos,
                                int *nq);
 /* The pieces of leading index idx (pos->data NULL: local attention). */
 ra_status ra_xla_load_pieces(const ra_xla_call *c, const ra_xla_tensor *pos,

@@ -170,9 +170,8 @@ static ra_status attn_bwd(ra_xla_call *c, int accumulate) {
             RA_CHECK(ra_xla_check_alias(&t[6 + i], &g[i]));
         }
     }
-    RA_CHECK(ra_xla_lead_plan(&l, &g[0], g, 3));
-    RA_CHECK(ra_xla_lead_plan(&l, &g[0], t, base));
-    RA_CHECK(ra_xla_optional_args(c, base, &o, &d, &g[0], &l, &pos, &nq, ids));
+    RA_CHECK(ra_xla_lead_plan(&l, t, base, g, 3));
+    RA_CHECK(ra_xla_optional_args(c, base, &o, &d, &l, &pos, &nq, ids));
     if (accumulate) {   /* XLA aliases them; copy if it could not */
         for (int i = 0; i < 3; i++)
             RA_CHECK(ra_xla_copy(c, g[i].data, t[6 + i].data,
@@ -202,8 +201,7 @@ ra_status ra_xla_dilated_bwd(ra_xla_call *c) {
     RA_CHECK(load_bwd(c, t, g, &d, &o, 0));
     RA_CHECK(ra_xla_no_masks(&o));
     RA_CHECK(ra_xla_read_dilated(c, &d, &cfg));
-    RA_CHECK(ra_xla_lead_plan(&l, &g[0], g, 3));
-    RA_CHECK(ra_xla_lead_plan(&l, &g[0], t, 6));
+    RA_CHECK(ra_xla_lead_plan(&l, t, 6, g, 3));
     const int64_t iters = l.folded ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {
         bwd_job j = make_job(&l, t, g, &d, &o, NULL, it, l.folded);
@@ -240,7 +238,7 @@ ra_status ra_xla_bwd_preprocess(ra_xla_call *c) {
     int64_t nt = 0;
     int present = 0;
     RA_CHECK(ra_xla_attr_int(c, "num_threads", &nt, &present));
-    RA_CHECK(ra_xla_lead_plan(&l, &delta, t, 2));
+    RA_CHECK(ra_xla_lead_plan(&l, t, 2, &delta, 1));
     const int64_t iters = l.folded ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {
         ra_attn_bwd_params p;

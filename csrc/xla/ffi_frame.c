@@ -213,35 +213,72 @@ ra_status ra_xla_check_dtype(const ra_xla_tensor *t, ra_dtype want,
 
 /* ---- leading (vmap) dims ------------------------------------------------------ */
 
-ra_status ra_xla_lead_plan(ra_xla_lead *l, const ra_xla_tensor *ref,
-                           const ra_xla_tensor *ts, int n) {
-    memset(l, 0, sizeof *l);
-    l->lead = ref->lead;
-    l->count = 1;
-    l->folded = 1;
+static void format_lead(char *buf, size_t cap, const int64_t *dims, int n) {
+    int k = snprintf(buf, cap, "(");
+    for (int i = 0; i < n && k > 0 && (size_t)k < cap; i++)
+        k += snprintf(buf + k, cap - (size_t)k, "%s%lld", i ? ", " : "",
+                      (long long)dims[i]);
+    if (k > 0 && (size_t)k < cap) snprintf(buf + k, cap - (size_t)k, ")");
+}
+
+static ra_status lead_count(const ra_xla_lead *l, const ra_xla_tensor *t) {
+    if (t->lead == l->lead) return RA_OK;
+    ra_set_error(RA_ERR_VALUE,
+                 "%s: expected %d vmap dimensions in front of its %d, got %d",
+                 t->name, l->lead, t->core, t->lead);
+    return RA_ERR_VALUE;
+}
+
+ra_status ra_xla_lead_check(const ra_xla_lead *l, const ra_xla_tensor *t,
+                            int *full) {
+    int all = 1;
+    RA_CHECK(lead_count(l, t));
     for (int i = 0; i < l->lead; i++) {
-        l->shape[i] = ref->dims[i];
-        l->count *= ref->dims[i];
-    }
-    for (int k = 0; k < n; k++) {
-        const ra_xla_tensor *t = &ts[k];
-        if (t->lead != l->lead) {
+        if (t->dims[i] == l->shape[i]) continue;
+        if (t->dims[i] != 1) {
             ra_set_error(RA_ERR_VALUE,
-                         "%s: expected %d vmap dimensions in front of its %d, "
-                         "got %d",
-                         t->name, l->lead, t->core, t->lead);
+                         "%s: vmap dimension %d is %lld, expected %lld or 1",
+                         t->name, i, (long long)t->dims[i],
+                         (long long)l->shape[i]);
             return RA_ERR_VALUE;
         }
-        for (int i = 0; i < l->lead; i++) {
-            if (t->dims[i] == l->shape[i]) continue;
-            if (t->dims[i] != 1) {
-                ra_set_error(RA_ERR_VALUE,
-                             "%s: vmap dimension %d is %lld, expected %lld or 1",
-                             t->name, i, (long long)t->dims[i],
-                             (long long)l->shape[i]);
-                return RA_ERR_VALUE;
-            }
-            l->folded = 0;
+        all = 0;
+    }
+    if (full != NULL) *full = all;
+    return RA_OK;
+}
+
+ra_status ra_xla_lead_plan(ra_xla_lead *l, const ra_xla_tensor *ins, int nin,
+                           const ra_xla_tensor *rets, int nret) {
+    memset(l, 0, sizeof *l);
+    l->lead = nin > 0 ? ins[0].lead : rets[0].lead;
+    l->count = 1;
+    l->folded = 1;
+    for (int k = 0; k < nin; k++) RA_CHECK(lead_count(l, &ins[k]));
+    for (int k = 0; k < nret; k++) RA_CHECK(lead_count(l, &rets[k]));
+    for (int i = 0; i < l->lead; i++) {
+        l->shape[i] = 1;
+        for (int k = 0; k < nin && l->shape[i] == 1; k++)
+            l->shape[i] = ins[k].dims[i];
+        if (l->shape[i] == 1 && nret > 0) l->shape[i] = rets[0].dims[i];
+        l->count *= l->shape[i];
+    }
+    for (int k = 0; k < nin; k++) {
+        int full = 0;
+        RA_CHECK(ra_xla_lead_check(l, &ins[k], &full));
+        l->folded = l->folded && full;
+    }
+    for (int k = 0; k < nret; k++) {
+        const ra_xla_tensor *t = &rets[k];
+        if (memcmp(t->dims, l->shape, (size_t)l->lead * sizeof(int64_t)) != 0) {
+            char want[200], got[200];
+            format_lead(want, sizeof want, l->shape, l->lead);
+            format_lead(got, sizeof got, t->dims, t->lead);
+            ra_set_error(RA_ERR_VALUE,
+                         "%s: expected vmap dimensions %s (the operands'), "
+                         "got %s: a result holds one value per vmap index",
+                         t->name, want, got);
+            return RA_ERR_VALUE;
         }
     }
     return RA_OK;

@@ -78,9 +78,20 @@ ra_status ra_xla_check_dims(const ra_xla_tensor *t, const int64_t *want,
 ra_status ra_xla_check_dtype(const ra_xla_tensor *t, ra_dtype want,
                              const char *why);
 
-/* Leading dims from `ref` (a result); each of ts[0..n) must agree. */
-ra_status ra_xla_lead_plan(ra_xla_lead *l, const ra_xla_tensor *ref,
-                           const ra_xla_tensor *ts, int n);
+/* The call's leading dims from its operands ins[0..nin) and results
+ * rets[0..nret), checked before any work: every tensor has the same number
+ * of them; each operand has each leading dim equal to the call's or 1
+ * (vmap's expand_dims), and each result exactly the call's -- the kernels
+ * write one value per leading index, so a result with a 1 there (or any
+ * other size) would be written past or overwritten.  The call's dim is the
+ * operands' size other than 1, else the results'. */
+ra_status ra_xla_lead_plan(ra_xla_lead *l, const ra_xla_tensor *ins, int nin,
+                           const ra_xla_tensor *rets, int nret);
+/* One more operand t of the call (an optional one, read after the plan):
+ * its leading dims are each the call's or 1; *full = 1 if all are the
+ * call's (full may be NULL). */
+ra_status ra_xla_lead_check(const ra_xla_lead *l, const ra_xla_tensor *t,
+                            int *full);
 /* Element offset of leading index `idx` (row-major over l->shape) in t. */
 int64_t ra_xla_lead_offset(const ra_xla_lead *l, const ra_xla_tensor *t,
                            int64_t idx);

@@ -151,8 +151,8 @@ static ra_status attn_fwd(ra_xla_call *c, int accumulate) {
         RA_CHECK(ra_xla_check_alias(&t[3], &r[0]));
         RA_CHECK(ra_xla_check_alias(&t[4], &r[1]));
     }
-    RA_CHECK(ra_xla_lead_plan(&l, &r[0], t, base));
-    RA_CHECK(ra_xla_optional_args(c, base, &o, &d, &r[0], &l, &pos, &nq, ids));
+    RA_CHECK(ra_xla_lead_plan(&l, t, base, r, 2));
+    RA_CHECK(ra_xla_optional_args(c, base, &o, &d, &l, &pos, &nq, ids));
     if (accumulate) {   /* XLA aliases them; copy if it could not */
         for (int i = 0; i < 2; i++)
             RA_CHECK(ra_xla_copy(c, r[i].data, t[3 + i].data,
@@ -220,7 +220,7 @@ ra_status ra_xla_dilated_fwd(ra_xla_call *c) {
     RA_CHECK(load_fwd(c, t, r, &d, &o, 0));
     RA_CHECK(ra_xla_no_masks(&o));
     RA_CHECK(ra_xla_read_dilated(c, &d, &cfg));
-    RA_CHECK(ra_xla_lead_plan(&l, &r[0], t, 3));
+    RA_CHECK(ra_xla_lead_plan(&l, t, 3, r, 2));
     const int64_t iters = l.folded ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {
         fwd_job j = make_job(&l, t, r, &d, &o, NULL, it, l.folded);
@@ -245,32 +245,34 @@ ra_status ra_xla_merge(ra_xla_call *c) {
     RA_CHECK(ra_xla_arg(c, 3, "lse2", 3, &t[3]));
     RA_CHECK(ra_xla_ret(c, 0, "out", 4, &out));
     RA_CHECK(ra_xla_ret(c, 1, "lse", 3, &lse));
-    const int64_t B = ra_xla_dim(&out, 0), S = ra_xla_dim(&out, 1),
-                  H = ra_xla_dim(&out, 2), D = ra_xla_dim(&out, 3);
+    /* every shape from out1's: the results are checked against it too */
+    const int64_t B = ra_xla_dim(&t[0], 0), S = ra_xla_dim(&t[0], 1),
+                  H = ra_xla_dim(&t[0], 2), D = ra_xla_dim(&t[0], 3);
     const int64_t rows[4] = {B, S, H, D}, bhs[3] = {B, H, S};
     const ra_dtype ld = t[1].dtype;
     if (ld != RA_FLOAT32 && ld != RA_FLOAT64) {
-        ra_set_error(RA_ERR_TYPE, "lse1: expected float32 or float64");
+        ra_set_error(RA_ERR_TYPE, "lse1: expected float32 or float64, got %s",
+                     ld == RA_DTYPE_OTHER ? "a non-float type"
+                                          : ra_dtype_name(ld));
         return RA_ERR_TYPE;
     }
-    for (int i = 0; i < 4; i += 2) {
-        RA_CHECK(ra_xla_check_dims(&t[i], rows, "(batch, seq, heads, head_dim)"));
-        RA_CHECK(ra_xla_check_dims(&t[i + 1], bhs, "(batch, heads, seq)"));
-        RA_CHECK(ra_xla_check_dtype(&t[i + 1], ld, "the dtype of lse1"));
-        if (t[i].dtype == RA_DTYPE_OTHER) {
-            ra_set_error(RA_ERR_TYPE, "%s: expected a float dtype", t[i].name);
+    const ra_xla_tensor *row_ts[3] = {&t[0], &t[2], &out};
+    const ra_xla_tensor *lse_ts[3] = {&t[1], &t[3], &lse};
+    for (int i = 0; i < 3; i++) {
+        RA_CHECK(ra_xla_check_dims(row_ts[i], rows,
+                                   "(batch, seq, heads, head_dim)"));
+        if (row_ts[i]->dtype == RA_DTYPE_OTHER) {
+            ra_set_error(RA_ERR_TYPE, "%s: expected a float dtype",
+                         row_ts[i]->name);
             return RA_ERR_TYPE;
         }
-    }
-    RA_CHECK(ra_xla_check_dims(&lse, bhs, "(batch, heads, seq)"));
-    RA_CHECK(ra_xla_check_dtype(&lse, ld, "the dtype of lse1"));
-    if (out.dtype == RA_DTYPE_OTHER) {
-        ra_set_error(RA_ERR_TYPE, "out: expected a float dtype");
-        return RA_ERR_TYPE;
+        RA_CHECK(ra_xla_check_dims(lse_ts[i], bhs, "(batch, heads, seq)"));
+        RA_CHECK(ra_xla_check_dtype(lse_ts[i], ld, "the dtype of lse1"));
     }
     RA_CHECK(ra_xla_attr_int(c, "num_threads", &nt64, &present));
     nt = nt64 > 0 && nt64 < 4096 ? (int)nt64 : 0;
-    RA_CHECK(ra_xla_lead_plan(&l, &out, t, 4));
+    const ra_xla_tensor rets[2] = {out, lse};
+    RA_CHECK(ra_xla_lead_plan(&l, t, 4, rets, 2));
     const int64_t iters = l.folded ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {
         ra_merge_params p;

@@ -1,0 +1,182 @@
+"""Every ringattn XLA FFI handler checks its results' shapes before any
+work: each result must have exactly the call's leading (vmap) dims -- no
+broadcast 1s, since the kernels write one value per leading index -- and
+exactly the shape the operands give it.  A wrong result shape is an XLA
+error naming the result, never a write past its buffer (a crash) or a
+silently wrong answer (gradients of a vmapped batch overwriting each
+other in a shared dk).
+
+The targets are called directly with ``jax.ffi.ffi_call`` in a subprocess
+(tests/ffi_call_worker.py), so a crash fails these tests instead of
+killing pytest.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax")
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      "ffi_call_worker.py")
+
+N = 4                                  # the vmap (leading) dim
+ROWS = [1, 8, 2, 4]                    # (B, S, H, D) of q, k, v, out, ...
+BHS = [1, 2, 8]                        # (B, H, S) of lse, delta
+F32 = "float32"
+DILATED = {"segment_lengths": [4], "dilation_rates": [1]}
+
+
+def _rows(lead=(N,), dtype=F32):
+    return [list(lead) + ROWS, dtype]
+
+
+def _bhs(lead=(N,), dtype=F32, core=BHS):
+    return [list(lead) + core, dtype]
+
+
+def _case(name, target, args, results, expect, aliases=None, attrs=None):
+    return dict(name=name, target=target, args=args, results=results,
+                expect=expect, aliases=aliases or {}, attrs=attrs or {})
+
+
+QKV = [_rows()] * 3
+BWD_IN = [_rows()] * 4 + [_bhs()] * 2          # dout, q, k, v, lse, delta
+
+CASES = [
+    # forward: lse without the leading dims, or with a 1 in their place
+    _case("fwd-lse-no-lead", "ringattn_attn_fwd", QKV,
+          [_rows(), _bhs(lead=())], "ringattn_attn_fwd: lse:"),
+    _case("fwd-lse-lead-1", "ringattn_attn_fwd", QKV,
+          [_rows(), _bhs(lead=(1,))], "ringattn_attn_fwd: lse:"),
+    _case("fwd-out-lead-1", "ringattn_attn_fwd", QKV,
+          [_rows(lead=(1,)), _bhs()], "ringattn_attn_fwd: out:"),
+    _case("fwd-lse-trailing", "ringattn_attn_fwd", QKV,
+          [_rows(), _bhs(core=[1, 2, 7])], "ringattn_attn_fwd: lse:"),
+    # the ring's block forward: a running state shared by the batch
+    _case("fwd-acc-lse-lead-1", "ringattn_attn_fwd_acc",
+          QKV + [_rows(), _bhs(lead=(1,))], [_rows(), _bhs(lead=(1,))],
+          "ringattn_attn_fwd_acc: lse:", aliases={3: 0, 4: 1}),
+    _case("dilated-fwd-lse-lead-1", "ringattn_dilated_fwd", QKV,
+          [_rows(), _bhs(lead=(1,))], "ringattn_dilated_fwd: lse:",
+          attrs=DILATED),
+    _case("merge-lse-no-lead", "ringattn_merge",
+          [_rows(), _bhs(), _rows(), _bhs()], [_rows(), _bhs(lead=())],
+          "ringattn_merge: lse:"),
+    _case("merge-lse-lead-1", "ringattn_merge",
+          [_rows(), _bhs(), _rows(), _bhs()], [_rows(), _bhs(lead=(1,))],
+          "ringattn_merge: lse:"),
+    _case("merge-out-trailing", "ringattn_merge",
+          [_rows(), _bhs(), _rows(), _bhs()],
+          [[[N, 1, 8, 2, 5], F32], _bhs()], "ringattn_merge: out:"),
+    _case("bwd-pre-delta-lead-1", "ringattn_attn_bwd_pre", [_rows()] * 2,
+          [_bhs(lead=(1,))], "ringattn_attn_bwd_pre: delta:"),
+    # backward: one dk / dv for the whole batch would be overwritten by
+    # every leading index in turn
+    _case("bwd-dk-lead-1", "ringattn_attn_bwd", BWD_IN,
+          [_rows(), _rows(lead=(1,)), _rows(lead=(1,))],
+          "ringattn_attn_bwd: dk:"),
+    _case("bwd-dq-lead-1", "ringattn_attn_bwd", BWD_IN,
+          [_rows(lead=(1,)), _rows(), _rows()], "ringattn_attn_bwd: dq:"),
+    _case("bwd-acc-dv-lead-1", "ringattn_attn_bwd_acc",
+          BWD_IN + [_rows(), _rows(), _rows(lead=(1,))],
+          [_rows(), _rows(), _rows(lead=(1,))], "ringattn_attn_bwd_acc: dv:",
+          aliases={6: 0, 7: 1, 8: 2}),
+    _case("dilated-bwd-dk-lead-1", "ringattn_dilated_bwd", BWD_IN,
+          [_rows(), _rows(lead=(1,)), _rows()], "ringattn_dilated_bwd: dk:",
+          attrs=DILATED),
+    # wrong dtypes and wrong core dims, with and without vmap dims
+    _case("fwd-lse-dtype", "ringattn_attn_fwd", QKV,
+          [_rows(), _bhs(dtype="float64")], "ringattn_attn_fwd: lse:"),
+    _case("fwd-out-int", "ringattn_attn_fwd", QKV,
+          [_rows(dtype="int32"), _bhs()], "ringattn_attn_fwd: out:"),
+    _case("fwd-unbatched-lse-batch", "ringattn_attn_fwd",
+          [_rows(lead=())] * 3, [_rows(lead=()), [[2, 2, 8], F32]],
+          "ringattn_attn_fwd: lse:"),
+    _case("fwd-unbatched-out-heads", "ringattn_attn_fwd",
+          [_rows(lead=())] * 3, [[[1, 8, 3, 4], F32], _bhs(lead=())],
+          "ringattn_attn_fwd: out:"),
+    _case("fwd-acc-out-trailing", "ringattn_attn_fwd_acc",
+          QKV + [[[N, 1, 8, 2, 5], F32], _bhs()],
+          [[[N, 1, 8, 2, 5], F32], _bhs()], "ringattn_attn_fwd_acc:",
+          aliases={3: 0, 4: 1}),
+    _case("merge-lse-dtype", "ringattn_merge",
+          [_rows(), _bhs(), _rows(), _bhs()], [_rows(), _bhs(dtype="float64")],
+          "ringattn_merge: lse:"),
+    _case("bwd-pre-delta-dtype", "ringattn_attn_bwd_pre", [_rows()] * 2,
+          [_bhs(dtype="float64")], "ringattn_attn_bwd_pre: delta:"),
+    _case("bwd-pre-delta-seq", "ringattn_attn_bwd_pre", [_rows()] * 2,
+          [_bhs(core=[1, 2, 9])], "ringattn_attn_bwd_pre: delta:"),
+    _case("bwd-dv-dtype", "ringattn_attn_bwd", BWD_IN,
+          [_rows(), _rows(), _rows(dtype="float64")], "ringattn_attn_bwd: dv:"),
+    _case("bwd-dk-seq", "ringattn_attn_bwd", BWD_IN,
+          [_rows(), [[N, 1, 9, 2, 4], F32], _rows()],
+          "ringattn_attn_bwd: dk:"),
+    _case("dilated-bwd-dv-trailing", "ringattn_dilated_bwd", BWD_IN,
+          [_rows(), _rows(), [[N, 1, 8, 2, 5], F32]],
+          "ringattn_dilated_bwd: dv:", attrs=DILATED),
+]
+
+# the same calls with good results succeed (the checks refuse only bad ones)
+GOOD = [
+    _case("fwd-good", "ringattn_attn_fwd", QKV, [_rows(), _bhs()], None),
+    _case("merge-good", "ringattn_merge", [_rows(), _bhs(), _rows(), _bhs()],
+          [_rows(), _bhs()], None),
+    _case("bwd-good", "ringattn_attn_bwd", BWD_IN, [_rows()] * 3, None),
+    _case("fwd-unbatched-good", "ringattn_attn_fwd", [_rows(lead=())] * 3,
+          [_rows(lead=()), _bhs(lead=())], None),
+    # an operand shared by the batch (a 1 in its vmap dim) is fine
+    _case("fwd-shared-k-good", "ringattn_attn_fwd",
+          [_rows(), _rows(lead=(1,)), _rows(lead=(1,))], [_rows(), _bhs()],
+          None),
+    _case("bwd-pre-good", "ringattn_attn_bwd_pre", [_rows()] * 2, [_bhs()],
+          None),
+]
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """{case name: error message, None, or _Crash}.  After a crash the
+    worker starts again with the cases after the one that crashed."""
+    got, todo = {}, CASES + GOOD
+    while todo:
+        proc = subprocess.run([sys.executable, WORKER], input=json.dumps(todo),
+                              capture_output=True, text=True, timeout=300)
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                got[row["name"]] = row["error"]
+        done = [c for c in todo if c["name"] in got]
+        todo = todo[len(done):]
+        if todo:     # the worker died in todo[0]
+            got[todo[0]["name"]] = _Crash(proc.returncode, proc.stderr[-2000:])
+            todo = todo[1:]
+    return got
+
+
+class _Crash:
+    def __init__(self, rc, stderr):
+        self.rc, self.stderr = rc, stderr
+
+    def __repr__(self):
+        return f"the worker died (exit status {self.rc}):\n{self.stderr}"
+
+
+def _outcome(outcomes, name):
+    got = outcomes[name]
+    assert not isinstance(got, _Crash), repr(got)
+    return got
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_bad_result_shape_is_an_error_naming_the_result(outcomes, case):
+    error = _outcome(outcomes, case["name"])
+    assert error is not None and case["expect"] in error, error
+
+
+@pytest.mark.parametrize("case", GOOD, ids=[c["name"] for c in GOOD])
+def test_good_result_shapes_run(outcomes, case):
+    assert _outcome(outcomes, case["name"]) is None
