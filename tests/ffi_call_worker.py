@@ -4,7 +4,7 @@
 A separate process, so that a handler that crashes (writing past a
 result, say) fails the calling test instead of killing pytest.  Reads a
 JSON list of cases on stdin, each ``{"name", "target", "args": [[shape,
-dtype], ...], "results": [[shape, dtype], ...], "aliases": {arg: result},
+dtype] or [shape, dtype, values], ...], "results": [[shape, dtype], ...], "aliases": {arg: result},
 "attrs": {name: int list or bool}}``, runs them in order and prints one
 JSON line per case as it finishes: ``{"name", "error"}`` (the exception's
 message, or null when the call succeeded), flushed before the next case
@@ -33,10 +33,19 @@ def _value(v):
     return np.asarray(v, np.int64)
 
 
+def _arg(spec, rng):
+    """[shape, dtype]: random floats or integer zeros; [shape, dtype,
+    values]: those values."""
+    shape, dtype = spec[:2]
+    if len(spec) > 2:
+        return np.asarray(spec[2], dtype).reshape(shape)
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    return np.zeros(shape, dtype)
+
+
 def run_case(case, rng):
-    args = [rng.standard_normal(shape).astype(dtype)
-            if np.dtype(dtype).kind == "f" else np.zeros(shape, dtype)
-            for shape, dtype in case["args"]]
+    args = [_arg(spec, rng) for spec in case["args"]]
     results = tuple(jax.ShapeDtypeStruct(tuple(shape), dtype)
                     for shape, dtype in case["results"])
     aliases = {int(a): r for a, r in case.get("aliases", {}).items()} or None

@@ -1,5 +1,6 @@
-"""Every ringattn XLA FFI handler checks its results' shapes before any
-work: each result must have exactly the call's leading (vmap) dims -- no
+"""Every ringattn XLA FFI handler checks its results' shapes (and the
+positions of a ring block: inside +-2^60, so no position arithmetic of a
+kernel overflows int64) before any work: each result must have exactly the call's leading (vmap) dims -- no
 broadcast 1s, since the kernels write one value per leading index -- and
 exactly the shape the operands give it.  A wrong result shape is an XLA
 error naming the result, never a write past its buffer (a crash) or a
@@ -120,6 +121,36 @@ CASES = [
           "ringattn_dilated_bwd: dv:", attrs=DILATED),
 ]
 
+# a ring block's position table (rows length, start, stride; q_pieces of
+# them for q, then k's) whose positions could leave +-2^60, where the
+# kernels' position arithmetic would overflow int64
+def _positions(q_row, k_row=(8, 0, 1)):
+    return [[2, 3], "int64", [list(q_row), list(k_row)]]
+
+
+POS_BAD = [
+    ("pos-start-at-bound", (8, 2 ** 60, 1), (8, 0, 1)),
+    ("pos-start-below-bound", (8, -(2 ** 60), 1), (8, 0, 1)),
+    ("pos-start-plus-rows", (8, 2 ** 60 - 4, 1), (8, 0, 1)),
+    ("pos-stride-times-rows", (8, 0, 2 ** 58), (8, 0, 1)),
+    ("pos-stride-overflows-int64", (8, 0, 2 ** 62), (8, 0, 1)),
+    ("pos-start-int64-min", (8, -(2 ** 63), 1), (8, 0, 1)),
+    ("pos-k-start", (8, 0, 1), (8, 2 ** 62, 1)),
+    ("pos-k-stride-zero", (8, 0, 1), (8, 0, 0)),
+]
+UNBATCHED = [_rows(lead=())] * 3
+for _name, _q, _k in POS_BAD:
+    _piece = "k piece 0" if _name.startswith("pos-k") else "q piece 0"
+    CASES.append(_case(_name, "ringattn_attn_fwd", UNBATCHED + [_positions(_q, _k)],
+                       [_rows(lead=()), _bhs(lead=())],
+                       f"ringattn_attn_fwd: positions[{_piece}]",
+                       attrs={"q_pieces": 1, "causal": True}))
+    CASES.append(_case(_name + "-bwd", "ringattn_attn_bwd",
+                       [_rows(lead=())] * 4 + [_bhs(lead=())] * 2
+                       + [_positions(_q, _k)], [_rows(lead=())] * 3,
+                       f"ringattn_attn_bwd: positions[{_piece}]",
+                       attrs={"q_pieces": 1, "causal": True}))
+
 # the same calls with good results succeed (the checks refuse only bad ones)
 GOOD = [
     _case("fwd-good", "ringattn_attn_fwd", QKV, [_rows(), _bhs()], None),
@@ -134,6 +165,15 @@ GOOD = [
           None),
     _case("bwd-pre-good", "ringattn_attn_bwd_pre", [_rows()] * 2, [_bhs()],
           None),
+    # positions just inside the bound run
+    _case("pos-near-bound-good", "ringattn_attn_fwd",
+          UNBATCHED + [_positions((8, 2 ** 60 - 9, 1), (8, 2 ** 60 - 9, 1))],
+          [_rows(lead=()), _bhs(lead=())], None,
+          attrs={"q_pieces": 1, "causal": True}),
+    _case("pos-near-minus-bound-good", "ringattn_attn_fwd",
+          UNBATCHED + [_positions((8, -(2 ** 60) + 9, 1), (8, 0, 1))],
+          [_rows(lead=()), _bhs(lead=())], None,
+          attrs={"q_pieces": 1, "causal": True}),
 ]
 
 

@@ -78,7 +78,7 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     PyObject *qo, *ko, *vo, *scale_o = Py_None, *out_o = Py_None,
              *lse_o = Py_None, *qoff_o = Py_None, *segs = NULL, *rates = NULL;
     int causal = 0, accumulate = 0, num_threads = 0, check_only = 0;
-    long long qstride = 1, koff = 0, kstride = 1;
+    PyObject *qstride = NULL, *koff = NULL, *kstride = NULL;
     ra_dilated_config cfg;
     mask_kwargs mkw = {Py_None, Py_None, Py_None, Py_None};
     ra_attn_mask mask;
@@ -89,14 +89,14 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
 
     if (dilated) {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOO|$pOOOpOLip:dilated_fwd", kwlist_dil, &qo,
+                args, kwds, "OOOOO|$pOOOpOOip:dilated_fwd", kwlist_dil, &qo,
                 &ko, &vo, &segs, &rates, &causal, &scale_o, &out_o, &lse_o,
                 &accumulate, &qoff_o, &koff, &num_threads, &check_only))
             return NULL;
         if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
     } else {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOO|$pOOOpOLLLipOOOO:attn_fwd", kwlist_dense,
+                args, kwds, "OOO|$pOOOpOOOOipOOOO:attn_fwd", kwlist_dense,
                 &qo, &ko, &vo, &causal, &scale_o, &out_o, &lse_o, &accumulate,
                 &qoff_o, &qstride, &koff, &kstride, &num_threads, &check_only,
                 &mkw.segment_ids, &mkw.kv_segment_ids, &mkw.window,

@@ -115,7 +115,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     long long branch_head = 0;
     int causal = 0, accumulate = 0, deterministic = 0, num_threads = 0,
         check_only = 0;
-    long long qstride = 1, koff = 0, kstride = 1;
+    PyObject *qstride = NULL, *koff = NULL, *kstride = NULL;
     ra_dilated_config cfg;
     mask_kwargs mkw = {Py_None, Py_None, Py_None, Py_None};
     ra_attn_mask mask;
@@ -127,7 +127,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
 
     if (dilated) {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOOOOO|$pOOOOOppOLip:dilated_bwd", kwlist_dil,
+                args, kwds, "OOOOOOOO|$pOOOOOppOOip:dilated_bwd", kwlist_dil,
                 &douto, &qo, &ko, &vo, &outo, &lseo, &segs, &rates, &causal,
                 &scale_o, &dqo, &dko, &dvo, &deltao, &accumulate,
                 &deterministic, &qoff_o, &koff, &num_threads, &check_only))
@@ -135,7 +135,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
     } else {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOOO|$pOOOOOppOLLLipOLOOOO:attn_bwd",
+                args, kwds, "OOOOOO|$pOOOOOppOOOOipOLOOOO:attn_bwd",
                 kwlist_dense, &douto, &qo, &ko, &vo, &outo, &lseo, &causal,
                 &scale_o, &dqo, &dko, &dvo, &deltao, &accumulate,
                 &deterministic, &qoff_o, &qstride, &koff, &kstride,

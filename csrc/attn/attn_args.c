@@ -269,29 +269,62 @@ int parse_scale(PyObject *obj, int64_t D, double *scale) {
     return 0;
 }
 
-int parse_positions(PyObject *qoff, long long qstride, long long koff,
-                           long long kstride, const qkv_dims *d,
-                           int64_t out[4]) {
-    if (qoff == NULL || qoff == Py_None) {
-        out[0] = d->Sk - d->Sq; /* bottom-right alignment */
-    } else {
-        out[0] = PyLong_AsLongLong(qoff);
-        if (out[0] == -1 && PyErr_Occurred()) return -1;
+/* One position keyword: None (or absent) -> dflt; else an int inside
+ * +-2^60 (a larger one is a ValueError naming it, not an OverflowError). */
+static int position_int(PyObject *obj, const char *name, int64_t dflt,
+                        int64_t *out) {
+    if (obj == NULL || obj == Py_None) {
+        *out = dflt;
+        return 0;
     }
-    out[1] = qstride;
-    out[2] = koff;
-    out[3] = kstride;
-    if (qstride < 1 || kstride < 1) {
+    PyObject *idx = PyNumber_Index(obj);
+    if (idx == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: expected an int, got %.100s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
+    Py_DECREF(idx);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow) {
         PyErr_Format(PyExc_ValueError,
-                     "position strides: expected >= 1, got q_pos_stride=%lld "
-                     "k_pos_stride=%lld",
-                     qstride, kstride);
+                     "%s: expected an int within +-2^60 (positions stay "
+                     "inside that bound), got %R",
+                     name, obj);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* q's and k's positions inside the bound (ra_check_positions) */
+static int check_position_bounds(const int64_t pos[4], const qkv_dims *d) {
+    ra_status st = ra_check_positions("q_pos_offset", pos[0], "q_pos_stride",
+                                      pos[1], d->Sq);
+    if (st == RA_OK)
+        st = ra_check_positions("k_pos_offset", pos[2], "k_pos_stride",
+                                pos[3], d->Sk);
+    if (st != RA_OK) {
+        ra_raise(st);
         return -1;
     }
     return 0;
 }
 
-int parse_dilated_positions(PyObject *qoff, long long koff, const qkv_dims *d,
+int parse_positions(PyObject *qoff, PyObject *qstride, PyObject *koff,
+                    PyObject *kstride, const qkv_dims *d, int64_t out[4]) {
+    /* default q offset: bottom-right alignment */
+    if (position_int(qoff, "q_pos_offset", d->Sk - d->Sq, &out[0]) < 0 ||
+        position_int(qstride, "q_pos_stride", 1, &out[1]) < 0 ||
+        position_int(koff, "k_pos_offset", 0, &out[2]) < 0 ||
+        position_int(kstride, "k_pos_stride", 1, &out[3]) < 0)
+        return -1;
+    return check_position_bounds(out, d);
+}
+
+int parse_dilated_positions(PyObject *qoff, PyObject *koff, const qkv_dims *d,
                             int64_t out[4]) {
     if (d->device_type == RA_DEV_CUDA) {
         PyErr_SetString(PyExc_NotImplementedError,
@@ -299,19 +332,19 @@ int parse_dilated_positions(PyObject *qoff, long long koff, const qkv_dims *d,
                         "got CUDA arrays");
         return -1;
     }
-    out[0] = (qoff == NULL || qoff == Py_None) ? 0 : PyLong_AsLongLong(qoff);
-    if (out[0] == -1 && PyErr_Occurred()) return -1;
+    if (position_int(qoff, "q_pos_offset", 0, &out[0]) < 0 ||
+        position_int(koff, "k_pos_offset", 0, &out[2]) < 0)
+        return -1;
     out[1] = 1;
-    out[2] = koff;
     out[3] = 1;
-    if ((qoff == NULL || qoff == Py_None) && koff == 0 && d->Sq != d->Sk) {
+    if ((qoff == NULL || qoff == Py_None) && out[2] == 0 && d->Sq != d->Sk) {
         PyErr_Format(PyExc_ValueError,
                      "k: dilated attention expects the sequence length of q "
                      "(%lld), got %lld",
                      (long long)d->Sq, (long long)d->Sk);
         return -1;
     }
-    return 0;
+    return check_position_bounds(out, d);
 }
 
 /* dilated configuration from two Python sequences */

@@ -51,12 +51,15 @@ int check_acc_dtype(tensor_arg *a, ra_dtype want, const char *why);
 void dims_of_rows(const ra_buffer *rows, ra_dtype dtype, qkv_dims *d);
 int check_qkv(tensor_arg *q, tensor_arg *k, tensor_arg *v, qkv_dims *d);
 int parse_scale(PyObject *obj, int64_t D, double *scale);
-int parse_positions(PyObject *qoff, long long qstride, long long koff,
-                    long long kstride, const qkv_dims *d, int64_t out[4]);
+/* q_pos_offset, q_pos_stride, k_pos_offset, k_pos_stride (NULL or None:
+ * the defaults, q's bottom-right aligned) -> out, bounded by
+ * ra_check_positions; -1 with ValueError / TypeError naming the keyword. */
+int parse_positions(PyObject *qoff, PyObject *qstride, PyObject *koff,
+                    PyObject *kstride, const qkv_dims *d, int64_t out[4]);
 /* positions of a dilated call (stride 1; q offset 0 by default; S_q must
  * equal S_k unless offsets are given) -- and dilated attention runs on the
  * CPU only: a CUDA input is refused here, before any work.  -1 on error. */
-int parse_dilated_positions(PyObject *qoff, long long koff, const qkv_dims *d,
+int parse_dilated_positions(PyObject *qoff, PyObject *koff, const qkv_dims *d,
                             int64_t out[4]);
 ra_buffer *alloc_out(int ndim, const int64_t *shape, ra_dtype t,
                      const qkv_dims *d, int zero);

@@ -14,7 +14,12 @@
  *   pos_q(i) = q_pos_offset + i * q_pos_stride
  *   pos_k(j) = k_pos_offset + j * k_pos_stride
  * With causal set, key j is visible to query i iff pos_k(j) <= pos_q(i).
- * Both strides are >= 1, so positions increase along the sequence.
+ * Both strides are >= 1, so positions increase along the sequence, and
+ * every position lies strictly inside +-RA_POS_LIMIT (2^60): every entry
+ * point checks |offset| + stride * length < RA_POS_LIMIT with
+ * ra_check_positions before any work, so kernels may compute positions,
+ * their differences and position +- window side (a side below 2^62) in
+ * int64 without overflow.
  * The masks of ra_attn_mask narrow that further (a key is visible iff every
  * rule allows it), and soft-capping reshapes the scores.
  * A query row that sees no key gets out = 0 and lse = -inf, never NaN.
@@ -30,6 +35,15 @@ extern "C" {
 
 #define RA_MAX_HEAD_DIM 256
 #define RA_MAX_BRANCHES 16
+#define RA_POS_LIMIT ((int64_t)1 << 60)
+
+/* RA_OK if the positions offset + stride * i of `len` rows (i < len) keep
+ * |offset| + stride * len < RA_POS_LIMIT and stride >= 1 (checked
+ * arithmetic, any int64 input); else RA_ERR_VALUE naming offset_name and
+ * stride_name with the bound and the values (attn_params.c). */
+ra_status ra_check_positions(const char *offset_name, int64_t offset,
+                             const char *stride_name, int64_t stride,
+                             int64_t len);
 
 /* Masks and soft-capping (DESIGN 2, "Masks"), shared by forward and
  * backward.  All zero means none: every rule is off.

@@ -6,6 +6,7 @@
 #include "xla/ffi_args.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "xla/ffi_device.h"
@@ -267,16 +268,22 @@ static ra_status cut(const int64_t *rows, int n, int64_t total,
     for (int i = 0; i < n; i++) {
         const int64_t len = rows[3 * i], start = rows[3 * i + 1],
                       stride = rows[3 * i + 2];
-        /* bounds keep start + stride * len far from overflow */
-        if (len < 0 || len > total - off || stride < 1 || stride > ((int64_t)1 << 40) ||
-            start < -((int64_t)1 << 60) || start > ((int64_t)1 << 60)) {
+        if (len < 0 || len > total - off) {
             ra_set_error(RA_ERR_VALUE,
-                         "positions: %s piece %d (length %lld, start %lld, "
-                         "stride %lld) is out of range for %lld rows",
-                         what, i, (long long)len, (long long)start,
-                         (long long)stride, (long long)total);
+                         "positions: %s piece %d has length %lld, expected "
+                         "0..%lld (the %s rows it has left)",
+                         what, i, (long long)len, (long long)(total - off),
+                         what);
             return RA_ERR_VALUE;
         }
+        /* positions inside +-2^60, as every kernel call's */
+        char start_name[48], stride_name[48];
+        snprintf(start_name, sizeof start_name, "positions[%s piece %d].start",
+                 what, i);
+        snprintf(stride_name, sizeof stride_name,
+                 "positions[%s piece %d].stride", what, i);
+        RA_CHECK(ra_check_positions(start_name, start, stride_name, stride,
+                                    len));
         out[i].off = off;
         out[i].len = len;
         out[i].start = start;
@@ -353,7 +360,7 @@ static int meet(const ra_xla_piece *qp, const ra_xla_piece *kp, int64_t lo,
 int ra_xla_state_blocks(const ra_xla_pieces *pp, const ra_xla_opts *o,
                         ra_xla_block *blocks) {
     /* visible distances pos_k - pos_q: [lo, hi] (positions stay within
-     * +-2^61, so +-2^62 is unbounded) */
+     * +-2^60 (ra_check_positions), so +-2^62 is unbounded) */
     const int64_t big = (int64_t)1 << 62;
     int64_t lo = -big, hi = big;
     if (o->causal) hi = 0;
