@@ -37,8 +37,14 @@ static ra_status enter_device_of(const void *ptr, int *dev, int *prev) {
     return RA_OK;
 }
 
-static void leave_device(int dev, int prev) {
-    if (dev >= 0 && dev != prev) (void)cudaSetDevice(prev);
+/* Restore the caller's device; st: the operation's status, which a
+ * failure to restore never hides (and which never hides that failure). */
+static ra_status leave_device(int dev, int prev, ra_status st) {
+    if (dev < 0 || dev == prev) return st;
+    cudaError_t e = cudaSetDevice(prev);
+    if (st != RA_OK || e == cudaSuccess) return st;
+    return ra_cuda_status((int)e, "cudaSetDevice (restoring the caller's device)",
+                          __FILE__, __LINE__);
 }
 #endif
 
@@ -143,8 +149,9 @@ ra_status ra_xla_zero(const ra_xla_call *c, void *ptr, size_t nbytes) {
     int dev = -1, prev = -1;
     RA_CHECK(enter_device_of(ptr, &dev, &prev));
     cudaError_t e = cudaMemsetAsync(ptr, 0, nbytes, (cudaStream_t)c->stream);
-    leave_device(dev, prev);
-    return ra_cuda_status((int)e, "cudaMemsetAsync", __FILE__, __LINE__);
+    return leave_device(dev, prev,
+                        ra_cuda_status((int)e, "cudaMemsetAsync", __FILE__,
+                                       __LINE__));
 #else
     return no_cuda();
 #endif
@@ -162,8 +169,9 @@ ra_status ra_xla_copy(const ra_xla_call *c, void *dst, const void *src,
     RA_CHECK(enter_device_of(dst, &dev, &prev));
     cudaError_t e = cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice,
                                     (cudaStream_t)c->stream);
-    leave_device(dev, prev);
-    return ra_cuda_status((int)e, "cudaMemcpyAsync", __FILE__, __LINE__);
+    return leave_device(dev, prev,
+                        ra_cuda_status((int)e, "cudaMemcpyAsync", __FILE__,
+                                       __LINE__));
 #else
     return no_cuda();
 #endif
@@ -190,9 +198,10 @@ ra_status ra_xla_read_ints(const ra_xla_call *c, const void *src, int wide,
         cudaError_t e = cudaMemcpyAsync(raw, src, nbytes, cudaMemcpyDeviceToHost,
                                         (cudaStream_t)c->stream);
         if (e == cudaSuccess) e = cudaStreamSynchronize((cudaStream_t)c->stream);
-        leave_device(dev, prev);
-        RA_CHECK(ra_cuda_status((int)e, "reading positions (cudaMemcpyAsync)",
-                                __FILE__, __LINE__));
+        RA_CHECK(leave_device(dev, prev,
+                              ra_cuda_status((int)e,
+                                             "reading positions (cudaMemcpyAsync)",
+                                             __FILE__, __LINE__)));
 #else
         return no_cuda();
 #endif

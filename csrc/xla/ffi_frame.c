@@ -4,6 +4,7 @@
 #include "xla/ffi_frame.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* ---- the registration-time query ----------------------------------------- */
@@ -42,13 +43,23 @@ static int error_code(ra_status st) {
     }
 }
 
+static ra_ffi_error *unreportable(const ra_xla_call *c) {
+    fprintf(stderr,
+            "ringattn: %s failed and XLA's FFI API gave no way to report it "
+            "(incompatible jaxlib): %s\n",
+            c->op, ra_last_error());
+    fflush(stderr);
+    abort();
+}
+
 ra_ffi_error *ra_xla_finish(const ra_xla_call *c, ra_status st) {
+    if (c->xla_error != NULL) return c->xla_error;
     if (st == RA_OK) return NULL;
     const ra_ffi_api *api = c->frame->api;
     if (api == NULL ||
         api->struct_size < RA_FFI_STRUCT_SIZE(ra_ffi_api, error_create) ||
         api->error_create == NULL)
-        return NULL;  /* no way to report: cannot happen with a real XLA */
+        return unreportable(c);
     char msg[1200];
     snprintf(msg, sizeof msg, "%s: %s", c->op, ra_last_error());
     ra_ffi_error_create_args a;
@@ -56,7 +67,8 @@ ra_ffi_error *ra_xla_finish(const ra_xla_call *c, ra_status st) {
     a.struct_size = RA_FFI_STRUCT_SIZE(ra_ffi_error_create_args, errc);
     a.message = msg;
     a.errc = error_code(st);
-    return api->error_create(&a);
+    ra_ffi_error *err = api->error_create(&a);
+    return err != NULL ? err : unreportable(c);
 }
 
 /* ---- setup ------------------------------------------------------------------ */
@@ -105,8 +117,9 @@ ra_status ra_xla_begin(ra_xla_call *c, ra_ffi_call_frame *frame,
         sa.ctx = frame->ctx;
         ra_ffi_error *err = api->stream_get(&sa);
         if (err != NULL) {
-            /* XLA's error object is XLA's to free; it only says "no
-             * stream", which is what we report. */
+            /* the caller owns an error an API call returns: the handler
+             * hands XLA's own back (ra_xla_finish) */
+            c->xla_error = err;
             ra_set_error(RA_ERR_INTERNAL, "XLA gave no CUDA stream for this call");
             return RA_ERR_INTERNAL;
         }

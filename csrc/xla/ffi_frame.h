@@ -21,6 +21,8 @@ typedef struct ra_xla_call {
     const char *op;             /* the target's name, for messages */
     int device_type;            /* RA_DEV_CPU or RA_DEV_CUDA */
     void *stream;               /* cudaStream_t of this execution (CUDA) */
+    ra_ffi_error *xla_error;    /* an error an XLA API call returned: ours
+                                   to hand back as the call's result */
 } ra_xla_call;
 
 /* A buffer argument or result.  `core` is the rank the operation works on
@@ -56,8 +58,12 @@ ra_status ra_xla_begin(ra_xla_call *c, ra_ffi_call_frame *frame,
                        const char *op, int device_type, int nargs_min,
                        int nargs_max, int nrets);
 
-/* The handler's return value: NULL for RA_OK, else an XLA error carrying
- * "<target name>: " + ra_last_error(). */
+/* The handler's return value: NULL for RA_OK; else the error an XLA API
+ * call gave us (c->xla_error, passed on as it is, never dropped), or a new
+ * XLA error carrying "<target name>: " + ra_last_error().  A failed call is
+ * never reported as a success: if XLA's API cannot make an error (no real
+ * XLA does that), the message goes to stderr and the process aborts rather
+ * than hand XLA unwritten results. */
 ra_ffi_error *ra_xla_finish(const ra_xla_call *c, ra_status st);
 
 /* Argument i / result i as a tensor of `core` dims (plus leading dims). */
