@@ -154,6 +154,8 @@ def qkv_case(rows=(1, 8, 2, 4)):
 
 
 if __name__ == "__main__":
+    import resource
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # it aborts: no core
     xla = FakeXla(error_create=sys.argv[1] != "no-error-create",
                   null_errors=sys.argv[1] == "null-error")
     args, rets = qkv_case()

@@ -151,6 +151,22 @@ for _name, _q, _k in POS_BAD:
                        f"ringattn_attn_bwd: positions[{_piece}]",
                        attrs={"q_pieces": 1, "causal": True}))
 
+# num_threads: one rule for every target (and the C entry points): absent
+# or 0 the default, else 1..4096
+THREADS = "num_threads: expected 0 (the default"
+CASES += [
+    _case("threads-fwd-negative", "ringattn_attn_fwd", QKV, [_rows(), _bhs()],
+          "ringattn_attn_fwd: " + THREADS, attrs={"num_threads": -1}),
+    _case("threads-merge-negative", "ringattn_merge",
+          [_rows(), _bhs(), _rows(), _bhs()], [_rows(), _bhs()],
+          "ringattn_merge: " + THREADS, attrs={"num_threads": -1}),
+    _case("threads-bwd-pre-too-many", "ringattn_attn_bwd_pre", [_rows()] * 2,
+          [_bhs()], "ringattn_attn_bwd_pre: " + THREADS,
+          attrs={"num_threads": 4097}),
+    _case("threads-bwd-too-many", "ringattn_attn_bwd", BWD_IN, [_rows()] * 3,
+          "ringattn_attn_bwd: " + THREADS, attrs={"num_threads": 2 ** 40}),
+]
+
 # the same calls with good results succeed (the checks refuse only bad ones)
 GOOD = [
     _case("fwd-good", "ringattn_attn_fwd", QKV, [_rows(), _bhs()], None),
@@ -165,6 +181,9 @@ GOOD = [
           None),
     _case("bwd-pre-good", "ringattn_attn_bwd_pre", [_rows()] * 2, [_bhs()],
           None),
+    _case("threads-merge-good", "ringattn_merge",
+          [_rows(), _bhs(), _rows(), _bhs()], [_rows(), _bhs()], None,
+          attrs={"num_threads": 2}),
     # positions just inside the bound run
     _case("pos-near-bound-good", "ringattn_attn_fwd",
           UNBATCHED + [_positions((8, 2 ** 60 - 9, 1), (8, 2 ** 60 - 9, 1))],

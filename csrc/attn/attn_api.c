@@ -21,50 +21,6 @@
 
 /* ---- forward ------------------------------------------------------------ */
 
-static void fill_fwd_params(ra_attn_fwd_params *p, const qkv_dims *d,
-                            ra_buffer *q, ra_buffer *k, ra_buffer *v,
-                            ra_buffer *out, ra_buffer *lse, double scale,
-                            int causal, const int64_t pos[4], int accumulate,
-                            int num_threads) {
-    memset(p, 0, sizeof *p);
-    p->q = q->data;
-    p->k = k->data;
-    p->v = v->data;
-    p->out = out->data;
-    p->lse = lse->data;
-    p->dtype = d->dtype;
-    p->out_dtype = out->dtype;
-    p->batch = d->B;
-    p->seqlen_q = d->Sq;
-    p->seqlen_k = d->Sk;
-    p->heads = d->H;
-    p->heads_kv = d->Hkv;
-    p->head_dim = d->D;
-    p->q_batch_stride = q->strides[0];
-    p->q_seq_stride = q->strides[1];
-    p->q_head_stride = q->strides[2];
-    p->k_batch_stride = k->strides[0];
-    p->k_seq_stride = k->strides[1];
-    p->k_head_stride = k->strides[2];
-    p->v_batch_stride = v->strides[0];
-    p->v_seq_stride = v->strides[1];
-    p->v_head_stride = v->strides[2];
-    p->out_batch_stride = out->strides[0];
-    p->out_seq_stride = out->strides[1];
-    p->out_head_stride = out->strides[2];
-    p->lse_batch_stride = lse->strides[0];
-    p->lse_head_stride = lse->strides[1];
-    p->lse_seq_stride = lse->strides[2];
-    p->scale = scale;
-    p->causal = causal;
-    p->q_pos_offset = pos[0];
-    p->q_pos_stride = pos[1];
-    p->k_pos_offset = pos[2];
-    p->k_pos_stride = pos[3];
-    p->accumulate = accumulate;
-    p->num_threads = num_threads;
-}
-
 static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     static char *kwlist_dense[] = {
         "q", "k", "v", "causal", "scale", "out", "lse", "accumulate",
@@ -78,7 +34,7 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     PyObject *qo, *ko, *vo, *scale_o = Py_None, *out_o = Py_None,
              *lse_o = Py_None, *qoff_o = Py_None, *segs = NULL, *rates = NULL;
     int causal = 0, accumulate = 0, num_threads = 0, check_only = 0;
-    PyObject *qstride = NULL, *koff = NULL, *kstride = NULL;
+    PyObject *qstride = NULL, *koff = NULL, *kstride = NULL, *threads_o = NULL;
     ra_dilated_config cfg;
     mask_kwargs mkw = {Py_None, Py_None, Py_None, Py_None};
     ra_attn_mask mask;
@@ -89,16 +45,16 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
 
     if (dilated) {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOO|$pOOOpOOip:dilated_fwd", kwlist_dil, &qo,
+                args, kwds, "OOOOO|$pOOOpOOOp:dilated_fwd", kwlist_dil, &qo,
                 &ko, &vo, &segs, &rates, &causal, &scale_o, &out_o, &lse_o,
-                &accumulate, &qoff_o, &koff, &num_threads, &check_only))
+                &accumulate, &qoff_o, &koff, &threads_o, &check_only))
             return NULL;
         if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
     } else {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOO|$pOOOpOOOOipOOOO:attn_fwd", kwlist_dense,
+                args, kwds, "OOO|$pOOOpOOOOOpOOOO:attn_fwd", kwlist_dense,
                 &qo, &ko, &vo, &causal, &scale_o, &out_o, &lse_o, &accumulate,
-                &qoff_o, &qstride, &koff, &kstride, &num_threads, &check_only,
+                &qoff_o, &qstride, &koff, &kstride, &threads_o, &check_only,
                 &mkw.segment_ids, &mkw.kv_segment_ids, &mkw.window,
                 &mkw.softcap))
             return NULL;
@@ -115,6 +71,7 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
                  : parse_positions(qoff_o, qstride, koff, kstride, &d, pos)) < 0)
         goto done;
     if (!dilated && parse_masks(&mkw, &d, &t[5], &mask) < 0) goto done;
+    if (parse_num_threads(threads_o, &num_threads) < 0) goto done;
     if (check_only) {          /* q, k, v, scale, positions, masks: no work */
         result = Py_None;
         Py_INCREF(result);
@@ -176,9 +133,11 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     }
 
     ra_attn_fwd_params p;
-    fill_fwd_params(&p, &d, t[0].buf, t[1].buf, t[2].buf, t[3].buf, t[4].buf,
-                    scale, causal, pos, accumulate, num_threads);
-    p.mask = mask;
+    const ra_attn_call call = call_of(&d, scale, causal, pos, &mask,
+                                      accumulate, num_threads);
+    ra_attn_fwd_fill(&p, &call, view_of(t[0].buf), view_of(t[1].buf),
+                     view_of(t[2].buf), view_of(t[3].buf), t[3].buf->dtype,
+                     view_of(t[4].buf));
     ra_status st = RA_OK;
     if (d.device_type == RA_DEV_CUDA) {
         st = ra_cuda_run(d.device_id, RA_CUDA_FWD, &p);

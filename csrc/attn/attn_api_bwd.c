@@ -14,63 +14,20 @@
 #include "core/cuda_rt.h"
 #include "core/module.h"
 
+/* t: q, k, v, out, dout, lse, delta, dq, dk, dv (the RA_BWD_* order of
+ * attn_params.h); unused ones NULL */
 static void fill_bwd_params(ra_attn_bwd_params *p, const qkv_dims *d,
-                            tensor_arg *t, double scale, int causal,
-                            const int64_t pos[4], int accumulate,
-                            int deterministic, int num_threads) {
-    /* t: q, k, v, out, dout, lse, delta, dq, dk, dv */
-    ra_buffer *q = t[0].buf, *k = t[1].buf, *v = t[2].buf, *o = t[3].buf,
-              *dout = t[4].buf, *lse = t[5].buf, *delta = t[6].buf,
-              *dq = t[7].buf, *dk = t[8].buf, *dv = t[9].buf;
-    memset(p, 0, sizeof *p);
-    p->q = q->data;
-    p->k = k->data;
-    p->v = v->data;
-    p->out = o ? o->data : NULL;
-    p->dout = dout->data;
-    p->lse = lse ? lse->data : NULL;
-    p->delta = delta->data;
-    p->dq = dq ? dq->data : NULL;
-    p->dk = dk ? dk->data : NULL;
-    p->dv = dv ? dv->data : NULL;
-    p->dtype = d->dtype;
-    p->out_dtype = dout->dtype;
-    p->grad_dtype = dq ? dq->dtype : d->dtype;
-    p->batch = d->B;
-    p->seqlen_q = d->Sq;
-    p->seqlen_k = d->Sk;
-    p->heads = d->H;
-    p->heads_kv = d->Hkv;
-    p->head_dim = d->D;
-#define RA_STRIDES(field, buf)                                                 \
-    if (buf) {                                                                 \
-        p->field##_batch_stride = (buf)->strides[0];                           \
-        p->field##_seq_stride = (buf)->strides[1];                             \
-        p->field##_head_stride = (buf)->strides[2];                            \
-    }
-    RA_STRIDES(q, q)
-    RA_STRIDES(k, k)
-    RA_STRIDES(v, v)
-    RA_STRIDES(out, o)
-    RA_STRIDES(dout, dout)
-    RA_STRIDES(dq, dq)
-    RA_STRIDES(dk, dk)
-    RA_STRIDES(dv, dv)
-#undef RA_STRIDES
-    /* lse and delta share strides: delta is always allocated compact, and
-     * a caller-provided lse is copied compact when they differ. */
-    p->lse_batch_stride = delta->strides[0];
-    p->lse_head_stride = delta->strides[1];
-    p->lse_seq_stride = delta->strides[2];
-    p->scale = scale;
-    p->causal = causal;
-    p->q_pos_offset = pos[0];
-    p->q_pos_stride = pos[1];
-    p->k_pos_offset = pos[2];
-    p->k_pos_stride = pos[3];
-    p->accumulate = accumulate;
-    p->deterministic = deterministic;
-    p->num_threads = num_threads;
+                            const tensor_arg *t, double scale, int causal,
+                            const int64_t pos[4], const ra_attn_mask *mask,
+                            int accumulate, int deterministic,
+                            int num_threads) {
+    ra_view views[RA_BWD_NVIEWS];
+    for (int i = 0; i < RA_BWD_NVIEWS; i++) views[i] = view_of(t[i].buf);
+    const ra_attn_call call = call_of(d, scale, causal, pos, mask, accumulate,
+                                      num_threads);
+    const ra_buffer *dq = t[RA_BWD_DQ].buf;
+    ra_attn_bwd_fill(p, &call, views, t[RA_BWD_DOUT].buf->dtype,
+                     dq != NULL ? dq->dtype : d->dtype, deterministic);
 }
 
 /* Make `a` (a (B,H,S) buffer) use the same strides as `like`, copying when
@@ -115,7 +72,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     long long branch_head = 0;
     int causal = 0, accumulate = 0, deterministic = 0, num_threads = 0,
         check_only = 0;
-    PyObject *qstride = NULL, *koff = NULL, *kstride = NULL;
+    PyObject *qstride = NULL, *koff = NULL, *kstride = NULL, *threads_o = NULL;
     ra_dilated_config cfg;
     mask_kwargs mkw = {Py_None, Py_None, Py_None, Py_None};
     ra_attn_mask mask;
@@ -127,19 +84,19 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
 
     if (dilated) {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOOOOO|$pOOOOOppOOip:dilated_bwd", kwlist_dil,
+                args, kwds, "OOOOOOOO|$pOOOOOppOOOp:dilated_bwd", kwlist_dil,
                 &douto, &qo, &ko, &vo, &outo, &lseo, &segs, &rates, &causal,
                 &scale_o, &dqo, &dko, &dvo, &deltao, &accumulate,
-                &deterministic, &qoff_o, &koff, &num_threads, &check_only))
+                &deterministic, &qoff_o, &koff, &threads_o, &check_only))
             return NULL;
         if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
     } else {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOOO|$pOOOOOppOOOOipOLOOOO:attn_bwd",
+                args, kwds, "OOOOOO|$pOOOOOppOOOOOpOLOOOO:attn_bwd",
                 kwlist_dense, &douto, &qo, &ko, &vo, &outo, &lseo, &causal,
                 &scale_o, &dqo, &dko, &dvo, &deltao, &accumulate,
                 &deterministic, &qoff_o, &qstride, &koff, &kstride,
-                &num_threads, &check_only, &branches_o, &branch_head,
+                &threads_o, &check_only, &branches_o, &branch_head,
                 &mkw.segment_ids, &mkw.kv_segment_ids, &mkw.window,
                 &mkw.softcap))
             return NULL;
@@ -212,6 +169,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
             goto done;
         }
     }
+    if (parse_num_threads(threads_o, &num_threads) < 0) goto done;
     if (check_only) {   /* dout, q, k, v, out, lse, scale, masks: no work */
         result = Py_None;
         Py_INCREF(result);
@@ -267,9 +225,8 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     }
 
     ra_attn_bwd_params p;
-    fill_bwd_params(&p, &d, t, scale, causal, pos, accumulate, deterministic,
-                    num_threads);
-    p.mask = mask;
+    fill_bwd_params(&p, &d, t, scale, causal, pos, &mask, accumulate,
+                    deterministic, num_threads);
     if (!dilated && branches_o != Py_None) {
         p.branches = &cfg;
         p.branch_head0 = branch_head;
@@ -314,16 +271,17 @@ static PyObject *mod_dilated_bwd(PyObject *m, PyObject *args, PyObject *kwds) {
 static PyObject *mod_bwd_preprocess(PyObject *m, PyObject *args,
                                     PyObject *kwds) {
     static char *kwlist[] = {"dout", "out", "delta", "num_threads", NULL};
-    PyObject *douto, *outo, *deltao = Py_None;
+    PyObject *douto, *outo, *deltao = Py_None, *threads_o = NULL;
     int num_threads = 0;
     tensor_arg t[10];
     memset(t, 0, sizeof t);
     PyObject *result = NULL;
     (void)m;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$Oi:attn_bwd_preprocess",
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$OO:attn_bwd_preprocess",
                                      kwlist, &douto, &outo, &deltao,
-                                     &num_threads))
+                                     &threads_o))
         return NULL;
+    if (parse_num_threads(threads_o, &num_threads) < 0) return NULL;
     if (load_tensor(&t[4], douto, "dout", 4, BSHD) < 0) goto done;
     if (load_tensor(&t[3], outo, "out", 4, BSHD) < 0) goto done;
     if (check_shape4_like(&t[3], &t[4]) < 0 || check_same_dtype(&t[4], &t[3]) < 0 ||
@@ -347,7 +305,7 @@ static PyObject *mod_bwd_preprocess(PyObject *m, PyObject *args,
     ra_attn_bwd_params p;
     int64_t pos[4] = {0, 1, 0, 1};
     d.dtype = t[4].buf->dtype;
-    fill_bwd_params(&p, &d, t, 1.0, 0, pos, 0, 0, num_threads);
+    fill_bwd_params(&p, &d, t, 1.0, 0, pos, NULL, 0, 0, num_threads);
     ra_status st = run_preprocess(&p, d.device_type, d.device_id);
     if (st != RA_OK) {
         ra_raise(st);
@@ -365,15 +323,16 @@ done:
 static PyObject *mod_merge(PyObject *m, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"out1", "lse1", "out2", "lse2", "out", "lse",
                              "num_threads", NULL};
-    PyObject *o1, *l1, *o2, *l2, *oo = Py_None, *lo = Py_None;
+    PyObject *o1, *l1, *o2, *l2, *oo = Py_None, *lo = Py_None, *threads_o = NULL;
     int num_threads = 0;
     tensor_arg t[6];
     memset(t, 0, sizeof t);
     PyObject *result = NULL;
     (void)m;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOi:merge", kwlist, &o1,
-                                     &l1, &o2, &l2, &oo, &lo, &num_threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOO:merge", kwlist, &o1,
+                                     &l1, &o2, &l2, &oo, &lo, &threads_o))
         return NULL;
+    if (parse_num_threads(threads_o, &num_threads) < 0) return NULL;
     if (load_tensor(&t[0], o1, "out1", 4, BSHD) < 0) goto done;
     if (load_tensor(&t[2], o2, "out2", 4, BSHD) < 0) goto done;
     if (check_shape4_like(&t[2], &t[0]) < 0 || check_same_device(&t[0], &t[2]) < 0)

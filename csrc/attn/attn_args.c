@@ -269,6 +269,54 @@ int parse_scale(PyObject *obj, int64_t D, double *scale) {
     return 0;
 }
 
+int parse_num_threads(PyObject *obj, int *num_threads) {
+    *num_threads = 0;
+    if (obj == NULL || obj == Py_None) return 0;
+    if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError,
+                     "num_threads: expected an int or None, got %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyObject *idx = PyNumber_Index(obj);
+    if (idx == NULL) return -1;
+    int overflow = 0;
+    const long long n = PyLong_AsLongLongAndOverflow(idx, &overflow);
+    Py_DECREF(idx);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    /* beyond int64 is out of range too: checked as -1 */
+    ra_status st = ra_check_num_threads(overflow ? -1 : n);
+    if (st != RA_OK) {
+        PyErr_Format(PyExc_ValueError,
+                     "num_threads: expected None or 0 (the default: "
+                     "RINGATTN_NUM_THREADS, else OpenMP's) or 1..%d, got %R",
+                     RA_MAX_THREADS, obj);
+        return -1;
+    }
+    *num_threads = (int)n;
+    return 0;
+}
+
+ra_view view_of(const ra_buffer *b) {
+    ra_view v = {NULL, 0, 0, 0};
+    if (b != NULL) {
+        v.data = b->data;
+        v.s0 = b->strides[0];
+        v.s1 = b->strides[1];
+        v.s2 = b->strides[2];
+    }
+    return v;
+}
+
+ra_attn_call call_of(const qkv_dims *d, double scale, int causal,
+                     const int64_t pos[4], const ra_attn_mask *mask,
+                     int accumulate, int num_threads) {
+    ra_attn_call c = {d->dtype, d->B, d->Sq, d->Sk, d->H, d->Hkv, d->D,
+                      scale, causal, pos[0], pos[1], pos[2], pos[3], mask,
+                      accumulate, num_threads};
+    return c;
+}
+
 /* One position keyword: None (or absent) -> dflt; else an int inside
  * +-2^60 (a larger one is a ValueError naming it, not an OverflowError). */
 static int position_int(PyObject *obj, const char *name, int64_t dflt,

@@ -51,6 +51,15 @@ int check_acc_dtype(tensor_arg *a, ra_dtype want, const char *why);
 void dims_of_rows(const ra_buffer *rows, ra_dtype dtype, qkv_dims *d);
 int check_qkv(tensor_arg *q, tensor_arg *k, tensor_arg *v, qkv_dims *d);
 int parse_scale(PyObject *obj, int64_t D, double *scale);
+/* num_threads keyword: None (or absent) and 0 are the default, else
+ * ra_check_num_threads' range; -1 with TypeError / ValueError. */
+int parse_num_threads(PyObject *obj, int *num_threads);
+/* b as the params see it (NULL: an unused tensor) */
+ra_view view_of(const ra_buffer *b);
+/* what the kernel call takes besides its tensors (attn_params.h) */
+ra_attn_call call_of(const qkv_dims *d, double scale, int causal,
+                     const int64_t pos[4], const ra_attn_mask *mask,
+                     int accumulate, int num_threads);
 /* q_pos_offset, q_pos_stride, k_pos_offset, k_pos_stride (NULL or None:
  * the defaults, q's bottom-right aligned) -> out, bounded by
  * ra_check_positions; -1 with ValueError / TypeError naming the keyword. */

@@ -167,6 +167,49 @@ typedef struct ra_dilated_config {
     int64_t dilation_rates[RA_MAX_BRANCHES];
 } ra_dilated_config;
 
+/* ---- filling the params (attn_params.c) --------------------------------
+ * The CPython entry points (attn_api*.c) and the XLA handlers (csrc/xla/)
+ * fill the kernel params with these functions only, so the two paths
+ * cannot drift apart.  Python-free. */
+
+/* One tensor as a kernel sees it: its first element and its element
+ * strides over the first three dims -- (batch, seq, head) of a BSHD
+ * tensor, (batch, head, seq) of lse / delta; the last dim is contiguous.
+ * data NULL (and strides 0): a tensor the call does not use. */
+typedef struct ra_view {
+    void *data;
+    int64_t s0, s1, s2;
+} ra_view;
+
+/* What a forward or backward kernel call takes besides its tensors. */
+typedef struct ra_attn_call {
+    ra_dtype dtype;            /* of q, k, v */
+    int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim;
+    double scale;
+    int causal;
+    int64_t q_pos_offset, q_pos_stride, k_pos_offset, k_pos_stride;
+    const ra_attn_mask *mask;  /* NULL: no mask */
+    int accumulate;
+    int num_threads;           /* checked by ra_check_num_threads */
+} ra_attn_call;
+
+/* The tensors of a backward call, in this order. */
+enum { RA_BWD_Q, RA_BWD_K, RA_BWD_V, RA_BWD_OUT, RA_BWD_DOUT, RA_BWD_LSE,
+       RA_BWD_DELTA, RA_BWD_DQ, RA_BWD_DK, RA_BWD_DV, RA_BWD_NVIEWS };
+
+void ra_attn_fwd_fill(ra_attn_fwd_params *p, const ra_attn_call *c,
+                      ra_view q, ra_view k, ra_view v, ra_view out,
+                      ra_dtype out_dtype, ra_view lse);
+/* lse and delta share one stride set in the params: delta's. */
+void ra_attn_bwd_fill(ra_attn_bwd_params *p, const ra_attn_call *c,
+                      const ra_view t[RA_BWD_NVIEWS], ra_dtype out_dtype,
+                      ra_dtype grad_dtype, int deterministic);
+
+/* num_threads of every entry point: 0 is the default (RINGATTN_NUM_THREADS,
+ * else OpenMP's), 1..RA_MAX_THREADS that many; anything else is
+ * RA_ERR_VALUE naming num_threads. */
+ra_status ra_check_num_threads(int64_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -122,9 +122,19 @@ static ra_status read_mask(const ra_xla_call *c, ra_xla_opts *o) {
     return RA_OK;
 }
 
+ra_status ra_xla_attr_threads(const ra_xla_call *c, int *num_threads) {
+    int64_t n = 0;
+    int present = 0;
+    *num_threads = 0;
+    RA_CHECK(ra_xla_attr_int(c, "num_threads", &n, &present));
+    RA_CHECK(ra_check_num_threads(n));
+    *num_threads = (int)n;
+    return RA_OK;
+}
+
 ra_status ra_xla_read_opts(const ra_xla_call *c, int64_t D, ra_xla_opts *o) {
     int present = 0;
-    int64_t causal = 0, nt = 0;
+    int64_t causal = 0;
     RA_CHECK(ra_xla_attr_int(c, "causal", &causal, &present));
     o->causal = causal != 0;
     o->scale = 1.0 / sqrt((double)D);
@@ -134,13 +144,7 @@ ra_status ra_xla_read_opts(const ra_xla_call *c, int64_t D, ra_xla_opts *o) {
                      o->scale);
         return RA_ERR_VALUE;
     }
-    RA_CHECK(ra_xla_attr_int(c, "num_threads", &nt, &present));
-    if (nt < 0 || nt > 4096) {
-        ra_set_error(RA_ERR_VALUE, "num_threads: expected 0..4096, got %lld",
-                     (long long)nt);
-        return RA_ERR_VALUE;
-    }
-    o->num_threads = (int)nt;
+    RA_CHECK(ra_xla_attr_threads(c, &o->num_threads));
     return read_mask(c, o);
 }
 

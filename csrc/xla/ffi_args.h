@@ -47,6 +47,19 @@ typedef struct ra_xla_opts {
     int has_ids;
 } ra_xla_opts;
 ra_status ra_xla_read_opts(const ra_xla_call *c, int64_t D, ra_xla_opts *o);
+/* The num_threads attribute: absent or 0 the default, else checked by
+ * ra_check_num_threads (the CPython entry points' rule). */
+ra_status ra_xla_attr_threads(const ra_xla_call *c, int *num_threads);
+
+/* Dense row-major views (attn_params.h) of a (B, S, H, D) tensor and of a
+ * (B, H, S) one whose rows start at `data`. */
+static inline ra_view ra_xla_rows_view(const void *data, int64_t S, int64_t H,
+                                       int64_t D) {
+    return (ra_view){(void *)data, S * H * D, H * D, D};
+}
+static inline ra_view ra_xla_bhs_view(const void *data, int64_t H, int64_t S) {
+    return (ra_view){(void *)data, H * S, S, 1};
+}
 
 /* RA_ERR_VALUE if any mask attribute was given (dilated attention). */
 ra_status ra_xla_no_masks(const ra_xla_opts *o);

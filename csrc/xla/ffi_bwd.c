@@ -38,51 +38,28 @@ static void bwd_params(ra_attn_bwd_params *p, const bwd_job *j,
                  ls = ra_dtype_size(d->acc);
     const size_t qrow = (size_t)(blk->q_off * d->H * d->D),
                  krow = (size_t)(blk->k_off * d->Hkv * d->D);
-    memset(p, 0, sizeof *p);
-    p->q = j->q + qrow * es;
-    p->dout = j->dout + qrow * es;
-    p->k = j->k + krow * es;
-    p->v = j->v + krow * es;
-    p->lse = j->lse + (size_t)blk->q_off * ls;
-    p->delta = (char *)j->delta + (size_t)blk->q_off * ls;
-    p->dq = j->dq + qrow * gs;
-    p->dk = j->dk + krow * gs;
-    p->dv = j->dv + krow * gs;
-    p->dtype = d->dtype;
-    p->out_dtype = d->dtype;
-    p->grad_dtype = j->grad_dtype;
-    p->batch = j->B;
-    p->seqlen_q = blk->nq;
-    p->seqlen_k = blk->nk;
-    p->heads = d->H;
-    p->heads_kv = d->Hkv;
-    p->head_dim = d->D;
-    p->q_batch_stride = p->dout_batch_stride = p->dq_batch_stride =
-        p->out_batch_stride = d->Sq * d->H * d->D;
-    p->q_seq_stride = p->dout_seq_stride = p->dq_seq_stride =
-        p->out_seq_stride = d->H * d->D;
-    p->q_head_stride = p->dout_head_stride = p->dq_head_stride =
-        p->out_head_stride = d->D;
-    p->k_batch_stride = p->v_batch_stride = p->dk_batch_stride =
-        p->dv_batch_stride = d->Sk * d->Hkv * d->D;
-    p->k_seq_stride = p->v_seq_stride = p->dk_seq_stride = p->dv_seq_stride =
-        d->Hkv * d->D;
-    p->k_head_stride = p->v_head_stride = p->dk_head_stride =
-        p->dv_head_stride = d->D;
-    p->lse_batch_stride = d->H * d->Sq;
-    p->lse_head_stride = d->Sq;
-    p->lse_seq_stride = 1;
-    p->scale = j->o->scale;
-    p->causal = j->o->causal;
-    p->q_pos_offset = blk->q_start;
-    p->q_pos_stride = blk->q_stride;
-    p->k_pos_offset = blk->k_start;
-    p->k_pos_stride = blk->k_stride;
-    ra_xla_block_mask(&p->mask, j->o, j->q_ids, j->kv_ids, d, blk->q_off,
+    ra_attn_mask mask;
+    ra_xla_block_mask(&mask, j->o, j->q_ids, j->kv_ids, d, blk->q_off,
                       blk->k_off);
-    p->accumulate = accumulate;
-    p->deterministic = 1;
-    p->num_threads = j->o->num_threads;
+    const ra_attn_call call = {d->dtype, j->B, blk->nq, blk->nk, d->H, d->Hkv,
+                               d->D, j->o->scale, j->o->causal, blk->q_start,
+                               blk->q_stride, blk->k_start, blk->k_stride,
+                               &mask, accumulate, j->o->num_threads};
+    ra_view t[RA_BWD_NVIEWS];
+    t[RA_BWD_Q] = ra_xla_rows_view(j->q + qrow * es, d->Sq, d->H, d->D);
+    t[RA_BWD_K] = ra_xla_rows_view(j->k + krow * es, d->Sk, d->Hkv, d->D);
+    t[RA_BWD_V] = ra_xla_rows_view(j->v + krow * es, d->Sk, d->Hkv, d->D);
+    /* out is not read: delta = rowsum(dout * out) comes precomputed */
+    t[RA_BWD_OUT] = ra_xla_rows_view(NULL, d->Sq, d->H, d->D);
+    t[RA_BWD_DOUT] = ra_xla_rows_view(j->dout + qrow * es, d->Sq, d->H, d->D);
+    t[RA_BWD_LSE] = ra_xla_bhs_view(j->lse + (size_t)blk->q_off * ls, d->H,
+                                    d->Sq);
+    t[RA_BWD_DELTA] = ra_xla_bhs_view(j->delta + (size_t)blk->q_off * ls,
+                                      d->H, d->Sq);
+    t[RA_BWD_DQ] = ra_xla_rows_view(j->dq + qrow * gs, d->Sq, d->H, d->D);
+    t[RA_BWD_DK] = ra_xla_rows_view(j->dk + krow * gs, d->Sk, d->Hkv, d->D);
+    t[RA_BWD_DV] = ra_xla_rows_view(j->dv + krow * gs, d->Sk, d->Hkv, d->D);
+    ra_attn_bwd_fill(p, &call, t, d->dtype, j->grad_dtype, 1);
 }
 
 /* As fwd_pieces: one plain call, or blocks added into the gradients (zeroed
@@ -235,31 +212,27 @@ ra_status ra_xla_bwd_preprocess(ra_xla_call *c) {
     d.acc = ra_acc_dtype(d.dtype);
     RA_CHECK(ra_xla_check_rows(&t[1], &d, d.Sq, d.H, d.dtype, d.dtype));
     RA_CHECK(ra_xla_check_bhs(&delta, &d));
-    int64_t nt = 0;
-    int present = 0;
-    RA_CHECK(ra_xla_attr_int(c, "num_threads", &nt, &present));
+    int nt = 0;
+    RA_CHECK(ra_xla_attr_threads(c, &nt));
     RA_CHECK(ra_xla_lead_plan(&l, t, 2, &delta, 1));
     const int64_t iters = l.folded ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {
+        /* the kernel reads only dout, out and delta; q, k, v alias dout */
+        const ra_attn_call call = {d.dtype, l.folded ? l.count * d.B : d.B,
+                                   d.Sq, d.Sq, d.H, d.H, d.D, 1.0, 0, 0, 1, 0,
+                                   1, NULL, 0, nt};
+        const ra_view dout = ra_xla_rows_view(
+                          ra_xla_item(&l, &t[0], it, l.folded), d.Sq, d.H, d.D),
+                      none = {NULL, 0, 0, 0};
+        const ra_view views[RA_BWD_NVIEWS] = {
+            dout, dout, dout,
+            ra_xla_rows_view(ra_xla_item(&l, &t[1], it, l.folded), d.Sq, d.H,
+                             d.D),
+            dout, none,
+            ra_xla_bhs_view(ra_xla_item(&l, &delta, it, l.folded), d.H, d.Sq),
+            none, none, none};
         ra_attn_bwd_params p;
-        memset(&p, 0, sizeof p);
-        p.out = ra_xla_item(&l, &t[1], it, l.folded);
-        p.dout = ra_xla_item(&l, &t[0], it, l.folded);
-        p.q = p.k = p.v = p.dout;  /* not read; the checks want them set */
-        p.delta = ra_xla_item(&l, &delta, it, l.folded);
-        p.dtype = p.out_dtype = p.grad_dtype = d.dtype;
-        p.batch = l.folded ? l.count * d.B : d.B;
-        p.seqlen_q = p.seqlen_k = d.Sq;
-        p.heads = p.heads_kv = d.H;
-        p.head_dim = d.D;
-        p.out_batch_stride = p.dout_batch_stride = d.Sq * d.H * d.D;
-        p.out_seq_stride = p.dout_seq_stride = d.H * d.D;
-        p.out_head_stride = p.dout_head_stride = d.D;
-        p.lse_batch_stride = d.H * d.Sq;
-        p.lse_head_stride = d.Sq;
-        p.lse_seq_stride = 1;
-        p.q_pos_stride = p.k_pos_stride = 1;
-        p.num_threads = nt > 0 && nt < 4096 ? (int)nt : 0;
+        ra_attn_bwd_fill(&p, &call, views, d.dtype, d.dtype, 0);
         RA_CHECK(ra_xla_run_bwd_preprocess(c, &p));
     }
     return RA_OK;

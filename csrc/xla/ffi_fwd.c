@@ -39,40 +39,22 @@ static void fwd_params(ra_attn_fwd_params *p, const fwd_job *j,
     const ra_xla_qkv *d = j->d;
     const size_t es = ra_dtype_size(d->dtype), os = ra_dtype_size(j->out_dtype),
                  ls = ra_dtype_size(d->acc);
-    memset(p, 0, sizeof *p);
-    p->q = j->q + (size_t)(blk->q_off * d->H * d->D) * es;
-    p->k = j->k + (size_t)(blk->k_off * d->Hkv * d->D) * es;
-    p->v = j->v + (size_t)(blk->k_off * d->Hkv * d->D) * es;
-    p->out = j->out + (size_t)(blk->q_off * d->H * d->D) * os;
-    p->lse = j->lse + (size_t)blk->q_off * ls;
-    p->dtype = d->dtype;
-    p->out_dtype = j->out_dtype;
-    p->batch = j->B;
-    p->seqlen_q = blk->nq;
-    p->seqlen_k = blk->nk;
-    p->heads = d->H;
-    p->heads_kv = d->Hkv;
-    p->head_dim = d->D;
-    /* dense row-major: (B, S, H, D) and (B, H, S) of the whole tensors */
-    p->q_batch_stride = p->out_batch_stride = d->Sq * d->H * d->D;
-    p->q_seq_stride = p->out_seq_stride = d->H * d->D;
-    p->q_head_stride = p->out_head_stride = d->D;
-    p->k_batch_stride = p->v_batch_stride = d->Sk * d->Hkv * d->D;
-    p->k_seq_stride = p->v_seq_stride = d->Hkv * d->D;
-    p->k_head_stride = p->v_head_stride = d->D;
-    p->lse_batch_stride = d->H * d->Sq;
-    p->lse_head_stride = d->Sq;
-    p->lse_seq_stride = 1;
-    p->scale = j->o->scale;
-    p->causal = j->o->causal;
-    p->q_pos_offset = blk->q_start;
-    p->q_pos_stride = blk->q_stride;
-    p->k_pos_offset = blk->k_start;
-    p->k_pos_stride = blk->k_stride;
-    ra_xla_block_mask(&p->mask, j->o, j->q_ids, j->kv_ids, d, blk->q_off,
+    ra_attn_mask mask;
+    ra_xla_block_mask(&mask, j->o, j->q_ids, j->kv_ids, d, blk->q_off,
                       blk->k_off);
-    p->accumulate = accumulate;
-    p->num_threads = j->o->num_threads;
+    const ra_attn_call call = {d->dtype, j->B, blk->nq, blk->nk, d->H, d->Hkv,
+                               d->D, j->o->scale, j->o->causal, blk->q_start,
+                               blk->q_stride, blk->k_start, blk->k_stride,
+                               &mask, accumulate, j->o->num_threads};
+    const size_t qrow = (size_t)(blk->q_off * d->H * d->D),
+                 krow = (size_t)(blk->k_off * d->Hkv * d->D);
+    ra_attn_fwd_fill(p, &call, ra_xla_rows_view(j->q + qrow * es, d->Sq, d->H, d->D),
+                     ra_xla_rows_view(j->k + krow * es, d->Sk, d->Hkv, d->D),
+                     ra_xla_rows_view(j->v + krow * es, d->Sk, d->Hkv, d->D),
+                     ra_xla_rows_view(j->out + qrow * os, d->Sq, d->H, d->D),
+                     j->out_dtype,
+                     ra_xla_bhs_view(j->lse + (size_t)blk->q_off * ls, d->H,
+                                     d->Sq));
 }
 
 /* Run one job over its position pieces: a single pair without a running
@@ -237,8 +219,7 @@ ra_status ra_xla_dilated_fwd(ra_xla_call *c) {
 ra_status ra_xla_merge(ra_xla_call *c) {
     ra_xla_tensor t[4], out, lse;
     ra_xla_lead l;
-    int nt = 0, present = 0;
-    int64_t nt64 = 0;
+    int nt = 0;
     RA_CHECK(ra_xla_arg(c, 0, "out1", 4, &t[0]));
     RA_CHECK(ra_xla_arg(c, 1, "lse1", 3, &t[1]));
     RA_CHECK(ra_xla_arg(c, 2, "out2", 4, &t[2]));
@@ -269,8 +250,7 @@ ra_status ra_xla_merge(ra_xla_call *c) {
         RA_CHECK(ra_xla_check_dims(lse_ts[i], bhs, "(batch, heads, seq)"));
         RA_CHECK(ra_xla_check_dtype(lse_ts[i], ld, "the dtype of lse1"));
     }
-    RA_CHECK(ra_xla_attr_int(c, "num_threads", &nt64, &present));
-    nt = nt64 > 0 && nt64 < 4096 ? (int)nt64 : 0;
+    RA_CHECK(ra_xla_attr_threads(c, &nt));
     const ra_xla_tensor rets[2] = {out, lse};
     RA_CHECK(ra_xla_lead_plan(&l, t, 4, rets, 2));
     const int64_t iters = l.folded ? 1 : l.count;
