@@ -141,11 +141,17 @@ static ra_status attn_fwd(ra_xla_call *c, int accumulate) {
                                  (size_t)(l.count * ra_xla_core_numel(&r[i])) *
                                      ra_dtype_size(d.acc)));
     }
-    const int one = l.folded && (pos.data == NULL || ra_xla_lead_shared(&pos));
+    const int shared = pos.data == NULL || ra_xla_lead_shared(&pos);
+    const int one = l.folded && shared;
     const int64_t iters = one ? 1 : l.count;
+    ra_xla_pieces pp;
+    /* positions shared by the batch are read once per call (on CUDA that
+     * is a device-to-host copy: csrc/xla/README.md) */
+    if (shared)
+        RA_CHECK(ra_xla_load_pieces(c, &pos, nq, &l, 0, d.Sq, d.Sk, &pp));
     for (int64_t it = 0; it < iters; it++) {
-        ra_xla_pieces pp;
-        RA_CHECK(ra_xla_load_pieces(c, &pos, nq, &l, it, d.Sq, d.Sk, &pp));
+        if (!shared)
+            RA_CHECK(ra_xla_load_pieces(c, &pos, nq, &l, it, d.Sq, d.Sk, &pp));
         fwd_job j = make_job(&l, t, r, &d, &o, o.has_ids ? ids : NULL, it, one);
         RA_CHECK(fwd_pieces(c, &j, &pp, accumulate));
     }
