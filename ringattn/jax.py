@@ -1,16 +1,18 @@
 """JAX autodiff for ringattn (``import ringattn.jax``; imports JAX lazily).
 
-``attention`` and ``dilated_attention`` run the kernels as XLA FFI custom
-calls (ringattn/jax_ffi.py): under ``jax.jit`` they work on XLA's own
-buffers and stream, forward and ``jax.grad``, and ``jax.vmap`` batches them.
-``ring_attention(q, k, v, axis_name=...)`` is the ring inside a JAX program
-(under ``jax.shard_map``; ringattn/jax_ring.py).
+``attention``, ``merge`` and (on the CPU) ``dilated_attention`` run the
+kernels as XLA FFI custom calls (ringattn/jax_ffi.py): under ``jax.jit``
+they work on XLA's own buffers and stream, forward and ``jax.grad``, and
+``jax.vmap`` batches them.  ``ring_attention(q, k, v, axis_name=...)`` is
+the ring inside a JAX program (under ``jax.shard_map``;
+ringattn/jax_ring.py).
 
-The comm-object ring wrappers (``ring_attention(q, k, v, comm)``,
-``ring_dilated_attention``) are a ``jax.custom_vjp`` whose forward and
-backward call ringattn's ring through ordered ``io_callback``, so every rank
-issues its communication in program order; device arrays are staged through
-the host there.
+Host callbacks (``_make``): ``dilated_attention`` off the CPU, through
+``jax.pure_callback``; the comm-object ring wrappers
+(``ring_attention(q, k, v, comm)``, ``ring_dilated_attention``), whose
+forward and backward call ringattn's ring through ordered ``io_callback``,
+so every rank issues its communication in program order (not under
+``jax.vmap``); device arrays are staged through the host there.
 
 Shapes as ``ringattn.attention``: q (B, S_q, H, D); k, v (B, S_k, H_kv, D).
 With ``return_lse=True`` each returns (out, lse), lse (B, H, S_q) float32
