@@ -183,7 +183,8 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
     Shapes as ``ring_attention``: q (B, n_r, H, D), k, v (B, n_r, H_kv, D),
     this rank's shard in `layout`.  Returns out (B, n_r, H, D) in q's dtype
     (and lse (B, H, n_r) with return_lse=True).  profile: a dict filled with
-    {"bytes_sent"}.  Arguments are checked as ``dilated_attention`` checks
+    {"bytes_sent", "rounds"} (the exchange rounds with traffic to or from
+    this rank).  Arguments are checked as ``dilated_attention`` checks
     them, before any communication; timeout as ``ring_attention``.
     """
     causal, return_lse = (checks.flag(causal, "causal"),
@@ -228,7 +229,8 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
     # rows are computed (requests complete in order on every rank)
     sent = 0
     pending = None
-    for item in _rounds(plan, comm, segs, rates, H, Hkv, causal) + [None]:
+    rounds = _rounds(plan, comm, segs, rates, H, Hkv, causal)
+    for item in rounds + [None]:
         d = None if item is None else item[0]
         if d is not None:
             _, dst, send, src, recv = item
@@ -249,7 +251,7 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
         if d is not None:
             pending = (req, recv, recv_buf, send_buf)
     if profile is not None:
-        profile.update(bytes_sent=sent)
+        profile.update(bytes_sent=sent, rounds=len(rounds))
     out_final = as_result(out, qb, kind)
     if return_lse:
         return out_final, from_buffer(lse, kind)
