@@ -64,6 +64,7 @@ if not _has_compiled_core(_os.path.dirname(_os.path.abspath(__file__))):
 from . import _C  # noqa: E402
 from ._C import Buffer, Comm, CommError
 from .attention import attention, attention_backward, merge
+from .masks import segment_ids
 from .comm import ThreadsGroup, init, nccl_unique_id, nccl_version
 from .launch import LaunchError, launch
 from .dilated import (DilatedAttention, dilated_attention,
@@ -116,6 +117,7 @@ def cpu_info():
 
 __all__ = [
     "Buffer", "Comm", "CommError", "attention", "attention_backward", "merge",
+    "segment_ids",
     "shard_indices", "shard", "unshard", "memory_stats",
     "reset_peak_memory_stats", "cuda_available", "cuda_info", "cpu_info",
     "from_dlpack", "empty", "zeros", "ring_attention",

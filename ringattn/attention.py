@@ -3,27 +3,40 @@
 Layout is BSHD: q (B, S_q, H, D); k, v (B, S_k, H_kv, D) with H % H_kv == 0
 (query head h reads kv head h // (H // H_kv)).  out (B, S_q, H, D) has q's
 dtype; lse (B, H, S_q) is float32 (float64 for float64 inputs), the natural
-log of the softmax denominator of the scaled scores.  Causal positions align
-bottom-right when S_q != S_k.  Rows that see no key give out 0, lse -inf.
-Inputs may be any array kind; results come back as the kind of q.
+log of the softmax denominator of the scaled (and soft-capped) scores.
+Causal and window positions align bottom-right when S_q != S_k.  Rows that
+see no key give out 0, lse -inf.  Inputs may be any array kind; results
+come back as the kind of q.
 """
 
 from . import _C
 from .checks import flag
 from .interop import kind_of, from_buffer, to_buffer
+from .masks import mask_kwargs
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False,
+              segment_ids=None, kv_segment_ids=None, window=None,
+              softcap=None):
     """Exact softmax attention.
 
     q: (B, S_q, H, D); k, v: (B, S_k, H_kv, D); float32, float64, float16 or
     bfloat16 (all three the same).  scale defaults to 1/sqrt(D).
+    Masks (a key is visible iff every rule given allows it):
+    segment_ids (B, S_q) and kv_segment_ids (B, S_k): integer document ids,
+    key j visible to query i iff their ids are equal (kv_segment_ids
+    defaults to segment_ids, which then needs S_q == S_k);
+    window=(left, right): ints >= 0 or None (unbounded side), key j visible
+    iff pos_q - left <= pos_k <= pos_q + right (positions as for causal);
+    softcap=c > 0: the scaled score s becomes c * tanh(s / c).
     Returns out (B, S_q, H, D), or (out, lse) with return_lse=True.
     """
     causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
     kind = kind_of(q)
     out, lse = _C.attn_fwd(to_buffer(q, "q"), to_buffer(k, "k"),
-                           to_buffer(v, "v"), causal=causal, scale=scale)
+                           to_buffer(v, "v"), causal=causal, scale=scale,
+                           **mask_kwargs(segment_ids, kv_segment_ids, window,
+                                         softcap))
     out = from_buffer(out, kind)
     if return_lse:
         return out, from_buffer(lse, kind)
@@ -31,19 +44,24 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
-                       deterministic=False):
+                       deterministic=False, segment_ids=None,
+                       kv_segment_ids=None, window=None, softcap=None):
     """Gradients of ``attention``: returns (dq, dk, dv) in the inputs' dtype.
 
     dout, out: (B, S_q, H, D); lse: (B, H, S_q) as returned by
-    ``attention(..., return_lse=True)``.  Arithmetic is float32 (float64 for
-    float64 inputs) with delta = rowsum(dout * out) computed first.
+    ``attention(..., return_lse=True)`` with the same masks, which are
+    passed here again.  Arithmetic is float32 (float64 for float64 inputs)
+    with delta = rowsum(dout * out) computed first; with a softcap the
+    gradient goes through the tanh.
     """
     kind = kind_of(q)
     grads = _C.attn_bwd(to_buffer(dout, "dout"), to_buffer(q, "q"),
                         to_buffer(k, "k"), to_buffer(v, "v"),
                         to_buffer(out, "out"), to_buffer(lse, "lse"),
                         causal=flag(causal, "causal"), scale=scale,
-                        deterministic=flag(deterministic, "deterministic"))
+                        deterministic=flag(deterministic, "deterministic"),
+                        **mask_kwargs(segment_ids, kv_segment_ids, window,
+                                      softcap))
     return tuple(from_buffer(g, kind) for g in grads)
 
 

@@ -9,8 +9,9 @@
 --ring  ring time over single-rank time for p = 1, 2, 4 local ranks on the
         same total work, the share of transfer time hidden behind compute,
         and each rank's peak ringattn memory.
---dilated, --gpu, --ring --gpu: see ringattn.bench_dilated /
-        ringattn.bench_gpu / ringattn.bench_gpu_ring (the NCCL ring).
+--dilated, --masks, --gpu, --ring --gpu: see ringattn.bench_dilated /
+        ringattn.bench_masks / ringattn.bench_gpu / ringattn.bench_gpu_ring
+        (the NCCL ring).
 --plot FILE draws the --cpu and --ring tables (ringattn.bench_plot).
 """
 
@@ -301,7 +302,7 @@ def run(args):
 
         return run_jax(args)
     cpu_tables, ring_rows = [], []
-    if args.cpu or not (args.ring or args.dilated or args.gpu):
+    if args.cpu or not (args.ring or args.dilated or args.gpu or args.masks):
         code, cpu_tables = run_cpu(args)
         status |= code
     if args.ring and not args.gpu:
@@ -311,6 +312,10 @@ def run(args):
         from .bench_dilated import run as run_dilated
 
         status |= run_dilated(args)
+    if args.masks:
+        from .bench_masks import run as run_masks
+
+        status |= run_masks(args)
     if args.gpu:
         if args.ring:
             from .bench_gpu_ring import run as run_gpu

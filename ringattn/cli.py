@@ -173,6 +173,10 @@ def _bench_parser(sub):
                         "against one device)")
     b.add_argument("--dilated", action="store_true",
                    help="dilated vs dense attention table")
+    b.add_argument("--masks", action="store_true",
+                   help="packed documents, sliding window and softcap "
+                        "against the unmasked problem and torch SDPA with "
+                        "an explicit mask")
     b.add_argument("--gpu", action="store_true",
                    help="GPU kernel table against PyTorch SDPA, and accuracy "
                         "(needs a GPU and torch)")
@@ -196,7 +200,8 @@ def _bench_parser(sub):
 
 
 def _check_bench(parser, args):
-    cpu = args.cpu or not (args.ring or args.dilated or args.gpu)
+    cpu = args.cpu or not (args.ring or args.dilated or args.gpu or
+                            args.masks)
     host_ring = args.ring and not args.gpu
     if args.plot and not (cpu or host_ring):
         parser.error("argument --plot: draws the --cpu and --ring (CPU) "

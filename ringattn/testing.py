@@ -261,6 +261,15 @@ def _positions(S_q, S_k, q_pos, k_pos):
     return qp.astype(np.int64), kp.astype(np.int64)
 
 
+def _ids(x):
+    """Document ids as an integer array: exactly, not through float64
+    (which merges ids above 2**53)."""
+    ids = np.asarray(x)
+    if ids.dtype.kind not in "iu":
+        ids = np.asarray(to_numpy(x))
+    return ids
+
+
 def ref_visible(S_q, S_k, causal=False, q_pos=None, k_pos=None,
                 segment_ids=None, kv_segment_ids=None, window=None):
     """(B or 1, 1, S_q, S_k) bool: key j visible to query i under every rule
@@ -283,9 +292,8 @@ def ref_visible(S_q, S_k, causal=False, q_pos=None, k_pos=None,
     if segment_ids is None and kv_segment_ids is not None:
         raise ValueError("kv_segment_ids: given without segment_ids")
     if segment_ids is not None:
-        q_ids = np.asarray(to_numpy(segment_ids))
-        kv_ids = q_ids if kv_segment_ids is None else \
-            np.asarray(to_numpy(kv_segment_ids))
+        q_ids = _ids(segment_ids)
+        kv_ids = q_ids if kv_segment_ids is None else _ids(kv_segment_ids)
         if q_ids.ndim != 2 or q_ids.shape[1] != S_q or kv_ids.ndim != 2 or \
                 kv_ids.shape[1] != S_k or kv_ids.shape[0] != q_ids.shape[0]:
             raise ValueError(

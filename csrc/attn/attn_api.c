@@ -69,7 +69,8 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     static char *kwlist_dense[] = {
         "q", "k", "v", "causal", "scale", "out", "lse", "accumulate",
         "q_pos_offset", "q_pos_stride", "k_pos_offset", "k_pos_stride",
-        "num_threads", "check_only", NULL};
+        "num_threads", "check_only", "segment_ids", "kv_segment_ids",
+        "window", "softcap", NULL};
     static char *kwlist_dil[] = {
         "q", "k", "v", "segment_lengths", "dilation_rates", "causal", "scale",
         "out", "lse", "accumulate", "q_pos_offset", "k_pos_offset",
@@ -79,8 +80,11 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     int causal = 0, accumulate = 0, num_threads = 0, check_only = 0;
     long long qstride = 1, koff = 0, kstride = 1;
     ra_dilated_config cfg;
-    tensor_arg t[5];
+    mask_kwargs mkw = {Py_None, Py_None, Py_None, Py_None};
+    ra_attn_mask mask;
+    tensor_arg t[7];           /* q, k, v, out, lse, q ids, kv ids */
     memset(t, 0, sizeof t);
+    memset(&mask, 0, sizeof mask);
     PyObject *result = NULL;
 
     if (dilated) {
@@ -92,9 +96,11 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
         if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
     } else {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOO|$pOOOpOLLLip:attn_fwd", kwlist_dense, &qo,
-                &ko, &vo, &causal, &scale_o, &out_o, &lse_o, &accumulate,
-                &qoff_o, &qstride, &koff, &kstride, &num_threads, &check_only))
+                args, kwds, "OOO|$pOOOpOLLLipOOOO:attn_fwd", kwlist_dense,
+                &qo, &ko, &vo, &causal, &scale_o, &out_o, &lse_o, &accumulate,
+                &qoff_o, &qstride, &koff, &kstride, &num_threads, &check_only,
+                &mkw.segment_ids, &mkw.kv_segment_ids, &mkw.window,
+                &mkw.softcap))
             return NULL;
     }
     if (load_tensor(&t[0], qo, "q", 4, BSHD) < 0) goto done;
@@ -108,7 +114,8 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     if ((dilated ? parse_dilated_positions(qoff_o, koff, &d, pos)
                  : parse_positions(qoff_o, qstride, koff, kstride, &d, pos)) < 0)
         goto done;
-    if (check_only) {          /* q, k, v, scale, positions: no work */
+    if (!dilated && parse_masks(&mkw, &d, &t[5], &mask) < 0) goto done;
+    if (check_only) {          /* q, k, v, scale, positions, masks: no work */
         result = Py_None;
         Py_INCREF(result);
         goto done;
@@ -171,6 +178,7 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     ra_attn_fwd_params p;
     fill_fwd_params(&p, &d, t[0].buf, t[1].buf, t[2].buf, t[3].buf, t[4].buf,
                     scale, causal, pos, accumulate, num_threads);
+    p.mask = mask;
     ra_status st = RA_OK;
     if (d.device_type == RA_DEV_CUDA) {
         st = ra_cuda_run(d.device_id, RA_CUDA_FWD, &p);
@@ -185,7 +193,7 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
     }
     result = PyTuple_Pack(2, (PyObject *)t[3].buf, (PyObject *)t[4].buf);
 done:
-    release_args(t, 5);
+    release_args(t, 7);
     return result;
 }
 
@@ -221,6 +229,7 @@ static PyObject *mod_init_state(PyObject *m, PyObject *args) {
     if (check_writable(&t[0]) < 0) goto done;
     if (load_bhs(&t[1], lo, "lse", &d, 1) < 0) goto done;
     ra_state_params sp;
+    memset(&sp, 0, sizeof sp);
     ra_buffer *o = t[0].buf, *l = t[1].buf;
     sp.out = o->data;
     sp.lse = l->data;
@@ -285,8 +294,12 @@ static PyMethodDef attn_functions[] = {
      METH_VARARGS | METH_KEYWORDS,
      "attn_fwd(q, k, v, *, causal=False, scale=None, out=None, lse=None, "
      "accumulate=False, q_pos_offset=None, q_pos_stride=1, k_pos_offset=0, "
-     "k_pos_stride=1, num_threads=0, check_only=False) -> (out, lse), or "
-     "None after the checks alone with check_only=True"},
+     "k_pos_stride=1, num_threads=0, check_only=False, segment_ids=None, "
+     "kv_segment_ids=None, window=None, softcap=None) -> (out, lse), or "
+     "None after the checks alone with check_only=True.  segment_ids (B, "
+     "S_q) / kv_segment_ids (B, S_k) integer document ids (kv ids default "
+     "to segment_ids), window=(left, right) ints >= 0 or None, softcap a "
+     "float > 0: the masks of DESIGN 2"},
     {"dilated_fwd", (PyCFunction)(void (*)(void))mod_dilated_fwd,
      METH_VARARGS | METH_KEYWORDS,
      "dilated_fwd(q, k, v, segment_lengths, dilation_rates, *, causal=False, "

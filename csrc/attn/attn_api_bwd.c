@@ -101,7 +101,8 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         "dout", "q", "k", "v", "out", "lse", "causal", "scale", "dq", "dk",
         "dv", "delta", "accumulate", "deterministic", "q_pos_offset",
         "q_pos_stride", "k_pos_offset", "k_pos_stride", "num_threads",
-        "check_only", "branches", "branch_head", NULL};
+        "check_only", "branches", "branch_head", "segment_ids",
+        "kv_segment_ids", "window", "softcap", NULL};
     static char *kwlist_dil[] = {
         "dout", "q", "k", "v", "out", "lse", "segment_lengths",
         "dilation_rates", "causal", "scale", "dq", "dk", "dv", "delta",
@@ -116,8 +117,12 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         check_only = 0;
     long long qstride = 1, koff = 0, kstride = 1;
     ra_dilated_config cfg;
-    tensor_arg t[10];
+    mask_kwargs mkw = {Py_None, Py_None, Py_None, Py_None};
+    ra_attn_mask mask;
+    /* q, k, v, out, dout, lse, delta, dq, dk, dv, q ids, kv ids */
+    tensor_arg t[12];
     memset(t, 0, sizeof t);
+    memset(&mask, 0, sizeof mask);
     PyObject *result = NULL;
 
     if (dilated) {
@@ -130,11 +135,13 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
     } else {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOOO|$pOOOOOppOLLLipOL:attn_bwd", kwlist_dense,
-                &douto, &qo, &ko, &vo, &outo, &lseo, &causal, &scale_o, &dqo,
-                &dko, &dvo, &deltao, &accumulate, &deterministic, &qoff_o,
-                &qstride, &koff, &kstride, &num_threads, &check_only,
-                &branches_o, &branch_head))
+                args, kwds, "OOOOOO|$pOOOOOppOLLLipOLOOOO:attn_bwd",
+                kwlist_dense, &douto, &qo, &ko, &vo, &outo, &lseo, &causal,
+                &scale_o, &dqo, &dko, &dvo, &deltao, &accumulate,
+                &deterministic, &qoff_o, &qstride, &koff, &kstride,
+                &num_threads, &check_only, &branches_o, &branch_head,
+                &mkw.segment_ids, &mkw.kv_segment_ids, &mkw.window,
+                &mkw.softcap))
             return NULL;
         /* branches=(segment_lengths, dilation_rates): the scores are one
          * branch of dilated attention, query head 0 being branch_head */
@@ -196,7 +203,16 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     if ((dilated ? parse_dilated_positions(qoff_o, koff, &d, pos)
                  : parse_positions(qoff_o, qstride, koff, kstride, &d, pos)) < 0)
         goto done;
-    if (check_only) {          /* dout, q, k, v, out, lse, scale: no work */
+    if (!dilated) {
+        if (parse_masks(&mkw, &d, &t[10], &mask) < 0) goto done;
+        if (branches_o != Py_None && mask_is_set(&mask)) {
+            PyErr_SetString(PyExc_ValueError,
+                            "branches: dilated attention takes no "
+                            "segment_ids, window or softcap");
+            goto done;
+        }
+    }
+    if (check_only) {   /* dout, q, k, v, out, lse, scale, masks: no work */
         result = Py_None;
         Py_INCREF(result);
         goto done;
@@ -253,6 +269,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     ra_attn_bwd_params p;
     fill_bwd_params(&p, &d, t, scale, causal, pos, accumulate, deterministic,
                     num_threads);
+    p.mask = mask;
     if (!dilated && branches_o != Py_None) {
         p.branches = &cfg;
         p.branch_head0 = branch_head;
@@ -279,7 +296,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     result = PyTuple_Pack(3, (PyObject *)t[7].buf, (PyObject *)t[8].buf,
                           (PyObject *)t[9].buf);
 done:
-    release_args(t, 10);
+    release_args(t, 12);
     return result;
 }
 
@@ -460,8 +477,10 @@ PyMethodDef ra_attn_bwd_functions[] = {
      "attn_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, dq=None, "
      "dk=None, dv=None, delta=None, accumulate=False, deterministic=False, "
      "q_pos_offset=None, q_pos_stride=1, k_pos_offset=0, k_pos_stride=1, "
-     "num_threads=0, check_only=False, branches=None, branch_head=0) -> "
+     "num_threads=0, check_only=False, branches=None, branch_head=0, "
+     "segment_ids=None, kv_segment_ids=None, window=None, softcap=None) -> "
      "(dq, dk, dv), or None after the checks alone with check_only=True; "
+     "the masks as attn_fwd takes them; "
      "branches=(segment_lengths, dilation_rates): the scores are one branch "
      "of dilated attention whose query head 0 is branch_head"},
     {"dilated_bwd", (PyCFunction)(void (*)(void))mod_dilated_bwd,

@@ -61,6 +61,19 @@ ra_buffer *alloc_out(int ndim, const int64_t *shape, ra_dtype t,
 int load_bhs(tensor_arg *a, PyObject *obj, const char *name, const qkv_dims *d,
              int writable);
 
+/* The mask keywords of attn_fwd / attn_bwd as Python passed them (NULL or
+ * None when absent); attn_mask_args.c. */
+typedef struct {
+    PyObject *segment_ids, *kv_segment_ids, *window, *softcap;
+} mask_kwargs;
+/* Check them against q/k/v's dims and fill *m (zeroed first: no mask).
+ * ids[0], ids[1] receive the int32 q and kv ids (owned; the caller releases
+ * them after the kernel ran).  -1 with the named exception on bad input. */
+int parse_masks(const mask_kwargs *kw, const qkv_dims *d, tensor_arg ids[2],
+                ra_attn_mask *m);
+/* 1 if any rule of *m is on */
+int mask_is_set(const ra_attn_mask *m);
+
 /* segment_lengths / dilation_rates -> config (ValueError on bad values) */
 int ra_parse_dilated(PyObject *segs, PyObject *rates, ra_dilated_config *cfg);
 

@@ -18,6 +18,8 @@
  * there are too few (batch, kv head) pairs to keep the threads busy.  The
  * summation order is fixed for a given thread count, so results are
  * bitwise reproducible (the `deterministic` flag needs nothing extra).
+ * Masks reach the tiles as in the forward (attn_cpu_mask.c); a key block
+ * visits only the query rows that may see it.
  */
 #include "attn/attn_cpu.h"
 #include "attn/attn_cpu_kern.h"
@@ -101,12 +103,16 @@ ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
         (kn->bwd_scratch(Dp) + 2 * (size_t)(BK * Dp) * rs + 63) & ~(size_t)63;
     const size_t scr_bytes = scr_each * (size_t)nt;
     char *qbuf = NULL, *rbuf = NULL, *kv = NULL, *dqb = NULL, *scr = NULL;
+    ra_cpu_ids ids;
+    ra_tile_mask tm;
     ra_status st = RA_OK;
 
     if (q_bytes == 0 || r_bytes == 0 || kv_bytes == 0 || dq_bytes == 0) {
         ra_set_error(RA_ERR_OVERFLOW, "attention backward: scratch size overflows");
         return RA_ERR_OVERFLOW;
     }
+    ra_cpu_tile_mask(p->causal, &p->mask, &tm);
+    RA_CHECK(ra_cpu_ids_prepare(&p->mask, B, Sq, Sk, &ids));
     if ((qbuf = (char *)ra_host_alloc(q_bytes)) == NULL) { st = RA_ERR_NOMEM; goto exit; }
     if ((rbuf = (char *)ra_host_alloc(r_bytes)) == NULL) { st = RA_ERR_NOMEM; goto exit; }
     if ((kv = (char *)ra_host_alloc(kv_bytes)) == NULL) { st = RA_ERR_NOMEM; goto exit; }
@@ -189,6 +195,7 @@ ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
                     for (int64_t hh = 0; hh < group; hh++) {
                         const int64_t bh = b * H + g * group + hh;
                         ra_bwd_blk bb;
+                        memset(&bb, 0, sizeof bb);
                         bb.q = qp + (size_t)(bh * Sq * Dp) * rs;
                         bb.dout = dop + (size_t)(bh * Sq * Dp) * rs;
                         bb.lse2 = lse2 + (size_t)(bh * Sq) * rs;
@@ -207,7 +214,8 @@ ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
                         bb.dv = dvb;
                         bb.D = D;
                         bb.Dp = Dp;
-                        bb.causal = p->causal;
+                        bb.m = tm;
+                        ra_cpu_tile_ids(&ids, b, Sq, Sk, 0, j0, &bb.m);
                         bb.branches = p->branches;
                         bb.head = p->branch_head0 + g * group + hh;
                         kn->bwd_kblock(&bb, my);
@@ -253,6 +261,7 @@ ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
     }
 
 exit:
+    ra_cpu_ids_free(&ids);
     ra_host_free(scr, scr_bytes);
     ra_host_free(dqb, dq_bytes);
     ra_host_free(kv, kv_bytes);

@@ -48,7 +48,13 @@ static int64_t select_rows(int64_t lo, int64_t n, int64_t s, int64_t w,
 }
 
 static ra_status check_cfg(const ra_dilated_config *cfg, int64_t qps,
-                           int64_t kps) {
+                           int64_t kps, const ra_attn_mask *mask) {
+    if (ra_cpu_mask_is_set(mask)) {
+        ra_set_error(RA_ERR_UNSUPPORTED,
+                     "dilated attention: takes no segment ids, window or "
+                     "softcap");
+        return RA_ERR_UNSUPPORTED;
+    }
     if (qps != 1 || kps != 1) {
         ra_set_error(RA_ERR_VALUE,
                      "dilated attention: position strides must be 1 (q %lld, k %lld)",
@@ -89,7 +95,7 @@ static int64_t seg_range(int64_t qlo, int64_t nq, int64_t klo, int64_t nk,
 ra_status ra_cpu_dilated_fwd(const ra_attn_fwd_params *p,
                              const ra_dilated_config *cfg) {
     RA_CHECK(ra_cpu_check_fwd(p));
-    RA_CHECK(check_cfg(cfg, p->q_pos_stride, p->k_pos_stride));
+    RA_CHECK(check_cfg(cfg, p->q_pos_stride, p->k_pos_stride, &p->mask));
     const int64_t B = p->batch, Sq = p->seqlen_q, Sk = p->seqlen_k;
     const int64_t H = p->heads, Hkv = p->heads_kv, D = p->head_dim;
     if (B == 0 || Sq == 0 || H == 0) return RA_OK;
@@ -175,6 +181,7 @@ ra_status ra_cpu_dilated_fwd(const ra_attn_fwd_params *p,
                 for (int64_t i0 = 0; i0 < nq; i0 += RA_CPU_BQ) {
                     const int64_t row = qi + i0 * r;
                     ra_fwd_blk fb;
+                    memset(&fb, 0, sizeof fb);
                     fb.q = ra_cpu_at(p->q, b * p->q_batch_stride + h * p->q_head_stride +
                                                row * p->q_seq_stride, p->dtype);
                     fb.q_ss = p->q_seq_stride * r;
@@ -189,7 +196,7 @@ ra_status ra_cpu_dilated_fwd(const ra_attn_fwd_params *p,
                     fb.qpos_st = r;
                     fb.kpos0 = fk;
                     fb.kpos_st = r;
-                    fb.causal = p->causal;
+                    fb.m.has_hi = p->causal;  /* hi_off 0: causal */
                     fb.scale = p->scale;
                     fb.out = ra_cpu_atw(so, b * so_bs + h * so_hs + row * so_ss, acc);
                     fb.out_ss = so_ss * r;
@@ -236,7 +243,7 @@ typedef struct grad_target {
 ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
                              const ra_dilated_config *cfg) {
     RA_CHECK(ra_cpu_check_bwd(p));
-    RA_CHECK(check_cfg(cfg, p->q_pos_stride, p->k_pos_stride));
+    RA_CHECK(check_cfg(cfg, p->q_pos_stride, p->k_pos_stride, &p->mask));
     const int64_t B = p->batch, Sq = p->seqlen_q, Sk = p->seqlen_k;
     const int64_t H = p->heads, Hkv = p->heads_kv, D = p->head_dim;
     if (B == 0 || H == 0) return RA_OK;
@@ -344,6 +351,7 @@ ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
                                    blk + (size_t)(2 * D * BK) * rs);
                         memset(dkb, 0, (size_t)(2 * BK * Dp) * rs);
                         ra_bwd_blk bb;
+                        memset(&bb, 0, sizeof bb);
                         bb.q = qp; bb.dout = dop; bb.lse2 = l2p; bb.delta = dlp; bb.dq = dqp;
                         bb.nq = nq; bb.qpos0 = fq; bb.qpos_st = r;
                         bb.kt = blk;
@@ -351,7 +359,7 @@ ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
                         bb.kr = blk + (size_t)(2 * D * BK) * rs;
                         bb.nk = n; bb.kpos0 = fk + j0 * r; bb.kpos_st = r;
                         bb.dk = dkb; bb.dv = dvb; bb.D = D; bb.Dp = Dp;
-                        bb.causal = p->causal;
+                        bb.m.has_hi = p->causal;
                         bb.branches = cfg; bb.head = h;
                         kn->bwd_kblock(&bb, my);
                         kn->store_rows(dkb, n, D, Dp, RA_LN2,   /* q was scaled */

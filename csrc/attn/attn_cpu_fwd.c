@@ -12,6 +12,8 @@
  * flash-style tile kernel (attn_cpu_tiles.h) that streams the key blocks
  * with an online softmax.  Each item writes only its own rows of out/lse,
  * so there are no races and the result does not depend on the thread count.
+ * Masks reach the tiles as an ra_tile_mask (attn_cpu_mask.c): position
+ * bounds, contiguous ids, the softcap; the tiles skip what no row sees.
  */
 #include "attn/attn_cpu.h"
 #include "attn/attn_cpu_kern.h"
@@ -51,10 +53,32 @@ static ra_status check_dims(ra_dtype dtype, int64_t B, int64_t sq, int64_t sk,
     return RA_OK;
 }
 
+static ra_status check_mask(const ra_attn_mask *m) {
+    if ((m->q_segment_ids == NULL) != (m->kv_segment_ids == NULL)) {
+        ra_set_error(RA_ERR_VALUE,
+                     "attention: segment ids for queries and keys go "
+                     "together (got one of them)");
+        return RA_ERR_VALUE;
+    }
+    if (!(m->softcap >= 0.0) || isinf(m->softcap)) {
+        ra_set_error(RA_ERR_VALUE,
+                     "attention: softcap must be finite and > 0 (or 0 for "
+                     "none), got %g",
+                     m->softcap);
+        return RA_ERR_VALUE;
+    }
+    return RA_OK;
+}
+
+int ra_cpu_mask_is_set(const ra_attn_mask *m) {
+    return m->q_segment_ids != NULL || m->has_window || m->softcap > 0;
+}
+
 ra_status ra_cpu_check_fwd(const ra_attn_fwd_params *p) {
     RA_CHECK(check_dims(p->dtype, p->batch, p->seqlen_q, p->seqlen_k, p->heads,
                         p->heads_kv, p->head_dim, p->q_pos_stride,
                         p->k_pos_stride));
+    RA_CHECK(check_mask(&p->mask));
     ra_dtype acc = ra_acc_dtype(p->dtype);
     if (p->out_dtype != p->dtype && p->out_dtype != acc) {
         ra_set_error(RA_ERR_TYPE, "attention: out dtype %s for inputs %s",
@@ -74,6 +98,12 @@ ra_status ra_cpu_check_bwd(const ra_attn_bwd_params *p) {
     RA_CHECK(check_dims(p->dtype, p->batch, p->seqlen_q, p->seqlen_k, p->heads,
                         p->heads_kv, p->head_dim, p->q_pos_stride,
                         p->k_pos_stride));
+    RA_CHECK(check_mask(&p->mask));
+    if (p->branches != NULL && ra_cpu_mask_is_set(&p->mask)) {
+        ra_set_error(RA_ERR_VALUE,
+                     "attention backward: a dilated branch takes no masks");
+        return RA_ERR_VALUE;
+    }
     ra_dtype acc = ra_acc_dtype(p->dtype);
     if ((p->out_dtype != p->dtype && p->out_dtype != acc) ||
         (p->grad_dtype != p->dtype && p->grad_dtype != acc)) {
@@ -112,12 +142,16 @@ ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
     size_t kv_bytes = ra_cpu_bytes(B, Hkv, per_head, (int64_t)rs);
     size_t scr_bytes = scr_each * (size_t)nt;
     char *kv = NULL, *scr = NULL;
+    ra_cpu_ids ids;
+    ra_tile_mask tm;
     ra_status st = RA_OK;
 
     if (per_head > 0 && kv_bytes == 0) {
         ra_set_error(RA_ERR_OVERFLOW, "attention: scratch size overflows");
         return RA_ERR_OVERFLOW;
     }
+    ra_cpu_tile_mask(p->causal, &p->mask, &tm);
+    RA_CHECK(ra_cpu_ids_prepare(&p->mask, B, Sq, Sk, &ids));
     kv = (char *)ra_host_alloc(kv_bytes);
     if (kv == NULL) { st = RA_ERR_NOMEM; goto exit; }
     scr = (char *)ra_host_alloc(scr_bytes);
@@ -163,6 +197,7 @@ ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
                 const char *base =
                     kv + (size_t)(b * Hkv + g) * (size_t)per_head * rs;
                 ra_fwd_blk fb;
+                memset(&fb, 0, sizeof fb);
                 fb.q = ra_cpu_at(p->q, b * p->q_batch_stride +
                                            h * p->q_head_stride +
                                            i0 * p->q_seq_stride, p->dtype);
@@ -178,7 +213,8 @@ ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
                 fb.qpos_st = p->q_pos_stride;
                 fb.kpos0 = p->k_pos_offset;
                 fb.kpos_st = p->k_pos_stride;
-                fb.causal = p->causal;
+                fb.m = tm;
+                ra_cpu_tile_ids(&ids, b, Sq, Sk, i0, 0, &fb.m);
                 fb.scale = p->scale;
                 fb.out = ra_cpu_atw(p->out, b * p->out_batch_stride +
                                                 h * p->out_head_stride +
@@ -201,5 +237,6 @@ ra_status ra_cpu_attn_fwd(const ra_attn_fwd_params *p) {
 exit:
     ra_host_free(scr, scr_bytes);
     ra_host_free(kv, kv_bytes);
+    ra_cpu_ids_free(&ids);
     return st;
 }

@@ -34,6 +34,28 @@
 #define RA_LOG2E 1.4426950408889634
 #define RA_LN2 0.6931471805599453
 
+/* The visibility rules as a tile kernel reads them (DESIGN 2: causal and
+ * the masks of ra_attn_mask; the drivers fill it with ra_cpu_tile_mask):
+ *   a query at position qp sees the keys at positions [qp - lo_off,
+ *   qp + hi_off] on the sides that are bounded (causal bounds the right side
+ *   at 0), and with documents only the keys whose id equals its own;
+ *   softcap2 > 0 caps the scores: S -> softcap2 * tanh(S / softcap2) in the
+ *   kernels' base-2 units (softcap2 = softcap * log2 e).
+ * Ids are contiguous int32 runs prepared by the driver; "sorted" means
+ * non-decreasing along the whole sequence (packed documents), which lets a
+ * kernel find a document's rows by binary search. */
+typedef struct ra_tile_mask {
+    int has_lo, has_hi;
+    int64_t lo_off, hi_off;
+    const int32_t *q_ids;   /* the tile's query rows, or NULL: no documents */
+    const int32_t *kv_ids;  /* the tile's keys */
+    /* forward: the smallest and largest id of each key block (of BK keys,
+     * counted from the tile's first key) */
+    const int32_t *kv_block_min, *kv_block_max;
+    int q_sorted, kv_sorted;
+    double softcap2;
+} ra_tile_mask;
+
 /* One forward tile job: up to RA_CPU_BQ query rows (a strided view of q and
  * out) against all packed keys of one kv head view. */
 typedef struct ra_fwd_blk {
@@ -46,7 +68,7 @@ typedef struct ra_fwd_blk {
     const void *vr;         /* packed: nkb*BK rows x Dp (real) */
     int64_t nk;             /* number of keys */
     int64_t qpos0, qpos_st, kpos0, kpos_st;
-    int causal;
+    ra_tile_mask m;         /* causal and masks */
     double scale;
     void *out;              /* first output row; rows out_ss apart */
     int64_t out_ss;
@@ -72,7 +94,7 @@ typedef struct ra_bwd_blk {
     int64_t nk, kpos0, kpos_st;
     void *dk, *dv;          /* BK x Dp (real), accumulated into */
     int64_t D, Dp;
-    int causal;
+    ra_tile_mask m;         /* causal and masks; kv_ids: the block's keys */
     /* scores of one branch of dilated attention: the branches and the query
      * head, to count the branches that share a (query, key) pair; NULL for
      * plain attention */
@@ -121,6 +143,35 @@ extern const ra_cpu_kernels ra_cpu_kernels_f32_avx512, ra_cpu_kernels_f32_avx2,
 /* The table for arithmetic of `dtype` at the best SIMD level of this CPU. */
 const ra_cpu_kernels *ra_cpu_kernels_for(ra_dtype dtype);
 
+/* 1 if any rule of the mask is on (documents, window, softcap). */
+int ra_cpu_mask_is_set(const ra_attn_mask *m);
+
+/* The position bounds and the softcap of a tile mask from causal and the
+ * params' mask; ids stay NULL (the drivers point them per tile). */
+void ra_cpu_tile_mask(int causal, const ra_attn_mask *mask, ra_tile_mask *m);
+
+/* Document ids of a kernel call as the tiles read them: contiguous int32
+ * copies of the q and kv ids, "sorted" per batch row, and the smallest and
+ * largest kv id of every block of RA_CPU_BK keys.  One allocation. */
+typedef struct ra_cpu_ids {
+    int32_t *q, *kv;             /* (B, S_q), (B, S_k) */
+    int32_t *kv_min, *kv_max;    /* (B, nkb) */
+    int32_t *q_sorted, *kv_sorted;  /* (B) */
+    int64_t nkb;
+    size_t bytes;
+} ra_cpu_ids;
+
+/* Fill *ids from the mask (ids->q == NULL without documents). */
+ra_status ra_cpu_ids_prepare(const ra_attn_mask *mask, int64_t B, int64_t Sq,
+                             int64_t Sk, ra_cpu_ids *ids);
+void ra_cpu_ids_free(ra_cpu_ids *ids);
+
+/* Point the tile mask at batch row b's ids: the query rows from i0, the
+ * keys from j0 (forward: j0 = 0 with the block ranges; backward: the key
+ * block). */
+void ra_cpu_tile_ids(const ra_cpu_ids *ids, int64_t b, int64_t Sq, int64_t Sk,
+                     int64_t i0, int64_t j0, ra_tile_mask *m);
+
 /* Argument checks shared by the dense and dilated drivers (RA_OK or an
  * error with a message). */
 ra_status ra_cpu_check_fwd(const ra_attn_fwd_params *p);
@@ -160,6 +211,92 @@ static inline const void *ra_cpu_at(const void *base, int64_t idx,
 
 static inline void *ra_cpu_atw(void *base, int64_t idx, ra_dtype dt) {
     return (char *)base + idx * (int64_t)ra_dtype_size(dt);
+}
+
+/* ---- positions: saturating int64 arithmetic, so that any offsets and
+ * window sides give the right answer rather than wrap ---------------- */
+static inline int64_t ra_sat_add(int64_t a, int64_t b) {
+    int64_t r;
+    if (__builtin_add_overflow(a, b, &r)) return b > 0 ? INT64_MAX : INT64_MIN;
+    return r;
+}
+
+static inline int64_t ra_sat_sub(int64_t a, int64_t b) {
+    int64_t r;
+    if (__builtin_sub_overflow(a, b, &r)) return b < 0 ? INT64_MAX : INT64_MIN;
+    return r;
+}
+
+/* Of the n positions p0, p0 + st, p0 + 2 st, ... (st >= 1): how many are
+ * <= P, and the index of the first that is >= P (n if none). */
+static inline int64_t ra_count_le(int64_t P, int64_t p0, int64_t st,
+                                  int64_t n) {
+    if (P < p0) return 0;
+    const int64_t c = ra_sat_sub(P, p0) / st;
+    return c >= n ? n : c + 1;
+}
+
+static inline int64_t ra_first_ge(int64_t P, int64_t p0, int64_t st,
+                                  int64_t n) {
+    if (P <= p0) return 0;
+    const int64_t c = (ra_sat_sub(P, p0) - 1) / st + 1;
+    return c < n ? c : n;
+}
+
+/* The keys (first at position kp0, stride kst, n of them) that a query at
+ * position qp may see under the bounds of m: [*lo, *hi), narrowed. */
+static inline void ra_row_limits(const ra_tile_mask *m, int64_t qp,
+                                 int64_t kp0, int64_t kst, int64_t n,
+                                 int64_t *lo, int64_t *hi) {
+    if (m->has_lo) {
+        const int64_t a = ra_first_ge(ra_sat_sub(qp, m->lo_off), kp0, kst, n);
+        if (a > *lo) *lo = a;
+    }
+    if (m->has_hi) {
+        const int64_t b = ra_count_le(ra_sat_add(qp, m->hi_off), kp0, kst, n);
+        if (b < *hi) *hi = b;
+    }
+}
+
+/* The rows (first at position qp0, stride qst, n of them) that may see a
+ * key at positions [kfirst, klast]: [*r0, *r1). */
+static inline void ra_rows_seeing(const ra_tile_mask *m, int64_t kfirst,
+                                  int64_t klast, int64_t qp0, int64_t qst,
+                                  int64_t n, int64_t *r0, int64_t *r1) {
+    *r0 = m->has_hi ? ra_first_ge(ra_sat_sub(kfirst, m->hi_off), qp0, qst, n)
+                    : 0;
+    *r1 = m->has_lo ? ra_count_le(ra_sat_add(klast, m->lo_off), qp0, qst, n)
+                    : n;
+}
+
+/* ---- document ids ------------------------------------------------------ */
+/* smallest and largest of ids[0..n) (n >= 1); O(1) when sorted */
+static inline void ra_ids_range(const int32_t *ids, int64_t n, int sorted,
+                                int32_t *lo, int32_t *hi) {
+    if (sorted) {
+        *lo = ids[0];
+        *hi = ids[n - 1];
+        return;
+    }
+    int32_t a = ids[0], b = ids[0];
+    for (int64_t i = 1; i < n; i++) {
+        a = ids[i] < a ? ids[i] : a;
+        b = ids[i] > b ? ids[i] : b;
+    }
+    *lo = a;
+    *hi = b;
+}
+
+/* In sorted ids[lo..hi): the first index whose id is >= x (upper = 0) or
+ * > x (upper = 1); hi if none. */
+static inline int64_t ra_ids_search(const int32_t *ids, int64_t lo, int64_t hi,
+                                    int32_t x, int upper) {
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (ids[mid] < x || (upper && ids[mid] == x)) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
 }
 
 /* ceil(a / b) for a >= 0, b > 0 */

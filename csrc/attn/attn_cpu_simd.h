@@ -13,6 +13,7 @@
  *   rv / ri            vector of reals / of same-width integers
  *   v_exp2(x)          2^x elementwise, exact 0 below the smallest normal
  *   v_exp2_le0(x)      the same for x <= 0 only (cheaper: no clamping)
+ *   v_tanh(x, &sech2)  tanh elementwise, and 1 - tanh^2 without cancellation
  *   ra_gemm(...)       C (+)= A * B for small packed panels, where A is read
  *                      by broadcasting scalars (any row/column strides, so A
  *                      or its transpose) and B is read as row vectors:
@@ -122,6 +123,44 @@ RA_AI rv v_exp2_le0(rv x) {
     rv p = v_exp2_poly(x - (t - v_set1(ra_exp2_magic)));
     ru r = (ru)p + ((ru)t << RA_EXP2_SHIFT);
     return (rv)(r & ~(ru)dead);
+}
+
+/* tanh(x) and sech(x)^2 = 1 - tanh(x)^2 (soft-capping, DESIGN 2).
+ * |x| < 0.625: tanh(x) = x p(x^2), p a least-squares fit on Chebyshev nodes
+ * (degree 5 for float, 10 for double: within 2 units in the last place),
+ * and 1 - t^2 has no cancellation (t < 0.56).  Larger |x|: with
+ * e = exp(-2|x|), tanh = (1 - e) / (1 + e) and sech^2 = 4e / (1 + e)^2, both
+ * without cancellation; e is exactly 0 far out (and for infinities), so
+ * huge scores give tanh = +-1 and sech^2 = 0, never NaN. */
+#if RA_IS_DOUBLE
+static const real ra_tanh_c[] = {
+    1.0, -0.3333333333331601, 0.13333333331579156, -0.05396825327090624,
+    0.021869474239513666, -0.008863063360248998, 0.0035908245446815167,
+    -0.0014494227381988203, 0.0005693871487461794, -0.00019638362742645704,
+    4.2546983309147244e-05};
+enum { RA_TANH_DEG = 10 };
+#else
+static const real ra_tanh_c[] = {
+    0.9999999959352007f, -0.3333325873952267f, 0.13331091308302623f,
+    -0.05371849242583629f, 0.020583500085106957f, -0.005652358310425322f};
+enum { RA_TANH_DEG = 5 };
+#endif
+
+RA_AI rv v_tanh(rv x, rv *sech2) {
+    const ri sign = (ri)x & (ri)v_set1(-(real)0);
+    const rv ax = (rv)((ri)x & ~sign);
+    const ri small = ax < v_set1((real)0.625);
+    const rv u = x * x;
+    rv p = v_set1(ra_tanh_c[RA_TANH_DEG]);
+    for (int i = RA_TANH_DEG - 1; i >= 0; i--) p = p * u + v_set1(ra_tanh_c[i]);
+    const rv t_small = x * p;
+    const rv e = v_exp2(ax * v_set1((real)(-2.0 * RA_LOG2E)));
+    const rv one = v_set1(1), ope = one + e;
+    const rv t_big = (rv)((ri)((one - e) / ope) | sign);
+    const rv s_small = one - t_small * t_small;
+    const rv s_big = v_set1(4) * e / (ope * ope);
+    *sech2 = (rv)(((ri)s_small & small) | ((ri)s_big & ~small));
+    return (rv)(((ri)t_small & small) | ((ri)t_big & ~small));
 }
 
 /* ---- micro-kernel and panel product ----------------------------------- */

@@ -6,23 +6,32 @@
  * Forward tile (fwd_block): one block of nq <= BQ query rows against all
  * keys of one (packed) kv head, flash-attention style:
  *   Qs = Q * scale * log2(e)                          (nq, Dp)  packed once
- *   for each key block kb (BK keys, stopping at the causal frontier):
+ *   for each key block kb that some row may see (BK keys; causal frontier,
+ *   window and the rows' documents bound the range, blocks of other
+ *   documents are skipped whole):
  *     S  = Qs K_kb^T                                  (nq, BK)  ra_gemm
- *     mask: cols past the block's keys, causal cols (only on diagonal blocks)
+ *     softcap: S = c2 tanh(S / c2)
+ *     mask: cols past the block's keys; per row its position limits (only
+ *     on blocks some row sees in part) and ids (only where ids mix)
  *     m' = max(m, rowmax S); P = 2^(S - m'); l = l 2^(m - m') + rowsum P
  *     O  = O 2^(m - m') + P V_kb                      (nq, Dp)  ra_gemm
  *   out = O / l, lse = (m + log2 l) ln 2; rows that saw nothing: 0, -inf.
  * In accumulate mode the state starts from (out, lse): m = lse log2(e),
- * l = 1, O = out, so merging happens by the same online rule.
+ * l = 1, O = out, so merging happens by the same online rule.  Without
+ * masks the per-block and per-row tests all fall through: the unmasked
+ * tile does the work it did before masks existed.
  *
  * Backward tile (bwd_kblock): one key block of one kv head against all rows
  * of one query head, with the final lse and delta = rowsum(dO * O).  Q comes
  * packed times scale * log2(e) exactly as the forward packs it, so S below
  * is the forward's score bit for bit:
- *   for each query block (from the first row that can see the block):
- *     S = Qs K^T, P = 2^(S - lse log2 e)  (masked; an exponent above a
- *     rounding band below 0 reads as 0, so P <= 1),
- *     dP = dO V^T, dS = P (dP - delta)
+ *   for each query block of the rows that may see the block (by position,
+ *   and by document when the rows' ids are sorted; blocks of rows of
+ *   other documents skipped):
+ *     S = Qs K^T (capped as in the forward),
+ *     P = 2^(S - lse log2 e)  (masked; an exponent above a rounding band
+ *     below 0 reads as 0, so P <= 1),
+ *     dP = dO V^T, dS = P (dP - delta) (times 1 - tanh^2 with a softcap)
  *     dV += P^T dO, dK += dS^T Qs, dQ += dS K   (dK times ln 2, dQ times
  *                                                 scale, applied later)
  */
@@ -137,13 +146,15 @@ static void k_store_rows(const void *srcv, int64_t n, int64_t D, int64_t Dp,
                add);
 }
 
-/* number of keys of a block (first at position kp0, stride kst, nk keys)
- * visible from query position qp */
-static inline int64_t visible_keys(int64_t qp, int64_t kp0, int64_t kst,
-                                   int64_t nk) {
-    if (qp < kp0) return 0;
-    int64_t v = (qp - kp0) / kst + 1;
-    return v < nk ? v : nk;
+/* the scores S (rows x NB, row stride BK) soft-capped in place:
+ * S -> c2 tanh(S / c2) */
+static void cap_scores(real *st, int64_t rows, int64_t NB, real c2) {
+    const rv cv = v_set1(c2), inv = v_set1((real)1 / c2);
+    rv unused;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < NB; j += VW)
+            v_st(st + i * RA_CPU_BK + j,
+                 cv * v_tanh(v_ld(st + i * RA_CPU_BK + j) * inv, &unused));
 }
 
 /* ---- forward tile ------------------------------------------------------ */
@@ -160,6 +171,7 @@ static void k_fwd_block(const ra_fwd_blk *fb, void *scratch) {
     real *mrow = st + RA_CPU_BQ * BK;       /* (nq) running max, base 2 */
     real *lrow = mrow + RA_CPU_BQ;          /* (nq) running sum */
     const real *kt = (const real *)fb->kt, *vr = (const real *)fb->vr;
+    const ra_tile_mask *m = &fb->m;
 
     for (int64_t i = 0; i < nq; i++) {
         ld_row(ra_cpu_at(fb->q, i * fb->q_ss, fb->dtype), fb->dtype, D,
@@ -181,46 +193,80 @@ static void k_fwd_block(const ra_fwd_blk *fb, void *scratch) {
         }
     }
 
-    /* keys visible to the last (largest position) query bound the loop */
-    int64_t nvis = fb->nk;
-    const int64_t qlast = fb->qpos0 + (nq - 1) * fb->qpos_st;
-    if (fb->causal) nvis = visible_keys(qlast, fb->kpos0, fb->kpos_st, fb->nk);
-    const int64_t nkb = ra_cpu_cdiv(nvis, BK);
-
-    for (int64_t kb = 0; kb < nkb; kb++) {
-        const int64_t j0 = kb * BK;
-        const int64_t nv = nvis - j0 < BK ? nvis - j0 : BK;
-        const int64_t NB = ra_cpu_cdiv(nv, VW) * VW;
-        const int64_t kp0 = fb->kpos0 + j0 * fb->kpos_st;
-        const int diag =
-            fb->causal && kp0 + (nv - 1) * fb->kpos_st > fb->qpos0;
-        /* rows before r0 see no key of this block (positions increase along
-         * the rows): leave their state alone and skip them in both GEMMs */
-        int64_t r0 = 0;
-        if (diag && kp0 > fb->qpos0) {
-            r0 = ra_cpu_cdiv(kp0 - fb->qpos0, fb->qpos_st);
-            if (r0 >= nq) continue;
+    /* the keys some row may see, [jlo, jhi): bounded by the first row's
+     * lowest and the last row's highest visible position (positions
+     * increase along the rows), and by the rows' documents when the keys'
+     * ids are sorted */
+    const int64_t qst = fb->qpos_st, kst = fb->kpos_st;
+    const int64_t qfirst = fb->qpos0, qlast = fb->qpos0 + (nq - 1) * qst;
+    int64_t jlo = 0, jhi = fb->nk, unused_lo = 0, unused_hi = fb->nk;
+    ra_row_limits(m, qfirst, fb->kpos0, kst, fb->nk, &jlo, &unused_hi);
+    ra_row_limits(m, qlast, fb->kpos0, kst, fb->nk, &unused_lo, &jhi);
+    int32_t qmin = 0, qmax = 0;
+    if (m->q_ids != NULL) {
+        ra_ids_range(m->q_ids, nq, m->q_sorted, &qmin, &qmax);
+        if (m->kv_sorted && jlo < jhi) {
+            jlo = ra_ids_search(m->kv_ids, jlo, jhi, qmin, 0);
+            jhi = ra_ids_search(m->kv_ids, jlo, jhi, qmax, 1);
         }
+    }
 
-        ra_gemm(nq - r0, NB, D, qt + r0 * Dp, Dp, 1, kt + kb * D * BK, BK,
+    for (int64_t kb = jlo / BK; kb * BK < jhi; kb++) {
+        const int64_t j0 = kb * BK;
+        /* keys [ja, jb) of the block are in [jlo, jhi) */
+        const int64_t ja = jlo > j0 ? jlo - j0 : 0;
+        const int64_t jb = jhi - j0 < BK ? jhi - j0 : BK;
+        const int64_t NB = ra_cpu_cdiv(jb, VW) * VW;
+        const int64_t kp0 = fb->kpos0 + j0 * kst;
+        const int64_t kpa = kp0 + ja * kst, kpb = kp0 + (jb - 1) * kst;
+        /* documents: skip a block of other documents; compare ids key by
+         * key only where the block or the rows mix documents */
+        int idmask = 0;
+        if (m->q_ids != NULL) {
+            const int32_t kmin = m->kv_block_min[kb], kmax = m->kv_block_max[kb];
+            if (kmax < qmin || kmin > qmax) continue;
+            idmask = !(qmin == qmax && kmin == kmax && qmin == kmin);
+        }
+        /* rows [r0, r1) see some key of [ja, jb); the others keep their
+         * state and are left out of both GEMMs.  `edge`: some row sees
+         * only part of [ja, jb) and needs its own limits */
+        int64_t r0, r1;
+        ra_rows_seeing(m, kpa, kpb, qfirst, qst, nq, &r0, &r1);
+        if (r0 >= r1) continue;
+        const int edge =
+            (m->has_hi && kpb > ra_sat_add(qfirst, m->hi_off)) ||
+            (m->has_lo && kpa < ra_sat_sub(qlast, m->lo_off));
+
+        ra_gemm(r1 - r0, NB, D, qt + r0 * Dp, Dp, 1, kt + kb * D * BK, BK,
                 st + r0 * BK, BK, 0);
+        if (m->softcap2 > 0)
+            cap_scores(st + r0 * BK, r1 - r0, NB, (real)m->softcap2);
 
-        for (int64_t i = r0; i < nq; i++) {
+        for (int64_t i = r0; i < r1; i++) {
             real *row = st + i * BK;
-            int64_t lim = nv;
-            if (diag)
-                lim = visible_keys(fb->qpos0 + i * fb->qpos_st, kp0,
-                                   fb->kpos_st, nv);
-            if (lim == 0) {
+            int64_t lo = ja, hi = jb;
+            if (edge)
+                ra_row_limits(m, qfirst + i * qst, kp0, kst, jb, &lo, &hi);
+            if (lo >= hi) {
                 memset(row, 0, sizeof(real) * (size_t)NB);
                 continue;
             }
-            for (int64_t j = lim; j < NB; j++) row[j] = RA_NEG_INF;
+            for (int64_t j = 0; j < lo; j++) row[j] = RA_NEG_INF;
+            for (int64_t j = hi; j < NB; j++) row[j] = RA_NEG_INF;
+            if (idmask) {
+                const int32_t qid = m->q_ids[i], *kid = m->kv_ids + j0;
+                for (int64_t j = lo; j < hi; j++)
+                    if (kid[j] != qid) row[j] = RA_NEG_INF;
+            }
             rv mx = v_ld(row);
             for (int64_t j = VW; j < NB; j += VW) mx = v_max(mx, v_ld(row + j));
             const real m_old = mrow[i];
             real m_new = v_hmax(mx);
             if (m_old > m_new) m_new = m_old;
+            if (!(m_new > RA_NEG_INF)) {    /* nothing seen yet, nor here */
+                memset(row, 0, sizeof(real) * (size_t)NB);
+                continue;
+            }
             const rv mv = v_set1(m_new);
             rv sum = v_set1(0);
             for (int64_t j = 0; j < NB; j += VW) {
@@ -239,7 +285,7 @@ static void k_fwd_block(const ra_fwd_blk *fb, void *scratch) {
             mrow[i] = m_new;
         }
 
-        ra_gemm(nq - r0, Dp, nv, st + r0 * BK, BK, 1, vr + j0 * Dp, Dp,
+        ra_gemm(r1 - r0, Dp, jb, st + r0 * BK, BK, 1, vr + j0 * Dp, Dp,
                 ot + r0 * Dp, Dp, 1);
     }
 
@@ -264,6 +310,49 @@ static size_t k_bwd_scratch(int64_t Dp) {
     return sizeof(real) * (size_t)(2 * RA_CPU_BQB * RA_CPU_BK);
 }
 
+/* One row of the backward tile: prow holds S (becomes P), drow dP (becomes
+ * dS); L = lse log2 e.  `capped` (a constant at each call, so the plain
+ * row has no soft-capping code): S is capped first and dS is taken through
+ * the tanh.
+ *
+ * x = S - L <= 0 in exact arithmetic (L is the log2 of a sum that holds
+ * 2^S), so x > 0 is rounding: read as 0 (P <= 1; huge scores would
+ * otherwise overflow).  For huge |L| the rounding of L itself (stored in
+ * the acc dtype, merged over ring steps) is many units: there an x within
+ * 16 ulps of |L| below 0 reads as 0 too, so the row's dominant key gets
+ * P = 1, not 2^(-ulps), which would lose it.  A soft cap bounds |S| by
+ * softcap2, so |L| <= softcap2 + log2(keys): the band only ever applies to
+ * caps beyond 2^13 (float) and protects them as it does uncapped scores.
+ * A dilated pair that c branches share reads as -log2 c: P sums to 1 over
+ * them. */
+RA_AI void bwd_row(const ra_bwd_blk *bb, real *prow, real *drow, real L,
+                   real delta, int64_t i, int64_t NB, const int capped) {
+    const real aL = L < 0 ? -L : L;
+    const real band = aL >= RA_BWD_BAND_FROM ? -(RA_BWD_BAND * aL) : 0;
+    const rv Lv = v_set1(L), dl = v_set1(delta), bv = v_set1(band);
+    const rv c2 = v_set1((real)bb->m.softcap2);
+    const rv inv = v_set1(capped ? (real)(1.0 / bb->m.softcap2) : 0);
+    const int64_t qp = bb->qpos0 + i * bb->qpos_st;
+    for (int64_t j = 0; j < NB; j += VW) {
+        rv s = v_ld(prow + j), sech2 = v_set1(1);
+        if (capped) s = c2 * v_tanh(s * inv, &sech2);
+        rv x = s - Lv;
+        const ri snap = (ri)(x >= bv);
+        x = (rv)((ri)x & ~snap);              /* 0 inside the band */
+        if (bb->branches != NULL)
+            for (int l = 0; l < VW; l++)
+                if (snap[l] && j + l < bb->nk)
+                    x[l] = -(real)log2((double)ra_dilated_pair_count(
+                        bb->branches, bb->head, qp,
+                        bb->kpos0 + (j + l) * bb->kpos_st));
+        const rv pj = v_exp2(x);
+        rv ds = pj * (v_ld(drow + j) - dl);
+        if (capped) ds = ds * sech2;
+        v_st(prow + j, pj);
+        v_st(drow + j, ds);
+    }
+}
+
 static void k_bwd_kblock(const ra_bwd_blk *bb, void *scratch) {
     const int64_t nq = bb->nq, nk = bb->nk, D = bb->D, Dp = bb->Dp;
     const int64_t BK = RA_CPU_BK, NB = ra_cpu_cdiv(nk, VW) * VW;
@@ -274,17 +363,36 @@ static void k_bwd_kblock(const ra_bwd_blk *bb, void *scratch) {
     const real *kt = (const real *)bb->kt, *vt = (const real *)bb->vt;
     const real *kr = (const real *)bb->kr;
     real *dq = (real *)bb->dq, *dk = (real *)bb->dk, *dv = (real *)bb->dv;
-    const int64_t kp_last = bb->kpos0 + (nk - 1) * bb->kpos_st;
+    const ra_tile_mask *m = &bb->m;
+    const int64_t qst = bb->qpos_st;
 
     if (nk <= 0 || nq <= 0) return;
-    int64_t i_start = 0;
-    if (bb->causal && bb->kpos0 > bb->qpos0)
-        i_start = ra_cpu_cdiv(bb->kpos0 - bb->qpos0, bb->qpos_st);
+    const int64_t kfirst = bb->kpos0, klast = bb->kpos0 + (nk - 1) * bb->kpos_st;
+    /* the rows that may see a key of the block, [i_lo, i_hi): by position,
+     * and by the block's documents when the rows' ids are sorted */
+    int64_t i_lo, i_hi;
+    ra_rows_seeing(m, kfirst, klast, bb->qpos0, qst, nq, &i_lo, &i_hi);
+    int32_t kmin = 0, kmax = 0;
+    if (m->q_ids != NULL) {
+        ra_ids_range(m->kv_ids, nk, m->kv_sorted, &kmin, &kmax);
+        if (m->q_sorted && i_lo < i_hi) {
+            i_lo = ra_ids_search(m->q_ids, i_lo, i_hi, kmin, 0);
+            i_hi = ra_ids_search(m->q_ids, i_lo, i_hi, kmax, 1);
+        }
+    }
 
-    for (int64_t i0 = i_start; i0 < nq; i0 += RA_CPU_BQB) {
-        const int64_t mq = nq - i0 < RA_CPU_BQB ? nq - i0 : RA_CPU_BQB;
-        const int diag =
-            bb->causal && kp_last > bb->qpos0 + i0 * bb->qpos_st;
+    for (int64_t i0 = i_lo; i0 < i_hi; i0 += RA_CPU_BQB) {
+        const int64_t mq = i_hi - i0 < RA_CPU_BQB ? i_hi - i0 : RA_CPU_BQB;
+        int idmask = 0;
+        if (m->q_ids != NULL) {
+            int32_t qmin, qmax;
+            ra_ids_range(m->q_ids + i0, mq, m->q_sorted, &qmin, &qmax);
+            if (kmax < qmin || kmin > qmax) continue;
+            idmask = !(qmin == qmax && kmin == kmax && qmin == kmin);
+        }
+        const int64_t qa = bb->qpos0 + i0 * qst, qb = qa + (mq - 1) * qst;
+        const int edge = (m->has_hi && klast > ra_sat_add(qa, m->hi_off)) ||
+                         (m->has_lo && kfirst < ra_sat_sub(qb, m->lo_off));
 
         ra_gemm(mq, NB, D, q + i0 * Dp, Dp, 1, kt, BK, st, BK, 0);
         ra_gemm(mq, NB, D, dout + i0 * Dp, Dp, 1, vt, BK, dp, BK, 0);
@@ -292,44 +400,26 @@ static void k_bwd_kblock(const ra_bwd_blk *bb, void *scratch) {
         for (int64_t i = 0; i < mq; i++) {
             real *prow = st + i * BK, *drow = dp + i * BK;
             const real L = lse2[i0 + i];
-            int64_t lim = nk;
-            if (diag)
-                lim = visible_keys(bb->qpos0 + (i0 + i) * bb->qpos_st,
-                                   bb->kpos0, bb->kpos_st, nk);
-            if (lim == 0 || !(L > RA_NEG_INF)) {
+            int64_t lo = 0, hi = nk;
+            if (edge)
+                ra_row_limits(m, qa + i * qst, kfirst, bb->kpos_st, nk, &lo,
+                              &hi);
+            if (lo >= hi || !(L > RA_NEG_INF)) {
                 memset(prow, 0, sizeof(real) * (size_t)NB);
                 memset(drow, 0, sizeof(real) * (size_t)NB);
                 continue;
             }
-            /* x = S - L <= 0 in exact arithmetic (L is the log2 of a sum
-             * that holds 2^S), so x > 0 is rounding: read as 0 (P <= 1;
-             * huge scores would otherwise overflow).  For huge |L| the
-             * rounding of L itself (stored in the acc dtype, merged over
-             * ring steps) is many units: there an x within 16 ulps of |L|
-             * below 0 reads as 0 too, so the row's dominant key gets
-             * P = 1, not 2^(-ulps), which would lose it.  A dilated pair
-             * that c branches share reads as -log2 c: P sums to 1 over
-             * them. */
-            const real aL = L < 0 ? -L : L;
-            const real band = aL >= RA_BWD_BAND_FROM ? -(RA_BWD_BAND * aL) : 0;
-            const rv Lv = v_set1(L), dl = v_set1(delta[i0 + i]);
-            const rv bv = v_set1(band);
-            const int64_t qp = bb->qpos0 + (i0 + i) * bb->qpos_st;
-            for (int64_t j = 0; j < NB; j += VW) {
-                rv x = v_ld(prow + j) - Lv;
-                const ri snap = (ri)(x >= bv);
-                x = (rv)((ri)x & ~snap);              /* 0 inside the band */
-                if (bb->branches != NULL)
-                    for (int l = 0; l < VW; l++)
-                        if (snap[l] && j + l < nk)
-                            x[l] = -(real)log2((double)ra_dilated_pair_count(
-                                bb->branches, bb->head, qp,
-                                bb->kpos0 + (j + l) * bb->kpos_st));
-                rv pj = v_exp2(x);
-                v_st(prow + j, pj);
-                v_st(drow + j, pj * (v_ld(drow + j) - dl));
+            if (m->softcap2 > 0)
+                bwd_row(bb, prow, drow, L, delta[i0 + i], i0 + i, NB, 1);
+            else
+                bwd_row(bb, prow, drow, L, delta[i0 + i], i0 + i, NB, 0);
+            for (int64_t j = 0; j < lo; j++) prow[j] = drow[j] = 0;
+            for (int64_t j = hi; j < NB; j++) prow[j] = drow[j] = 0;
+            if (idmask) {
+                const int32_t qid = m->q_ids[i0 + i];
+                for (int64_t j = lo; j < hi; j++)
+                    if (m->kv_ids[j] != qid) prow[j] = drow[j] = 0;
             }
-            for (int64_t j = lim; j < NB; j++) prow[j] = drow[j] = 0;
         }
 
         ra_gemm(nk, Dp, mq, st, 1, BK, dout + i0 * Dp, Dp, dv, Dp, 1);

@@ -112,6 +112,27 @@ int ra_dtype_from_name(const char *name, ra_dtype *out) {
     return 0;
 }
 
+int ra_dl_dtype_from_name(const char *name, DLDataType *out) {
+    static const struct { const char *n; uint8_t code, bits; } ints[] = {
+        {"int8", kDLInt, 8},    {"int16", kDLInt, 16},  {"int32", kDLInt, 32},
+        {"int64", kDLInt, 64},  {"uint8", kDLUInt, 8},  {"uint16", kDLUInt, 16},
+        {"uint32", kDLUInt, 32}, {"uint64", kDLUInt, 64},
+    };
+    ra_dtype t;
+    if (ra_dtype_from_name(name, &t)) {
+        dl_dtype_of(t, out);
+        return 1;
+    }
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
+        if (strcmp(name, ints[i].n) == 0) {
+            out->code = ints[i].code;
+            out->bits = ints[i].bits;
+            out->lanes = 1;
+            return 1;
+        }
+    return 0;
+}
+
 /* "float32", "int64", "bfloat16", ... for any DLPack type */
 void ra_dl_dtype_name(DLDataType t, char *buf, size_t n) {
     const char *base;
@@ -192,14 +213,26 @@ overflow:
     return RA_ERR_OVERFLOW;
 }
 
+static int same_dl_dtype(DLDataType a, DLDataType b) {
+    return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
+}
+
 ra_buffer *ra_buffer_empty(int ndim, const int64_t *shape, ra_dtype dtype,
                            int device_type, int device_id, int zero) {
+    DLDataType dl;
+    dl_dtype_of(dtype, &dl);
+    return ra_buffer_empty_dl(ndim, shape, dl, device_type, device_id, zero);
+}
+
+ra_buffer *ra_buffer_empty_dl(int ndim, const int64_t *shape, DLDataType dl,
+                              int device_type, int device_id, int zero) {
     if (ndim < 0 || ndim > RA_MAX_NDIM) {
         ra_raise_msg(RA_ERR_VALUE, "shape: too many dimensions");
         return NULL;
     }
     size_t nbytes;
-    ra_status st = checked_nbytes(ndim, shape, ra_dtype_size(dtype), &nbytes);
+    ra_status st = checked_nbytes(
+        ndim, shape, ((size_t)dl.bits * dl.lanes + 7) / 8, &nbytes);
     if (st != RA_OK) {
         ra_raise(st);
         return NULL;
@@ -219,8 +252,8 @@ ra_buffer *ra_buffer_empty(int ndim, const int64_t *shape, ra_dtype dtype,
     b->data = blk->ptr;
     b->device_type = device_type;
     b->device_id = device_id;
-    b->dtype = dtype;
-    dl_dtype_of(dtype, &b->dl_dtype);
+    b->dl_dtype = dl;
+    b->dtype = ra_dtype_from_dl(dl);
     b->ndim = ndim;
     int64_t stride = 1;
     for (int i = ndim - 1; i >= 0; i--) {
@@ -294,10 +327,20 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
         ra_set_error(RA_ERR_VALUE, "copy: the destination is read-only");
         return RA_ERR_VALUE;
     }
-    if (dst->dtype == RA_DTYPE_OTHER || src->dtype == RA_DTYPE_OTHER) {
+    /* one non-float type on both sides: the elements as they are */
+    const int raw = dst->dtype == RA_DTYPE_OTHER &&
+                    src->dtype == RA_DTYPE_OTHER &&
+                    same_dl_dtype(dst->dl_dtype, src->dl_dtype);
+    if (!raw &&
+        (dst->dtype == RA_DTYPE_OTHER || src->dtype == RA_DTYPE_OTHER)) {
+        char dn[32], sn[32];
+        ra_dl_dtype_name(dst->dl_dtype, dn, sizeof dn);
+        ra_dl_dtype_name(src->dl_dtype, sn, sizeof sn);
         ra_set_error(RA_ERR_TYPE,
                      "copy: expected float32, float64, float16 or bfloat16 "
-                     "buffers");
+                     "buffers, or one other dtype on both sides; got %s from "
+                     "%s",
+                     dn, sn);
         return RA_ERR_TYPE;
     }
     if (dst->ndim != src->ndim) goto shape_mismatch;
@@ -321,8 +364,25 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
     p.dst = dst->data;
     p.src_dtype = src->dtype;
     p.dst_dtype = dst->dtype;
+    p.other_elsize = raw ? ra_buffer_elsize(dst) : 0;
     ra_status st;
-    if (dst->device_type == RA_DEV_CUDA) {
+    if (raw && dst->device_type == RA_DEV_CUDA) {
+        /* the CUDA copy kernel converts floats; other elements move as
+         * bytes, which needs one contiguous run on both sides */
+        if (!ra_buffer_is_contiguous(dst) || !ra_buffer_is_contiguous(src)) {
+            ra_set_error(RA_ERR_UNSUPPORTED,
+                         "copy: a CUDA copy of a non-float dtype needs "
+                         "contiguous source and destination");
+            return RA_ERR_UNSUPPORTED;
+        }
+        const size_t nbytes =
+            (size_t)ra_buffer_numel(dst) * ra_buffer_elsize(dst);
+        if (nbytes == 0) return RA_OK;
+        Py_BEGIN_ALLOW_THREADS
+        st = ra_cuda_memcpy(dst->device_id, dst->data, 1, src->data, 1, nbytes,
+                            0);
+        Py_END_ALLOW_THREADS
+    } else if (dst->device_type == RA_DEV_CUDA) {
         st = ra_cuda_launch(dst->device_id, copy_on_stream, &p);
     } else {
         Py_BEGIN_ALLOW_THREADS
@@ -559,7 +619,8 @@ static PyObject *buffer_reshape(PyObject *self, PyObject *arg) {
     return (PyObject *)ra_buffer_view(b, b->data, (int)nd, shape, strides);
 }
 
-/* copy_(src): copy src (same shape, any float dtype, same device) into self */
+/* copy_(src): copy src (same shape, same device; float dtypes converted,
+ * or one other dtype on both sides) into self */
 static PyObject *buffer_copy_(PyObject *self, PyObject *arg) {
     ra_buffer *dst = (ra_buffer *)self;
     ra_buffer *src = ra_buffer_from_object(arg, "src", -1);
@@ -664,7 +725,8 @@ static PyMethodDef buffer_methods[] = {
      "... (length of them) on axis"},
     {"reshape", buffer_reshape, METH_O, "reshape(shape) of a contiguous buffer"},
     {"copy_", buffer_copy_, METH_O,
-     "copy_(src): copy src (same shape, float dtype, same device) into self"},
+     "copy_(src): copy src (same shape, same device) into self: float "
+     "dtypes are converted; other dtypes (integer ids) must match"},
     {"astype", buffer_astype, METH_O,
      "astype(dtype) -> new contiguous buffer with converted elements"},
     {"zero_", buffer_zero_, METH_NOARGS, "fill a contiguous buffer with zeros"},

@@ -60,6 +60,10 @@ extern PyTypeObject *ra_BufferType;
 /* New contiguous (row-major) buffer owned by ringattn.  zero: fill with 0. */
 ra_buffer *ra_buffer_empty(int ndim, const int64_t *shape, ra_dtype dtype,
                            int device_type, int device_id, int zero);
+/* The same for any DLPack element type (integer ids, say): the Buffer's
+ * dtype is RA_DTYPE_OTHER unless dl is one of the float types. */
+ra_buffer *ra_buffer_empty_dl(int ndim, const int64_t *shape, DLDataType dl,
+                              int device_type, int device_id, int zero);
 /* An empty Buffer object (no memory, ndim 0) for constructors to fill. */
 ra_buffer *ra_buffer_new_raw(void);
 /* New view over `base` (shares its memory and keeper). */
@@ -75,7 +79,8 @@ ra_buffer *ra_buffer_from_object(PyObject *obj, const char *name,
                                  intptr_t stream);
 
 /* dst[...] = src[...] converted to dst's dtype: same shape, same device,
- * float dtypes, dst writable; on the buffers' device (the GIL released
+ * float dtypes (or one integer dtype on both sides, copied as it is; on a
+ * CUDA device only between contiguous buffers), dst writable; on the buffers' device (the GIL released
  * around the host copy).  RA_OK, or a status with ra_set_error's message. */
 ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
 
@@ -94,6 +99,8 @@ extern PyMethodDef ra_buffer_functions[];
 int64_t ra_buffer_numel(const ra_buffer *b);
 ra_dtype ra_dtype_from_dl(DLDataType t);
 int ra_dtype_from_name(const char *name, ra_dtype *out);  /* 1 if known */
+/* the float names above and int8..int64, uint8..uint64; 1 if known */
+int ra_dl_dtype_from_name(const char *name, DLDataType *out);
 void ra_dl_dtype_name(DLDataType t, char *buf, size_t n);
 int ra_buffer_is_contiguous(const ra_buffer *b);
 size_t ra_buffer_elsize(const ra_buffer *b);

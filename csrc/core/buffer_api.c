@@ -60,15 +60,16 @@ static PyObject *make_buffer(PyObject *args, PyObject *kwds, int zero) {
     int device_type = RA_DEV_CPU, device_id = 0;
     int ndim;
     int64_t shape[RA_MAX_NDIM];
-    ra_dtype t;
+    DLDataType t;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|sii", kwlist, &shape_obj,
                                      &dtype_name, &device_type, &device_id))
         return NULL;
     if (parse_shape(shape_obj, &ndim, shape) < 0) return NULL;
-    if (!ra_dtype_from_name(dtype_name, &t)) {
+    if (!ra_dl_dtype_from_name(dtype_name, &t)) {
         PyErr_Format(PyExc_TypeError,
                      "dtype: expected one of float32, float64, float16, "
-                     "bfloat16, got %.100s",
+                     "bfloat16, int8, int16, int32, int64, uint8, uint16, "
+                     "uint32, uint64, got %.100s",
                      dtype_name);
         return NULL;
     }
@@ -78,8 +79,8 @@ static PyObject *make_buffer(PyObject *args, PyObject *kwds, int zero) {
                      device_type);
         return NULL;
     }
-    return (PyObject *)ra_buffer_empty(ndim, shape, t, device_type, device_id,
-                                       zero);
+    return (PyObject *)ra_buffer_empty_dl(ndim, shape, t, device_type,
+                                          device_id, zero);
 }
 
 static PyObject *mod_empty(PyObject *m, PyObject *args, PyObject *kwds) {

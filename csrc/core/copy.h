@@ -1,5 +1,6 @@
 /*
- * copy.h -- strided n-d copy with dtype conversion (float types only).  Used
+ * copy.h -- strided n-d copy with dtype conversion (float types only; on
+ * the host also elements of one other type copied as they are).  Used
  * to make inputs contiguous, to cast accumulators to the output dtype and to
  * stage ring blocks.  CPU version in copy_cpu.c, CUDA in cuda/copy.cu.
  */
@@ -23,6 +24,9 @@ typedef struct ra_copy_params {
     void *dst;
     int64_t dst_strides[RA_COPY_MAX_NDIM];   /* elements */
     ra_dtype dst_dtype;
+    /* RA_DTYPE_OTHER on both sides (integer ids, say): the bytes of one
+     * element, copied unchanged; the host copy only */
+    size_t other_elsize;
     int num_threads;
 } ra_copy_params;
 

@@ -1,5 +1,6 @@
 /*
- * copy_cpu.c -- strided n-d copy with float dtype conversion on the host,
+ * copy_cpu.c -- strided n-d copy with float dtype conversion on the host
+ * (or of elements of one other type, unchanged),
  * and the scalar float16/bfloat16 converters (round to nearest even, NaN and
  * infinities preserved).
  *
@@ -37,12 +38,20 @@ static inline void store_elem(char *p, ra_dtype t, double x) {
     }
 }
 
-/* One row along the last dimension. */
+/* One row along the last dimension; elsize: the bytes of an element of
+ * dtype RA_DTYPE_OTHER (then dt == st). */
 static void copy_row(char *dst, int64_t ds, ra_dtype dt, const char *src,
-                     int64_t ss, ra_dtype st, int64_t n) {
+                     int64_t ss, ra_dtype st, int64_t n, size_t elsize) {
     size_t dsz = ra_dtype_size(dt), ssz = ra_dtype_size(st);
+    if (dt == RA_DTYPE_OTHER) dsz = ssz = elsize;
     if (dt == st && ds == 1 && ss == 1) {
         memcpy(dst, src, (size_t)n * dsz);
+        return;
+    }
+    if (dt == RA_DTYPE_OTHER) {
+        for (int64_t i = 0; i < n; i++)
+            memcpy(dst + i * ds * (int64_t)dsz, src + i * ss * (int64_t)ssz,
+                   dsz);
         return;
     }
     if (dt == RA_FLOAT32 && st == RA_FLOAT32) {
@@ -73,13 +82,16 @@ ra_status ra_cpu_copy(const ra_copy_params *p) {
         ra_set_error(RA_ERR_INTERNAL, "copy: bad ndim %d", p->ndim);
         return RA_ERR_INTERNAL;
     }
-    if (ra_dtype_size(p->src_dtype) == 0 || ra_dtype_size(p->dst_dtype) == 0) {
+    const int raw = p->src_dtype == RA_DTYPE_OTHER &&
+                    p->dst_dtype == RA_DTYPE_OTHER && p->other_elsize > 0;
+    if (!raw &&
+        (ra_dtype_size(p->src_dtype) == 0 || ra_dtype_size(p->dst_dtype) == 0)) {
         ra_set_error(RA_ERR_TYPE, "copy: expected float dtypes");
         return RA_ERR_TYPE;
     }
     if (p->ndim == 0) {
         copy_row((char *)p->dst, 1, p->dst_dtype, (const char *)p->src, 1,
-                 p->src_dtype, 1);
+                 p->src_dtype, 1, p->other_elsize);
         return RA_OK;
     }
     int64_t rows = 1;
@@ -87,8 +99,8 @@ ra_status ra_cpu_copy(const ra_copy_params *p) {
     int64_t n = p->shape[p->ndim - 1];
     if (rows == 0 || n == 0) return RA_OK;
     const int last = p->ndim - 1;
-    const size_t ssz = ra_dtype_size(p->src_dtype);
-    const size_t dsz = ra_dtype_size(p->dst_dtype);
+    const size_t ssz = raw ? p->other_elsize : ra_dtype_size(p->src_dtype);
+    const size_t dsz = raw ? p->other_elsize : ra_dtype_size(p->dst_dtype);
     int nthreads = ra_cpu_threads_for(p->num_threads, 4.0 * (double)(rows * n));
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -101,7 +113,7 @@ ra_status ra_cpu_copy(const ra_copy_params *p) {
         }
         copy_row((char *)p->dst + doff * (int64_t)dsz, p->dst_strides[last],
                  p->dst_dtype, (const char *)p->src + soff * (int64_t)ssz,
-                 p->src_strides[last], p->src_dtype, n);
+                 p->src_strides[last], p->src_dtype, n, p->other_elsize);
     }
     return RA_OK;
 }
