@@ -64,14 +64,14 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
     const int64_t b = blk.b, hk = blk.hk, group = blk.group, k0 = blk.k0;
     const A scale = (A)p.scale;
 
-    const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
-    const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
+    const ra::In<T> kg(p.k, b * p.k_batch_stride, hk * p.k_head_stride, p.dtype);
+    const ra::In<T> vg(p.v, b * p.v_batch_stride, hk * p.v_head_stride, p.dtype);
     for (int idx = threadIdx.x; idx < kBlockRows * D; idx += blockDim.x) {
         const int r = idx / D, d = idx % D;
         const int64_t j = k0 + r;
         const bool ok = j < p.seqlen_k;
-        sk[idx] = ok ? ra::to_acc(kg[j * p.k_seq_stride + d]) : (A)0;
-        sv[idx] = ok ? ra::to_acc(vg[j * p.v_seq_stride + d]) : (A)0;
+        sk[idx] = ok ? kg[j * p.k_seq_stride + d] : (A)0;
+        sv[idx] = ok ? vg[j * p.v_seq_stride + d] : (A)0;
     }
 
     A dk[kRowsPerWarp][DPL], dv[kRowsPerWarp][DPL];
@@ -121,8 +121,8 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
 
     for (int64_t g = 0; g < group; g++) {
         const int64_t h = hk * group + g;
-        const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
-        const T *dog = (const T *)p.dout + b * p.dout_batch_stride + h * p.dout_head_stride;
+        const ra::In<T> qg(p.q, b * p.q_batch_stride, h * p.q_head_stride, p.dtype);
+        const ra::In<T> dog(p.dout, b * p.dout_batch_stride, h * p.dout_head_stride, p.dtype);
         const A *lseg = (const A *)p.lse + b * p.lse_batch_stride + h * p.lse_head_stride;
         const A *deltag = (const A *)p.delta + b * p.lse_batch_stride + h * p.lse_head_stride;
         // query tiles [i0, i0 + 32): every one from i_begin without M, with M
@@ -145,8 +145,8 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                 const int64_t i = i0 + r;
                 const bool ok = i < p.seqlen_q;
                 // pre-scaled as in the forward, so s matches its bits
-                sq[r * ldq + d] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) * scale : (A)0;
-                sdo[r * ldq + d] = ok ? ra::to_acc(dog[i * p.dout_seq_stride + d]) : (A)0;
+                sq[r * ldq + d] = ok ? qg[i * p.q_seq_stride + d] * scale : (A)0;
+                sdo[r * ldq + d] = ok ? dog[i * p.dout_seq_stride + d] : (A)0;
             }
             if (threadIdx.x < kTile) {
                 const int64_t i = i0 + threadIdx.x;

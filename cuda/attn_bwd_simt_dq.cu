@@ -30,16 +30,16 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     const int64_t b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0;
     const A scale = (A)p.scale;
 
-    const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
-    const T *dog = (const T *)p.dout + b * p.dout_batch_stride + h * p.dout_head_stride;
-    const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
-    const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
+    const ra::In<T> qg(p.q, b * p.q_batch_stride, h * p.q_head_stride, p.dtype);
+    const ra::In<T> dog(p.dout, b * p.dout_batch_stride, h * p.dout_head_stride, p.dtype);
+    const ra::In<T> kg(p.k, b * p.k_batch_stride, hk * p.k_head_stride, p.dtype);
+    const ra::In<T> vg(p.v, b * p.v_batch_stride, hk * p.v_head_stride, p.dtype);
     for (int idx = threadIdx.x; idx < kBlockRows * D; idx += blockDim.x) {
         const int r = idx / D, d = idx % D;
         const int64_t i = q0 + r;
         const bool ok = i < p.seqlen_q;
-        sq[idx] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) * scale : (A)0;  // as the forward
-        sdo[idx] = ok ? ra::to_acc(dog[i * p.dout_seq_stride + d]) : (A)0;
+        sq[idx] = ok ? qg[i * p.q_seq_stride + d] * scale : (A)0;  // as the forward
+        sdo[idx] = ok ? dog[i * p.dout_seq_stride + d] : (A)0;
     }
 
     A dq[kRowsPerWarp][DPL], lse[kRowsPerWarp], delta[kRowsPerWarp], band[kRowsPerWarp];
@@ -112,8 +112,8 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
             const int r = idx / D, d = idx % D;
             const int64_t j = j0 + r;
             const bool ok = j < kend;
-            sk[r * ldk + d] = ok ? ra::to_acc(kg[j * p.k_seq_stride + d]) : (A)0;
-            sv[r * ldk + d] = ok ? ra::to_acc(vg[j * p.v_seq_stride + d]) : (A)0;
+            sk[r * ldk + d] = ok ? kg[j * p.k_seq_stride + d] : (A)0;
+            sv[r * ldk + d] = ok ? vg[j * p.v_seq_stride + d] : (A)0;
         }
         __syncthreads();
 

@@ -49,16 +49,16 @@ fwd_simt_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     const ra::QBlock blk = ra::q_block<kBlockQ>(p, n_qblocks);
     const int64_t b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0;
 
-    const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
-    const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
-    const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
+    const ra::In<T> qg(p.q, b * p.q_batch_stride, h * p.q_head_stride, p.dtype);
+    const ra::In<T> kg(p.k, b * p.k_batch_stride, hk * p.k_head_stride, p.dtype);
+    const ra::In<T> vg(p.v, b * p.v_batch_stride, hk * p.v_head_stride, p.dtype);
     const A scale = (A)p.scale;
 
     // q tile (16 x D), pre-scaled; rows past S_q are zero and never stored
     for (int idx = threadIdx.x; idx < kBlockQ * D; idx += blockDim.x) {
         const int r = idx / D, d = idx % D;
         const int64_t i = q0 + r;
-        sq[idx] = i < p.seqlen_q ? ra::to_acc(qg[i * p.q_seq_stride + d]) * scale : (A)0;
+        sq[idx] = i < p.seqlen_q ? qg[i * p.q_seq_stride + d] * scale : (A)0;
     }
 
     // keys [kbegin, kend) bound every row's visible keys
@@ -126,8 +126,8 @@ fwd_simt_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
             const int j = idx / D, d = idx % D;
             const int64_t key = k0 + j;
             const bool ok = key < kend;
-            sk[j * ldk + d] = ok ? ra::to_acc(kg[key * p.k_seq_stride + d]) : (A)0;
-            sv[j * D + d] = ok ? ra::to_acc(vg[key * p.v_seq_stride + d]) : (A)0;
+            sk[j * ldk + d] = ok ? kg[key * p.k_seq_stride + d] : (A)0;
+            sv[j * D + d] = ok ? vg[key * p.v_seq_stride + d] : (A)0;
         }
         __syncthreads();
 

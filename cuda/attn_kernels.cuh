@@ -99,11 +99,16 @@ static inline ra_status ra_check_attn_geometry(const char *what, const P &p) {
 /* The generic kernels' instantiation for params p (fwd or bwd): element
  * type T from p.dtype, DPL, the head dims each lane holds, 1, 2, 4 or 8
  * for head_dim up to 32, 64, 128, 256, and M, the masked variant when
- * p.mask asks for it; calls L::run<T, DPL, M>(p, s).  `what` opens the
- * message of an unsupported dtype. */
+ * p.mask asks for it; calls L::run<T, DPL, M>(p, s).  The masked variant
+ * has fewer instantiations to compile: float32, float16 and bfloat16 share
+ * T = Dyn<float> (the dtype read at run time as the rows are staged) and
+ * head_dim <= 32 takes DPL 2.  `what` opens the message of an unsupported
+ * dtype. */
 template <typename L, typename T, bool M, typename P>
 static inline ra_status ra_simt_dispatch_dpl(const P &p, cudaStream_t s) {
-    if (p.head_dim <= 32) return L::template run<T, 1, M>(p, s);
+    if constexpr (!M) {
+        if (p.head_dim <= 32) return L::template run<T, 1, M>(p, s);
+    }
     if (p.head_dim <= 64) return L::template run<T, 2, M>(p, s);
     if (p.head_dim <= 128) return L::template run<T, 4, M>(p, s);
     return L::template run<T, 8, M>(p, s);
@@ -111,10 +116,17 @@ static inline ra_status ra_simt_dispatch_dpl(const P &p, cudaStream_t s) {
 template <typename L, bool M, typename P>
 static inline ra_status ra_simt_dispatch_m(const P &p, cudaStream_t s, const char *what) {
     switch (p.dtype) {
-    case RA_FLOAT32: return ra_simt_dispatch_dpl<L, float, M>(p, s);
     case RA_FLOAT64: return ra_simt_dispatch_dpl<L, double, M>(p, s);
-    case RA_FLOAT16: return ra_simt_dispatch_dpl<L, ra::half_t, M>(p, s);
-    case RA_BFLOAT16: return ra_simt_dispatch_dpl<L, ra::bf16_t, M>(p, s);
+    case RA_FLOAT32:
+    case RA_FLOAT16:
+    case RA_BFLOAT16:
+        if constexpr (M) {
+            return ra_simt_dispatch_dpl<L, ra::Dyn<float>, M>(p, s);
+        } else {
+            if (p.dtype == RA_FLOAT32) return ra_simt_dispatch_dpl<L, float, M>(p, s);
+            if (p.dtype == RA_FLOAT16) return ra_simt_dispatch_dpl<L, ra::half_t, M>(p, s);
+            return ra_simt_dispatch_dpl<L, ra::bf16_t, M>(p, s);
+        }
     default:
         ra_set_error(RA_ERR_TYPE, "%s: unsupported dtype %s", what, ra_dtype_name(p.dtype));
         return RA_ERR_TYPE;

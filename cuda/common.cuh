@@ -100,6 +100,42 @@ __device__ __forceinline__ void store_dyn(void *p, int64_t i, ra_dtype t,
     }
 }
 
+/* An input dtype known only at run time, read into accumulator type A: the
+ * masked generic kernels serve float32, float16 and bfloat16 with one
+ * instantiation on Dyn<float> (one fewer set of kernels to compile). */
+template <typename A> struct Dyn {};
+template <typename A> struct Acc<Dyn<A>> { typedef A type; };
+
+__device__ __forceinline__ float load_dyn_f(const void *p, int64_t i, ra_dtype t) {
+    switch (t) {
+    case RA_FLOAT32: return ((const float *)p)[i];
+    case RA_FLOAT16: return __half2float(((const half_t *)p)[i]);
+    default: return __bfloat162float(((const bf16_t *)p)[i]);
+    }
+}
+
+/* The rows of one (b, h) of an input tensor of element type T: base +
+ * b_off + h_off elements; x[i] is element i in the accumulator type.
+ * For Dyn<float> the element type is the run-time dtype t. */
+template <typename T> struct In {
+    const T *p;
+    __device__ __forceinline__ In(const void *base, int64_t b_off, int64_t h_off, ra_dtype)
+        : p((const T *)base + b_off + h_off) {}
+    __device__ __forceinline__ typename Acc<T>::type operator[](int64_t i) const {
+        return to_acc(p[i]);
+    }
+};
+template <> struct In<Dyn<float>> {
+    const void *base;
+    int64_t off;
+    ra_dtype t;
+    __device__ __forceinline__ In(const void *base_, int64_t b_off, int64_t h_off, ra_dtype t_)
+        : base(base_), off(b_off + h_off), t(t_) {}
+    __device__ __forceinline__ float operator[](int64_t i) const {
+        return load_dyn_f(base, off + i, t);
+    }
+};
+
 template <typename A> __device__ __forceinline__ A neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() {
     return -CUDART_INF_F;
