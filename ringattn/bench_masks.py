@@ -294,4 +294,6 @@ def run(args):
     print("\nno mask: the --cpu table's configuration\n", flush=True)
     print(format_table(unmasked_rows(S, 8, repeat), COLUMNS[:6]), flush=True)
     print()
-    return 0
+    from .bench_masks_ring import run as run_ring
+
+    return run_ring(args)

@@ -78,6 +78,17 @@ def positive_int_list(text):
     return ",".join(str(positive_int(s)) for s in items)
 
 
+def window_sides(text):
+    """argparse type: LEFT[,RIGHT], integers >= 0 (RIGHT defaults to 0, the
+    usual sliding window), given back as (left, right)."""
+    parts = [x.strip() for x in text.split(",")]
+    if len(parts) not in (1, 2) or not all(parts):
+        raise argparse.ArgumentTypeError(
+            f"expected LEFT or LEFT,RIGHT (integers >= 0), got {text!r}")
+    sides = [nonnegative_int(x) for x in parts] + [0]
+    return tuple(sides[:2])
+
+
 def plot_file(text):
     """argparse type: an image path whose folder exists; needs matplotlib."""
     folder = os.path.dirname(os.path.abspath(text))
@@ -123,6 +134,13 @@ def _demo_parser(sub):
                    help="storage dtype (arithmetic is float32 or wider)")
     d.add_argument("--no-causal", action="store_true",
                    help="full attention instead of causal")
+    d.add_argument("--window", type=window_sides, default=None,
+                   metavar="LEFT[,RIGHT]",
+                   help="sliding window: a query sees keys from LEFT tokens "
+                        "before it to RIGHT after it (RIGHT defaults to 0)")
+    d.add_argument("--docs", type=positive_int, default=None, metavar="N",
+                   help="pack N documents of random lengths into the "
+                        "sequence; no attention across them")
     d.add_argument("--samples", type=positive_int, default=64,
                    help="rows compared with the single-rank run")
     d.add_argument("--threads", type=nonnegative_int, default=0,
@@ -138,6 +156,9 @@ def _check_demo(parser, args):
     if args.kv_heads and args.heads % args.kv_heads:
         parser.error(f"argument --kv-heads: must divide --heads "
                      f"{args.heads}, got {args.kv_heads}")
+    if args.docs is not None and args.docs > args.seq_len:
+        parser.error(f"argument --docs: at most --seq-len {args.seq_len} "
+                     f"documents of one token or more, got {args.docs}")
     if args.dtype == "bfloat16":
         try:
             import ml_dtypes  # noqa: F401

@@ -167,14 +167,28 @@ def _cuda_device_index(device):
 
 
 # launchers whose environment names this process's place in the job, in the
-# order they are read: (name, rank, size, local rank, local size)
+# order they are read: (name, rank, size, local rank, local size).  Slurm's
+# job step (srun) is the launch: SLURM_NTASKS is the allocation's task count,
+# also set in a batch script that runs one process, so the size is the
+# step's (SLURM_STEP_NUM_TASKS) and a batch or extern step is no launch.
 LAUNCHER_ENV = (
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
      "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("MPICH/PMI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
+    ("Slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
 )
+
+# SLURM_STEP_ID of the steps that are not srun launches: the batch script
+# and the extern step (Slurm spells them by name or by their numeric ids)
+SLURM_NON_LAUNCH_STEPS = ("batch", "extern", "4294967294", "4294967295")
+
+
+def _slurm_batch_step():
+    """True inside a Slurm batch script or extern step, not an srun step."""
+    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
+    return (os.environ.get("SLURM_STEP_NUM_TASKS") is None or
+            (step or "").strip() in SLURM_NON_LAUNCH_STEPS)
 
 
 def launcher_env():
@@ -182,13 +196,16 @@ def launcher_env():
     variables are set: {"launcher", "rank", "size", "local_rank",
     "local_size", "vars"} (local_* None where the launcher does not say),
     or None.  RANK / WORLD_SIZE (torchrun, ``ringattn launch``) come first,
-    then Open MPI, MPICH/PMI and Slurm."""
+    then Open MPI, MPICH/PMI and Slurm (an srun step; a batch script that
+    runs one process is no launch)."""
     for name, rank_var, size_var, local_var, local_size_var in LAUNCHER_ENV:
+        if name == "Slurm" and _slurm_batch_step():
+            continue
         rank, size = _env_int(rank_var), _env_int(size_var)
         if rank is None and size is None:
             continue
         local_size = _env_int(local_size_var) if local_size_var else None
-        if name == "Slurm" and _env_int("SLURM_NNODES") == 1:
+        if name == "Slurm" and _env_int("SLURM_STEP_NUM_NODES") == 1:
             local_size = size
         return {"launcher": name, "rank": rank, "size": size,
                 "local_rank": _env_int(local_var),

@@ -4,9 +4,13 @@ Every rank generates only its own shard of q, k, v and dout (rows are drawn
 from a generator seeded per chunk of positions, so any rank can produce any
 rows without holding the rest), runs ``ring_attention`` forward and backward,
 and returns its values at a few sampled global positions together with its
-timings and peak ringattn memory.  The parent then runs the same problem on
-one rank (``attention`` / ``attention_backward`` over the whole sequence) and
-reports the largest difference at the sampled rows.
+timings, the bytes it sent and peak ringattn memory.  The parent then runs
+the same problem on one rank (``attention`` / ``attention_backward`` over
+the whole sequence) and reports the largest difference at the sampled rows.
+
+Masks: ``--window LEFT[,RIGHT]`` and ``--docs N`` (N packed documents of
+random lengths, the same on every rank from the seed) go to both runs; the
+demo prints how much of the score matrix they leave visible.
 """
 
 import math
@@ -71,6 +75,27 @@ class _Bar:
         self.stream.flush()
 
 
+def demo_documents(seed, n, count):
+    """cu_seqlens [0, ..., n] of `count` documents of random lengths >= 1
+    packed into n tokens (the same for every rank: seeded)."""
+    rng = np.random.default_rng([seed, 7])
+    cuts = np.sort(rng.choice(np.arange(1, n), size=count - 1, replace=False))
+    return [0] + [int(x) for x in cuts] + [n]
+
+
+def _masks(cfg, positions):
+    """The mask keywords of this demo for the tokens at `positions`."""
+    kw = {}
+    if cfg["window"] is not None:
+        kw["window"] = tuple(cfg["window"])
+    if cfg["docs"] is not None:
+        from .masks import segment_ids
+
+        ids = segment_ids(cfg["docs"], cfg["n"])[:, positions]
+        kw["segment_ids"] = np.repeat(ids, cfg["batch"], axis=0)
+    return kw
+
+
 def _rank_main(comm, cfg):
     import ringattn as ra
 
@@ -87,18 +112,21 @@ def _rank_main(comm, cfg):
         ra.reset_peak_memory_stats()
         base = ra.memory_stats()["cpu"]["current"]
     show = r == 0 and cfg["progress"]
+    masks = _masks(cfg, pos)
+    fwd, bwd = {}, {}
     t0 = time.perf_counter()
     out, lse = ra.ring_attention(q, k, v, comm, causal=cfg["causal"],
                                  layout=cfg["layout"], seq_len=n,
                                  return_lse=True, num_threads=threads,
-                                 progress=_Bar("forward") if show else None)
+                                 progress=_Bar("forward") if show else None,
+                                 profile=fwd, **masks)
     t1 = time.perf_counter()
     comm.barrier()
     t2 = time.perf_counter()
     dq, dk, dv = ra.ring_attention_backward(
         dout, q, k, v, out, lse, comm, causal=cfg["causal"],
         layout=cfg["layout"], seq_len=n, num_threads=threads,
-        progress=_Bar("backward") if show else None)
+        progress=_Bar("backward") if show else None, profile=bwd, **masks)
     t3 = time.perf_counter()
     comm.barrier()
     peak = ra.memory_stats()["cpu"]["peak"] - base if own_memory else None
@@ -107,16 +135,46 @@ def _rank_main(comm, cfg):
     to64 = lambda a: np.asarray(a, dtype=np.float64)
     return {
         "rank": r, "tokens": len(pos), "fwd_s": t1 - t0, "bwd_s": t3 - t2,
-        "peak_bytes": peak,
+        "peak_bytes": peak, "sent": fwd["bytes_sent"] + bwd["bytes_sent"],
+        "steps": fwd["steps"],
         "positions": pos[mine],
         "out": to64(out[:, mine]), "lse": to64(lse[:, :, mine]),
         "dq": to64(dq[:, mine]), "dk": to64(dk[:, mine]), "dv": to64(dv[:, mine]),
     }
 
 
-def _flops(B, H, n, D, causal):
+def _flops(B, H, n, D, causal, visible=None):
+    """Forward FLOPs: 4 B H D per visible score (n^2, halved if causal,
+    without masks)."""
+    if visible is not None:
+        return 4.0 * B * H * D * visible
     f = 4.0 * B * H * n * n * D
     return f / 2 if causal else f
+
+
+def _describe_masks(cfg, causal):
+    """One line: the masks and the share of the scores they leave visible,
+    and how many (query, key) pairs that is (None, None without masks)."""
+    from .bench_masks import visible_fraction
+    from .masks import segment_ids
+
+    if cfg["window"] is None and cfg["docs"] is None:
+        return None, None
+    n = cfg["n"]
+    parts = []
+    if cfg["window"] is not None:
+        parts.append(f"window {tuple(cfg['window'])}")
+    if cfg["docs"] is not None:
+        lengths = np.diff(cfg["docs"])
+        parts.append(f"{len(lengths)} documents of {lengths.min()}.."
+                     f"{lengths.max()} tokens")
+    ids = None if cfg["docs"] is None else segment_ids(cfg["docs"], n)
+    seen = round(visible_fraction(n, causal, ids, cfg["window"]) * n ** 2)
+    base = round(visible_fraction(n, causal) * n ** 2)
+    line = (f"masks: {', '.join(parts)}: {seen / n ** 2:.2%} of the {n} x "
+            f"{n} scores visible ({seen / base:.2%} of "
+            f"{'causal' if causal else 'full'} attention)")
+    return line, seen
 
 
 def relative_error(got, ref):
@@ -169,12 +227,17 @@ def run(args):
            "layout": args.layout, "causal": causal, "seed": args.seed,
            "dtype": args.dtype, "samples": samples.tolist(),
            "threads": threads, "progress": not args.quiet,
-           "per_rank_memory": per_rank_memory}
+           "per_rank_memory": per_rank_memory, "window": args.window,
+           "docs": None if args.docs is None else
+           demo_documents(args.seed, n, args.docs)}
     B, H, Hkv, D = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     print(f"ringattn demo: {p} ranks ({backend} backend, {threads} kernel "
           f"thread(s) each), {n} tokens, batch {B}, {H} heads "
           f"({Hkv} kv), head_dim {D}, {args.dtype}, "
           f"{'causal' if causal else 'full'}, {args.layout} layout", flush=True)
+    mask_line, visible = _describe_masks(cfg, causal)
+    if mask_line is not None:
+        print(mask_line, flush=True)
     ra.reset_peak_memory_stats()
     base = ra.memory_stats()["cpu"]["current"]
     t0 = time.perf_counter()
@@ -189,26 +252,29 @@ def run(args):
     ra.reset_peak_memory_stats()
     base = ra.memory_stats()["cpu"]["current"]
     s0 = time.perf_counter()
+    masks = _masks(cfg, np.arange(n))
     out, lse = ra.attention(full[0], full[1], full[2], causal=causal,
-                            return_lse=True)
+                            return_lse=True, **masks)
     s1 = time.perf_counter()
     grads = ra.attention_backward(full[3], full[0], full[1], full[2], out, lse,
-                                  causal=causal)
+                                  causal=causal, **masks)
     s2 = time.perf_counter()
     single_peak = ra.memory_stats()["cpu"]["peak"] - base
     err = _compare(results, {"out": out, "lse": lse, "dq": grads[0],
                              "dk": grads[1], "dv": grads[2]})
 
-    flops = _flops(B, H, n, D, causal)
+    flops = _flops(B, H, n, D, causal, visible)
     fwd_ring = max(x["fwd_s"] for x in results)
     bwd_ring = max(x["bwd_s"] for x in results)
     mib = lambda nbytes: f"{nbytes / 2**20:>9.1f}"
     print()
-    print(f"{'rank':>4} {'tokens':>7} {'peak MiB':>9} {'fwd s':>7} {'bwd s':>7}")
+    print(f"{'rank':>4} {'tokens':>7} {'peak MiB':>9} {'fwd s':>7} {'bwd s':>7} "
+          f"{'sent MiB':>9} {'steps':>5}")
     for x in results:
         peak = mib(x["peak_bytes"]) if per_rank_memory else f"{'-':>9}"
         print(f"{x['rank']:>4} {x['tokens']:>7} {peak} "
-              f"{x['fwd_s']:>7.2f} {x['bwd_s']:>7.2f}")
+              f"{x['fwd_s']:>7.2f} {x['bwd_s']:>7.2f} {mib(x['sent'])} "
+              f"{x['steps']:>5}")
     print(f"{'1':>4} {n:>7} {mib(single_peak)} {s1 - s0:>7.2f} "
           f"{s2 - s1:>7.2f}   <- single rank, whole sequence")
     if not per_rank_memory:

@@ -30,7 +30,7 @@ from . import jax_ring as _jax_ring
 from . import ring as _ring
 from . import ring_dilated as _ring_dilated
 from .checks import flag
-from .lse_grad import default_scale, lse_cotangent_grads
+from .lse_grad import lse_cotangent_grads
 
 __all__ = ["attention", "dilated_attention", "ring_attention",
            "ring_dilated_attention", "merge"]
@@ -53,13 +53,14 @@ def _host(arrays):
     return [np.asarray(a) for a in arrays]
 
 
-def _make(forward, backward, ordered, scale, return_lse):
-    """custom_vjp over (q, k, v) from host functions:
-    forward(q, k, v) -> (out, lse); backward(dout, q, k, v, out, lse) ->
-    (dq, dk, dv).  Returns out, or (out, lse) when return_lse; the lse is
-    differentiable (``ringattn.lse_grad``), at the cost of one more forward
-    and backward in the backward pass only when lse is used: symbolic zeros
-    tell, at trace time, which outputs the loss reads."""
+def _make(forward, backward, ordered, return_lse):
+    """custom_vjp over (q, k, v, *ids) from host functions:
+    forward(q, k, v, *ids) -> (out, lse); backward(dout, q, k, v, out, lse,
+    *ids) -> (dq, dk, dv); ids (integer segment ids) get no gradient.
+    Returns out, or (out, lse) when return_lse; the lse is differentiable
+    (``ringattn.lse_grad``), at the cost of one more backward in the
+    backward pass only when lse is used: symbolic zeros tell, at trace
+    time, which outputs the loss reads."""
     def call(fn, shapes, *args):
         host = lambda *a: tuple(np.asarray(x) for x in fn(*_host(a)))
         if ordered:
@@ -67,47 +68,54 @@ def _make(forward, backward, ordered, scale, return_lse):
         return jax.pure_callback(host, shapes, *args,
                                  vmap_method="sequential")
 
-    def lse_terms(dlse, q, k, v, out, lse):
-        return lse_cotangent_grads(dlse, q, k, v, out, lse, forward, backward,
-                                   default_scale(q, scale))
+    def lse_terms(dlse, q, k, v, out, lse, *ids):
+        return lse_cotangent_grads(dlse, q, k, v, out, lse,
+                                   lambda *a: backward(*a, *ids))
 
     def outputs(out, lse):
         return (out, lse) if return_lse else out
 
     @jax.custom_vjp
-    def f(q, k, v):
-        return outputs(*call(forward, (_sds(q), _lse_sds(q)), q, k, v))
+    def f(q, k, v, *ids):
+        return outputs(*call(forward, (_sds(q), _lse_sds(q)), q, k, v, *ids))
 
-    def f_fwd(q, k, v):
-        q, k, v = q.value, k.value, v.value      # symbolic_zeros: wrapped
-        out, lse = call(forward, (_sds(q), _lse_sds(q)), q, k, v)
-        return outputs(out, lse), (q, k, v, out, lse)
+    def f_fwd(q, k, v, *ids):
+        # symbolic_zeros: the primals come wrapped
+        q, k, v = q.value, k.value, v.value
+        ids = tuple(x.value for x in ids)
+        out, lse = call(forward, (_sds(q), _lse_sds(q)), q, k, v, *ids)
+        return outputs(out, lse), (q, k, v, out, lse, ids)
 
     def f_bwd(res, cotangent):
-        q, k, v, out, lse = res
+        q, k, v, out, lse, ids = res
         dout, dlse = cotangent if return_lse else (cotangent, None)
         if isinstance(dout, SymbolicZero):
             grads = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
         else:
             grads = list(call(backward, (_sds(q), _sds(k), _sds(v)), dout,
-                              q, k, v, out, lse))
+                              q, k, v, out, lse, *ids))
         if dlse is not None and not isinstance(dlse, SymbolicZero):
             lse_dq, lse_dk = call(lse_terms, (_sds(q), _sds(k)), dlse, q, k,
-                                  v, out, lse)
+                                  v, out, lse, *ids)
             grads[0], grads[1] = grads[0] + lse_dq, grads[1] + lse_dk
-        return tuple(grads)
+        no_grad = [np.zeros(x.shape, jax.dtypes.float0) for x in ids]
+        return tuple(grads + no_grad)
 
     f.defvjp(f_fwd, f_bwd, symbolic_zeros=True)
     return f
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False,
+              segment_ids=None, kv_segment_ids=None, window=None,
+              softcap=None):
     """Differentiable ``ringattn.attention`` for JAX arrays (one XLA FFI
     custom call forward, two backward): out, or (out, lse) with
-    return_lse=True."""
+    return_lse=True.  Masks as ``ringattn.attention``."""
     causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
     return _ffi.attention(q, k, v, causal=causal, scale=scale,
-                          return_lse=return_lse)
+                          return_lse=return_lse, segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids, window=window,
+                          softcap=softcap)
 
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
@@ -122,7 +130,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
             q, k, v, segs, rates, causal=causal, scale=scale, return_lse=True),
         lambda do, q, k, v, o, l: _dilated.dilated_attention_backward(
             do, q, k, v, o, l, segs, rates, causal=causal, scale=scale),
-        ordered=False, scale=scale, return_lse=return_lse)
+        ordered=False, return_lse=return_lse)
     return _ffi.dilated_attention(q, k, v, segs, rates, causal=causal,
                                   scale=scale, return_lse=return_lse,
                                   host_fallback=f)
@@ -130,9 +138,11 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
 
 def ring_attention(q, k, v, comm=None, *, axis_name=None, causal=False,
                    scale=None, layout="contiguous", seq_len=None,
-                   return_lse=False):
+                   return_lse=False, segment_ids=None, window=None,
+                   softcap=None):
     """Differentiable ``ringattn.ring_attention``: out, or (out, lse) with
-    return_lse=True.
+    return_lse=True.  segment_ids (B, n_r): the ids of this shard's tokens;
+    window, softcap: the same on every rank (DESIGN §2 "Masks").
 
     With ``axis_name``: the ring inside a JAX program, called under
     ``jax.shard_map`` over that mesh axis (see ``ringattn.jax_ring``).
@@ -146,15 +156,24 @@ def ring_attention(q, k, v, comm=None, *, axis_name=None, causal=False,
         return _jax_ring.ring_attention(q, k, v, axis_name=axis_name,
                                         causal=causal, scale=scale,
                                         layout=layout, seq_len=seq_len,
-                                        return_lse=return_lse)
-    kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len)
+                                        return_lse=return_lse,
+                                        segment_ids=segment_ids,
+                                        window=window, softcap=softcap)
+    kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len,
+              window=window, softcap=softcap)
+    ids = () if segment_ids is None else (jnp.asarray(segment_ids),)
     f = _make(
-        lambda q, k, v: _ring.ring_attention(q, k, v, comm, return_lse=True,
-                                             **kw),
-        lambda do, q, k, v, o, l: _ring.ring_attention_backward(
-            do, q, k, v, o, l, comm, **kw),
-        ordered=True, scale=scale, return_lse=return_lse)
-    return f(q, k, v)
+        lambda q, k, v, *ids: _ring.ring_attention(
+            q, k, v, comm, return_lse=True, segment_ids=_one(ids), **kw),
+        lambda do, q, k, v, o, l, *ids: _ring.ring_attention_backward(
+            do, q, k, v, o, l, comm, segment_ids=_one(ids), **kw),
+        ordered=True, return_lse=return_lse)
+    return f(q, k, v, *ids)
+
+
+def _one(ids):
+    """The segment ids of a call (a tuple of none or one array)."""
+    return ids[0] if ids else None
 
 
 def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
@@ -170,5 +189,5 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
             q, k, v, comm, segs, rates, return_lse=True, **kw),
         lambda do, q, k, v, o, l: _ring_dilated.ring_dilated_attention_backward(
             do, q, k, v, o, l, comm, segs, rates, **kw),
-        ordered=True, scale=scale, return_lse=return_lse)
+        ordered=True, return_lse=return_lse)
     return f(q, k, v)

@@ -13,6 +13,10 @@ differentiable; ``attention`` and ``dilated_attention`` here carry a
 
 Shapes: q, out, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D);
 lse, delta (B, H, S_q) float32 (float64 for float64 inputs).
+
+Masks (DESIGN §2): a ``Masks`` holds the window and softcap, which become
+attributes, and the segment ids (B, S_q) and (B, S_k), which become two
+int32 operands after the others (csrc/xla/ffi_args.h).
 """
 
 import inspect
@@ -79,12 +83,85 @@ def _attrs(causal, scale, D, num_threads):
                 num_threads=np.int64(num_threads))
 
 
-def _with_positions(args, attrs, positions):
-    """Append the (P, 3) int64 position table of a ring block, if any."""
-    if positions is None:
+def _with_positions(args, attrs, positions, masks=None):
+    """Append the (P, 3) int64 position table of a ring block, if any, then
+    the masks' id operands and attributes."""
+    if positions is not None:
+        table, q_pieces = positions
+        args, attrs = args + [table], dict(attrs, q_pieces=np.int64(q_pieces))
+    if masks is not None:
+        args, attrs = masks.apply(args, attrs)
+    return args, attrs
+
+
+# a window side from here on reaches every position: unbounded
+_WINDOW_UNBOUNDED_FROM = 2 ** 61
+
+
+class Masks:
+    """Checked mask arguments of a call: window (left, right) with None or
+    ints per side, softcap (float) and segment ids (q's rows, k's rows) as
+    int32 arrays; each None when unused."""
+
+    def __init__(self, window=None, softcap=None, ids=None):
+        self.window = None if window is None or tuple(window) == (None, None) \
+            else tuple(window)
+        self.softcap = softcap
+        self.ids = ids
+
+    def apply(self, args, attrs):
+        attrs = dict(attrs)
+        if self.window is not None:
+            for name, side in zip(("window_left", "window_right"),
+                                  self.window):
+                big = side is None or side >= _WINDOW_UNBOUNDED_FROM
+                attrs[name] = np.int64(-1 if big else side)
+        if self.softcap is not None:
+            attrs["softcap"] = np.float64(self.softcap)
+        if self.ids is not None:
+            attrs["segment_ids"] = True
+            args = args + list(self.ids)
         return args, attrs
-    table, q_pieces = positions
-    return args + [table], dict(attrs, q_pieces=np.int64(q_pieces))
+
+    def with_kv_ids(self, kv_ids):
+        """The same masks with other keys' ids (a ring block's)."""
+        if self.ids is None:
+            return self
+        return Masks(self.window, self.softcap, (self.ids[0], kv_ids))
+
+
+def _host_or_zeros(x):
+    """x's values, or zeros of its shape and dtype when it has none yet (a
+    tracer inside jit / grad / vmap)."""
+    if isinstance(x, jax.core.Tracer):
+        return np.zeros(x.shape, x.dtype)
+    return np.asarray(x)
+
+
+def check_masks(q, k, segment_ids=None, kv_segment_ids=None, window=None,
+                softcap=None):
+    """The mask arguments of a call on q (B, S_q, ...) and k (B, S_k, ...),
+    checked by the C core's own checks (the same errors as
+    ``ringattn.attention``; traced ids are checked for shape and dtype),
+    as a ``Masks``."""
+    B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    dummy_q = np.zeros((B, Sq, 1, 1), np.float32)
+    dummy_k = np.zeros((B, Sk, 1, 1), np.float32)
+    kw = dict(window=window, softcap=softcap)
+    for name, ids in (("segment_ids", segment_ids),
+                      ("kv_segment_ids", kv_segment_ids)):
+        if ids is not None:
+            if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
+                ids = np.asarray(ids)
+            kw[name] = _host_or_zeros(ids)
+    _C.attn_fwd(dummy_q, dummy_k, dummy_k, check_only=True, **kw)
+    ids = None
+    if segment_ids is not None:
+        q_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+        kv_ids = q_ids if kv_segment_ids is None else \
+            jnp.asarray(kv_segment_ids).astype(jnp.int32)
+        ids = (q_ids, kv_ids)
+    return Masks(window, None if softcap is None else float(softcap), ids)
 
 
 def check_qkv(q, k, v):
@@ -118,25 +195,26 @@ def check_qkv(q, k, v):
 # ---- ops -------------------------------------------------------------------
 
 def fwd(q, k, v, *, causal=False, scale=None, out_dtype=None, positions=None,
-        num_threads=0):
+        num_threads=0, masks=None):
     """(out, lse) of attention.  out_dtype: q's (default) or the acc dtype.
-    positions: None (local, bottom-right aligned) or (table, q_pieces)."""
+    positions: None (local, bottom-right aligned) or (table, q_pieces).
+    masks: None or a ``Masks``."""
     B, Sq, H, D = q.shape
     acc = acc_dtype(q.dtype)
     results = (_sds(q.shape, out_dtype or q.dtype, q), _sds((B, H, Sq), acc, q))
     args, attrs = _with_positions([q, k, v], _attrs(causal, scale, D, num_threads),
-                                  positions)
+                                  positions, masks)
     return _call("ringattn_attn_fwd", results, args, attrs)
 
 
 def fwd_acc(q, k, v, out, lse, *, causal=False, scale=None, positions=None,
-            num_threads=0):
+            num_threads=0, masks=None):
     """Merge this k/v block into the running state (out, lse) (acc dtype),
     in place where XLA can: the ring's block step."""
     results = (_sds(out.shape, out.dtype, q), _sds(lse.shape, lse.dtype, q))
     args, attrs = _with_positions([q, k, v, out, lse],
                                   _attrs(causal, scale, q.shape[3], num_threads),
-                                  positions)
+                                  positions, masks)
     return _call("ringattn_attn_fwd_acc", results, args, attrs,
                  aliases={3: 0, 4: 1})
 
@@ -150,25 +228,25 @@ def bwd_preprocess(dout, out, *, num_threads=0):
 
 
 def bwd(dout, q, k, v, lse, delta, *, causal=False, scale=None,
-        grad_dtype=None, positions=None, num_threads=0):
+        grad_dtype=None, positions=None, num_threads=0, masks=None):
     """(dq, dk, dv) of one call (deterministic), in grad_dtype (q's by
     default, or the acc dtype)."""
     gd = grad_dtype or q.dtype
     results = (_sds(q.shape, gd, q), _sds(k.shape, gd, q), _sds(v.shape, gd, q))
     args, attrs = _with_positions([dout, q, k, v, lse, delta],
                                   _attrs(causal, scale, q.shape[3], num_threads),
-                                  positions)
+                                  positions, masks)
     return _call("ringattn_attn_bwd", results, args, attrs)
 
 
 def bwd_acc(dout, q, k, v, lse, delta, dq, dk, dv, *, causal=False,
-            scale=None, positions=None, num_threads=0):
+            scale=None, positions=None, num_threads=0, masks=None):
     """Add this block's gradients into (dq, dk, dv) (acc dtype, in place
     where XLA can)."""
     results = tuple(_sds(g.shape, g.dtype, q) for g in (dq, dk, dv))
     args, attrs = _with_positions([dout, q, k, v, lse, delta, dq, dk, dv],
                                   _attrs(causal, scale, q.shape[3], num_threads),
-                                  positions)
+                                  positions, masks)
     return _call("ringattn_attn_bwd_acc", results, args, attrs,
                  aliases={6: 0, 7: 1, 8: 2})
 
@@ -211,41 +289,54 @@ def dilated_bwd(dout, q, k, v, lse, delta, segs, rates, *, causal=False,
 # ---- differentiable local attention ----------------------------------------
 
 def _vjp(forward, backward, return_lse):
-    """custom_vjp over (q, k, v) returning out, or (out, lse):
-    forward(q, k, v) -> (out, lse); backward(dout, q, k, v, lse, delta) ->
-    (dq, dk, dv).  A cotangent g of lse enters as delta - g (the gradient of
-    lse_i with respect to score s_ij is P_ij), so one backward kernel serves
-    both."""
+    """custom_vjp over (q, k, v, *ids) returning out, or (out, lse):
+    forward(q, k, v, *ids) -> (out, lse); backward(dout, q, k, v, lse,
+    delta, *ids) -> (dq, dk, dv); ids (integer segment ids) get no
+    gradient.  A cotangent g of lse enters as delta - g (the gradient of
+    lse_i with respect to score s_ij is P_ij), so one backward kernel
+    serves both."""
     @jax.custom_vjp
-    def f(q, k, v):
-        out, lse = forward(q, k, v)
+    def f(q, k, v, *ids):
+        out, lse = forward(q, k, v, *ids)
         return (out, lse) if return_lse else out
 
-    def f_fwd(q, k, v):
-        out, lse = forward(q, k, v)
-        return ((out, lse) if return_lse else out), (q, k, v, out, lse)
+    def f_fwd(q, k, v, *ids):
+        out, lse = forward(q, k, v, *ids)
+        return ((out, lse) if return_lse else out), (q, k, v, out, lse, ids)
 
     def f_bwd(res, cotangent):
-        q, k, v, out, lse = res
+        q, k, v, out, lse, ids = res
         dout, dlse = cotangent if return_lse else (cotangent, None)
         dout = dout.astype(out.dtype)
         delta = bwd_preprocess(dout, out)
         if dlse is not None:
             delta = delta - dlse.astype(delta.dtype)
-        return tuple(backward(dout, q, k, v, lse, delta))
+        no_grad = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in ids)
+        return tuple(backward(dout, q, k, v, lse, delta, *ids)) + no_grad
 
     f.defvjp(f_fwd, f_bwd)
     return f
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False,
+              segment_ids=None, kv_segment_ids=None, window=None,
+              softcap=None):
     """Differentiable attention: out (B, S_q, H, D) in q's dtype, or (out,
-    lse) with return_lse (lse (B, H, S_q) float32, float64 for float64)."""
+    lse) with return_lse (lse (B, H, S_q) float32, float64 for float64).
+    Masks as ``ringattn.attention`` (segment ids travel as int32)."""
     check_qkv(q, k, v)
+    masks = check_masks(q, k, segment_ids, kv_segment_ids, window, softcap)
+    ids = masks.ids or ()
+
+    def with_ids(ids):
+        return Masks(masks.window, masks.softcap, ids or None)
+
     return _vjp(
-        lambda q, k, v: fwd(q, k, v, causal=causal, scale=scale),
-        lambda *a: bwd(*a, causal=causal, scale=scale),
-        bool(return_lse))(q, k, v)
+        lambda q, k, v, *ids: fwd(q, k, v, causal=causal, scale=scale,
+                                  masks=with_ids(ids)),
+        lambda *a: bwd(*a[:6], causal=causal, scale=scale,
+                       masks=with_ids(a[6:])),
+        bool(return_lse))(q, k, v, *ids)
 
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,

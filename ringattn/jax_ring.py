@@ -13,8 +13,17 @@ Forward: the device keeps its q and a float32 (float64) running state
 that merges into the state in place.  The next block's transfer does not
 depend on the current block's kernel, so XLA can overlap them.  Backward
 (``jax.custom_vjp``): each device keeps q, out, lse, dout and accumulates dq;
-dk/dv accumulators (float32) travel with their k/v blocks and take one last
-hop home.  Only kv heads travel (GQA).
+dk/dv accumulators (float32) travel with their k/v blocks and get home the
+shorter way: one last hop around the ring after a full lap, or back along
+the hops they came.  Only kv heads travel (GQA).
+
+Masks (DESIGN §2): segment_ids (B, n_r) are this device's tokens' ids; the
+keys' ids travel with their k/v block.  window and softcap are static.  The
+hops are the ring's plan for the layout (``ringattn.hops``): blocks go
+``right`` hops to the next device and ``left`` hops to the previous one, as
+far as a causal mask or a window lets anyone see them (a window over the
+contiguous layout: only the neighbours it reaches).  Blocks move whole,
+every device alike: shapes in an SPMD program are the same on every device.
 
 Causal masking uses the tokens' global positions.  The rank is a traced
 value inside shard_map, so the positions reach the kernels as a small int64
@@ -39,6 +48,7 @@ from . import _C
 from . import jax_ffi as _ffi
 from . import layout as _layout
 from .checks import flag as _flag
+from .hops import layout_hops
 
 
 def shard_map(f, mesh, in_specs, out_specs, check=True):
@@ -84,65 +94,96 @@ def _threads(p):
 class _Ring:
     """What every step of one ring call needs (all static but the rank)."""
 
-    def __init__(self, axis_name, p, causal, scale, table):
+    def __init__(self, axis_name, p, n, layout, causal, scale, masks):
         self.axis_name, self.p = axis_name, p
-        self.causal, self.scale = causal, scale
-        self.table = table
+        self.causal, self.scale, self.masks = causal, scale, masks
+        self.table = position_table(n, p, layout)
+        hops = layout_hops(n, p, 0, layout, causal, masks.window)
+        self.hops = {"right": hops.right, "left": hops.left}
         self.threads = _threads(p)
-        self.shift = [(i, (i + 1) % p) for i in range(p)]
+        self.shift = {"right": [(i, (i + 1) % p) for i in range(p)],
+                      "left": [(i, (i - 1) % p) for i in range(p)]}
 
-    def positions(self, step):
-        """Position operand for the block this device holds at `step` (None
-        when not causal: positions do not matter then)."""
-        if not self.causal:
+    def trips(self):
+        """(trip, hops) of the trips blocks make (the right one may have
+        none: step 0 is the local block)."""
+        return [(t, self.hops[t]) for t in ("right", "left") if self.hops[t]]
+
+    def positions(self, trip, d):
+        """Position operand for the block this device holds after d hops
+        of `trip` (None when neither causal nor a window: positions do not
+        matter then)."""
+        if not self.causal and self.masks.window is None:
             return None
         rank = jax.lax.axis_index(self.axis_name)
+        owner = (rank - d if trip == "right" else rank + d) % self.p
         table = jnp.asarray(self.table)
-        rows = jnp.concatenate([table[rank], table[(rank - step) % self.p]])
+        rows = jnp.concatenate([table[rank], table[owner]])
         return rows, self.table.shape[1]
 
-    def send_on(self, x):
-        return jax.lax.ppermute(x, self.axis_name, self.shift)
+    def send_on(self, x, trip="right"):
+        return jax.lax.ppermute(x, self.axis_name, self.shift[trip])
 
-    def kw(self, step):
+    def kw(self, trip, d, q_ids, kv_ids):
+        """The block op's keywords after d hops of `trip` (ids: this
+        device's and the block's, or None)."""
+        ids = None if q_ids is None else (q_ids, kv_ids)
         return dict(causal=self.causal, scale=self.scale,
-                    positions=self.positions(step), num_threads=self.threads)
+                    positions=self.positions(trip, d),
+                    num_threads=self.threads,
+                    masks=_ffi.Masks(self.masks.window, self.masks.softcap,
+                                     ids))
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, ids):
         acc = _ffi.acc_dtype(q.dtype)
-        out, lse = _ffi.fwd(q, k, v, out_dtype=acc, **self.kw(0))
-        kv = (k, v)
-        for step in range(1, self.p):
-            kv = self.send_on(kv)
-            out, lse = _ffi.fwd_acc(q, *kv, out, lse, **self.kw(step))
+        out, lse = _ffi.fwd(q, k, v, out_dtype=acc,
+                            **self.kw("right", 0, ids, ids))
+        for trip, hops in self.trips():
+            kv = (k, v, ids)
+            for d in range(1, hops + 1):
+                kv = self.send_on(kv, trip)
+                out, lse = _ffi.fwd_acc(q, kv[0], kv[1], out, lse,
+                                        **self.kw(trip, d, ids, kv[2]))
         return out.astype(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, dlse=None):
+    def backward(self, dout, q, k, v, out, lse, ids, dlse=None):
         delta = _ffi.bwd_preprocess(dout, out, num_threads=self.threads)
         if dlse is not None:
             # d lse_i / d s_ij = P_ij: a cotangent of lse enters as delta - g
             delta = delta - dlse.astype(delta.dtype)
         acc = _ffi.acc_dtype(q.dtype)
         dq, dk, dv = _ffi.bwd(dout, q, k, v, lse, delta, grad_dtype=acc,
-                              **self.kw(0))
-        kv, dkv = (k, v), (dk, dv)
-        for step in range(1, self.p):
-            kv, dkv = self.send_on((kv, dkv))
-            dq, *dkv = _ffi.bwd_acc(dout, q, *kv, lse, delta, dq, *dkv,
-                                    **self.kw(step))
-        if self.p > 1:
-            dkv = self.send_on(tuple(dkv))   # the last hop home
-        dk, dv = dkv
+                              **self.kw("right", 0, ids, ids))
+        home = (dk, dv)
+        for trip, hops in self.trips():
+            kv, dkv = (k, v, ids), home
+            for d in range(1, hops + 1):
+                kv, dkv = self.send_on((kv, dkv), trip)
+                dq, *dkv = _ffi.bwd_acc(dout, q, kv[0], kv[1], lse, delta,
+                                        dq, *dkv,
+                                        **self.kw(trip, d, ids, kv[2]))
+            # home the shorter way: on around the ring, or back
+            back = "left" if trip == "right" else "right"
+            way, steps = (trip, self.p - hops) if self.p - hops <= hops \
+                else (back, hops)
+            dkv = tuple(dkv)
+            for _ in range(steps):
+                dkv = self.send_on(dkv, way)
+            home = dkv
+        dk, dv = home
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def ring_attention(q, k, v, *, axis_name, causal=False, scale=None,
-                   layout="contiguous", seq_len=None, return_lse=False):
+                   layout="contiguous", seq_len=None, return_lse=False,
+                   segment_ids=None, window=None, softcap=None):
     """Exact attention over the sequence sharded along mesh axis `axis_name`.
 
     Call under ``jax.shard_map``.  q: (B, n_r, H, D); k, v: (B, n_r, H_kv,
     D): this device's shard in `layout` ('contiguous' | 'zigzag' |
-    'striped').  Returns out (B, n_r, H, D) in q's dtype, or (out, lse) with
+    'striped'); segment_ids (B, n_r): its tokens' document ids (int32 in
+    the kernels); window=(left, right) and softcap as ``ringattn.attention``
+    (static).  Returns out (B, n_r, H, D) in q's dtype, or (out, lse) with
     return_lse (lse (B, H, n_r) float32, float64 for float64 inputs);
     differentiable, through lse too.
     """
@@ -154,6 +195,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, scale=None,
     if k.shape[1] != n_r:
         raise ValueError(f"k: expected this device's shard length {n_r} (from "
                          f"q), got {k.shape[1]}")
+    masks = _ffi.check_masks(q, k, segment_ids, None, window, softcap)
     p = _axis_size(axis_name)
     n = p * n_r
     if seq_len is not None and seq_len != n:
@@ -165,25 +207,32 @@ def ring_attention(q, k, v, *, axis_name, causal=False, scale=None,
     if n >= 2 ** 31 and not jax.config.jax_enable_x64:
         raise ValueError(f"seq_len: {n} positions need int64: enable "
                          "jax_enable_x64")
-    ring = _Ring(axis_name, p, bool(causal), scale, position_table(n, p, layout))
+    ring = _Ring(axis_name, p, n, layout, bool(causal), scale, masks)
+    ids = () if masks.ids is None else (masks.ids[0],)
 
     return_lse = _flag(return_lse, "return_lse")
 
     def outputs(out, lse):
         return (out, lse) if return_lse else out
 
-    @jax.custom_vjp
-    def f(q, k, v):
-        return outputs(*ring.forward(q, k, v))
+    def one(ids):
+        return ids[0] if ids else None
 
-    def f_fwd(q, k, v):
-        out, lse = ring.forward(q, k, v)
-        return outputs(out, lse), (q, k, v, out, lse)
+    @jax.custom_vjp
+    def f(q, k, v, *ids):
+        return outputs(*ring.forward(q, k, v, one(ids)))
+
+    def f_fwd(q, k, v, *ids):
+        out, lse = ring.forward(q, k, v, one(ids))
+        return outputs(out, lse), (q, k, v, out, lse, ids)
 
     def f_bwd(res, cotangent):
-        q, k, v, out, lse = res
+        q, k, v, out, lse, ids = res
         dout, dlse = cotangent if return_lse else (cotangent, None)
-        return ring.backward(dout.astype(out.dtype), q, k, v, out, lse, dlse)
+        grads = ring.backward(dout.astype(out.dtype), q, k, v, out, lse,
+                              one(ids), dlse)
+        return grads + tuple(np.zeros(x.shape, jax.dtypes.float0)
+                             for x in ids)
 
     f.defvjp(f_fwd, f_bwd)
-    return f(q, k, v)
+    return f(q, k, v, *ids)

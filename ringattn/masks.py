@@ -18,22 +18,16 @@ import operator
 
 import numpy as np
 
+from .checks import int_or_none
 from .interop import kind_of, to_buffer, to_numpy
 
 __all__ = ["segment_ids", "mask_kwargs"]
 
 
 def _seq_len(value):
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"seq_len: expected an int >= 0, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"seq_len: expected an int >= 0, got "
-                        f"{type(value).__name__}") from None
-    if n < 0:
-        raise ValueError(f"seq_len: expected an int >= 0, got {n}")
-    return n
+    if value is None:
+        raise TypeError("seq_len: expected an int >= 0, got None")
+    return int_or_none(value, "seq_len", 0)
 
 
 def _cumulative_lengths(cu_seqlens):

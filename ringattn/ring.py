@@ -2,28 +2,46 @@
 
 Each rank holds a shard of q, k, v along the sequence (``layout``: DESIGN §4).
 Forward: the rank keeps its q and a float32 running state (out, lse); k/v
-blocks travel around the ring (send to r+1, receive from r-1), double
-buffered, the transfer of the next block started before the kernel on the
-current one so the two overlap.  Each block merges into the running state by
-the LSE rule inside the kernel (``accumulate``), so nothing is rounded to the
-input dtype between steps.  Blocks entirely in the causal future are skipped.
+blocks travel from rank to rank, double buffered, the transfer of the next
+block started before the kernel on the current one so the two overlap.
+Each block merges into the running state by the LSE rule inside the kernel
+(``accumulate``), so nothing is rounded to the input dtype between steps.
+
+Which hops a block makes is the call's plan (``ringattn.hops``), the same
+on every rank from the agreed data: the causal mask, the window and the
+ranges of the segment ids decide which ranks see which rows of it.  Without
+masks that is the plain ring -- send to r+1, receive from r-1, a block going
+on until the last rank that sees it; with a window on the contiguous layout,
+only the neighbours the window reaches, both ways when it has a right side,
+and each hop carries only the rows still needed ahead.  Pieces that nothing
+can see are never computed.  The segment ids of a block's rows travel
+beside it (a second, small message).
 
 Backward: each rank keeps q, out, lse, dout and accumulates dq; dk/dv
-accumulators (float32) travel with their k/v blocks and, after p hops, arrive
-back at their owner.  Only kv heads travel (GQA cuts traffic by H/H_kv).
+accumulators (float32) travel with their k/v rows, and the rows no later
+hop needs go straight home to their owner (after a full lap: one last hop,
+as in the plain ring).  Only kv heads travel (GQA cuts traffic by H/H_kv).
 Memory per rank is O(n/p).
 
 Shapes (local shard of n_r tokens): q, out, dout (B, n_r, H, D); k, v
-(B, n_r, H_kv, D); lse (B, H, n_r) float32 (float64 for float64 inputs).
+(B, n_r, H_kv, D); lse (B, H, n_r) float32 (float64 for float64 inputs);
+segment_ids (B, n_r) integers.
 """
 
+import contextlib
+import operator
 import os
 import time
 
+import numpy as np
+
 from . import _C, checks
-from .agreement import MAX_SEQ_LEN, agree, describe
-from .interop import kind_of, from_buffer, to_buffer
+from .agreement import EMPTY_RANGE, MAX_SEQ_LEN, agree, describe, id_chunks
+from .hops import HopPlan, layout_hops
+from .interop import kind_of, from_buffer, to_buffer, to_numpy
 from .layout import check_layout
+from .masks import mask_kwargs
+from .ring_blocks import Block, Packed, exchange
 
 __all__ = ["ring_attention", "ring_attention_backward"]
 
@@ -104,44 +122,6 @@ def empty_state(B, n, H, D, acc, dev):
     return out, lse
 
 
-def _pairs(plan, q_rank, k_rank, causal):
-    """Pieces of two shards that have any visible key, as
-    ((q_off, q_len), (k_off, k_len), positions): local row ranges and the
-    kernels' position keywords."""
-    out = []
-    for q_off, q_start, q_stride, q_len in plan.local_pieces(q_rank):
-        q_last = q_start + q_stride * (q_len - 1)
-        for k_off, k_start, k_stride, k_len in plan.local_pieces(k_rank):
-            if causal and k_start > q_last:
-                continue  # entirely in the causal future
-            positions = dict(q_pos_offset=q_start, q_pos_stride=q_stride,
-                             k_pos_offset=k_start, k_pos_stride=k_stride)
-            out.append(((q_off, q_len), (k_off, k_len), positions))
-    return out
-
-
-class _KVBlocks:
-    """Two flat buffers that hold packed blocks (m, B, L, H_kv, D) in turn.
-
-    A block from a rank with L tokens occupies the first m*B*L*H_kv*D
-    elements, so one allocation of the largest shard serves every step.
-    """
-
-    def __init__(self, m, B, Hkv, D, max_len, dtype, device, count=2):
-        self.m, self.B, self.Hkv, self.D = m, B, Hkv, D
-        size = max(1, m * B * max_len * Hkv * D)
-        self.flat = [_C.empty((size,), dtype, *device) for _ in range(count)]
-
-    def view(self, i, length):
-        numel = self.m * self.B * length * self.Hkv * self.D
-        return self.flat[i].narrow(0, 0, numel).reshape(
-            (self.m, self.B, length, self.Hkv, self.D))
-
-    def part(self, packed, j):
-        """Part j (B, L, H_kv, D) of a packed block (m, B, L, H_kv, D)."""
-        _, B, L, Hkv, D = packed.shape
-        return packed.narrow(0, j, 1).reshape((B, L, Hkv, D))
-
 
 _DEVICE_CODES = {"cpu": 1, "cuda": 2}
 
@@ -151,187 +131,458 @@ def _device(buf):
     return (_DEVICE_CODES[kind], idx)
 
 
+# ---- masks -----------------------------------------------------------------
+
+def _window_sides(window):
+    """A window the C core accepted, as (left, right) ints or None per
+    side; None when neither side is bounded."""
+    if window is None:
+        return None
+    sides = tuple(None if x is None else operator.index(x) for x in window)
+    return None if sides == (None, None) else sides
+
+
+def _int32_ids(ids, host):
+    """int32 segment ids on the device of `ids` as a Buffer (host: their
+    values on the host as int32; the C core has checked they fit)."""
+    buf = to_buffer(ids, "segment_ids")
+    if buf.dtype == "int32":
+        return buf
+    if buf.device[0] == "cpu":
+        return to_buffer(np.ascontiguousarray(host), "segment_ids")
+    kind = kind_of(ids)
+    if kind == "torch":
+        import torch
+
+        return to_buffer(ids.to(torch.int32), "segment_ids")
+    if kind == "cupy":
+        return to_buffer(ids.astype("int32"), "segment_ids")
+    raise TypeError(f"segment_ids: a ring on a {buf.device[0]} device takes "
+                    f"int32 ids (or a torch / CuPy array of integers), got "
+                    f"{buf.dtype}")
+
+
+def _id_range(ids, rows):
+    """(min, max) of a chunk's ids (B, rows); EMPTY_RANGE without rows, and
+    any range for a batch of 0 (nothing is computed then)."""
+    if not rows:
+        return EMPTY_RANGE
+    if not ids.size:
+        return (0, 0)
+    return int(ids.min()), int(ids.max())
+
+
+class RingMasks:
+    """This rank's mask arguments, after the C core checked them.
+
+    window: None or (left, right), ints or None per side; softcap: None or
+    a float; ids: None or this rank's segment ids (B, n_r) as an int32
+    Buffer on q's device, and chunk_ranges their (min, max) per chunk of
+    the shard (``agreement.id_chunks``) for the agreement.
+    """
+
+    def __init__(self, segment_ids, window, softcap, layout):
+        self.window = _window_sides(window)
+        self.softcap = None if softcap is None else float(softcap)
+        self.ids = self.chunk_ranges = None
+        if segment_ids is not None:
+            host = np.asarray(to_numpy(segment_ids)).astype(np.int32)
+            self.ids = _int32_ids(segment_ids, host)
+            self.chunk_ranges = [_id_range(host[:, off:off + rows], rows)
+                                 for off, rows in
+                                 id_chunks(host.shape[1], layout)]
+
+    def kernel_kw(self):
+        """The kernels' window / softcap keywords (none when unused)."""
+        kw = {}
+        if self.window is not None:
+            kw["window"] = self.window
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        return kw
+
+    def describe(self):
+        return dict(window=self.window, softcap=self.softcap,
+                    id_ranges=self.chunk_ranges)
+
+
+def hop_plan(plan, causal, window):
+    """The HopPlan of an agreed call (cached when no segment ids enter)."""
+    if plan.id_ranges is not None:
+        return HopPlan(plan, causal, window, plan.id_ranges)
+    return layout_hops(plan.n, plan.world_size, plan.rank, plan.layout,
+                       causal, window)
+
+
+class _Step:
+    """The call's plan, masks and the kernels' shared keywords."""
+
+    def __init__(self, hops, masks, causal, scale, threads):
+        self.hops, self.masks = hops, masks
+        self.kw = dict(causal=causal, scale=scale, num_threads=threads,
+                       **masks.kernel_kw())
+
+    def calls(self, s, block_ids, row0):
+        """[(q rows, k rows, keywords)] of this rank against block s."""
+        for (q_off, q_len), (k_off, k_len), positions in \
+                self.hops.calls(s, row0):
+            kw = dict(self.kw, **positions)
+            if self.masks.ids is not None:
+                kw["segment_ids"] = self.masks.ids.narrow(1, q_off, q_len)
+                kw["kv_segment_ids"] = block_ids.narrow(1, k_off, k_len)
+            yield (q_off, q_len), (k_off, k_len), kw
+
+
+class _Profile:
+    def __init__(self):
+        self.compute_s = self.wait_s = 0.0
+        self.sent = 0
+
+    def start(self, comm, send, dst, recv, src, step, timeout):
+        """exchange() of a block: send and recv are (data, ids) pairs (ids
+        may be None) or None; the bytes sent are counted."""
+        reqs = []
+        for i in range(2):
+            s = None if send is None else send[i]
+            r = None if recv is None else recv[i]
+            if s is not None:
+                self.sent += s.nbytes
+            req = exchange(comm, s, dst, r, src, step, timeout)
+            if req is not None:
+                reqs.append(req)
+        return reqs
+
+    @contextlib.contextmanager
+    def computing(self):
+        """Count the time inside as kernel time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.compute_s += time.perf_counter() - t0
+
+    def wait(self, reqs):
+        t0 = time.perf_counter()
+        for req in reqs:
+            req.wait()
+        self.wait_s += time.perf_counter() - t0
+
+    def report(self, profile, hops):
+        if profile is not None:
+            steps = hops.steps()
+            profile.update(compute_s=self.compute_s, wait_s=self.wait_s,
+                           steps=steps,
+                           steps_skipped=hops.world_size - steps,
+                           bytes_sent=self.sent)
+
+
+def _prepare(comm, op, named, local_check, causal, scale, call, masks_args):
+    """Checked buffers, masks, the agreed plan and its hops: everything a
+    ring call settles before its first transfer."""
+    bufs = shard_buffers(named, local_check)
+    masks = RingMasks(*masks_args, call.layout)
+    plan = agree(comm, describe(op, bufs[0], bufs[1], causal, scale,
+                                call.layout, call.seq_len,
+                                **masks.describe()), call.timeout)
+    return bufs, masks, plan, hop_plan(plan, causal, masks.window)
+
+
 def ring_attention(q, k, v, comm, *, causal=False, scale=None,
                    layout="contiguous", seq_len=None, return_lse=False,
+                   segment_ids=None, window=None, softcap=None,
                    progress=None, num_threads=None, timeout=None,
                    profile=None):
     """Exact attention over the sequence sharded across `comm`'s ranks.
 
     q: (B, n_r, H, D), k, v: (B, n_r, H_kv, D): this rank's shard in
     `layout` ('contiguous' | 'zigzag' | 'striped'), n_r =
-    len(shard_indices(seq_len, p, layout)[rank]).  Causal masking uses the
-    tokens' global positions.  seq_len=None: ranks exchange shard lengths.
+    len(shard_indices(seq_len, p, layout)[rank]).  seq_len=None: ranks
+    exchange shard lengths.  Masks (DESIGN §2) with the tokens' global
+    positions: segment_ids (B, n_r) integer ids of this rank's tokens (the
+    ids of the keys travel with their k/v), window=(left, right), softcap;
+    causal masking too.  Every rank passes the same causal, scale, layout,
+    window and softcap, and all or none pass segment_ids.
     Returns out (B, n_r, H, D) in q's dtype, and lse (B, H, n_r) float32
     (float64 for float64) with return_lse=True.  progress(step, steps) is
     called after each ring step.  profile: a dict to fill with
-    {"compute_s", "wait_s", "steps", "bytes_sent"} (time in kernels, time
-    blocked waiting for transfers, ring steps, bytes this rank sent).
-    timeout: seconds each wait of this call may take (the agreement and
-    every transfer; default the communicator's), else ``CommError``.
-    Arguments are checked as ``attention`` checks them, before any
-    communication.
+    {"compute_s", "wait_s", "steps", "steps_skipped", "bytes_sent"} (time
+    in kernels, time blocked waiting for transfers, ring steps taken and
+    not needed, bytes this rank sent).  timeout: seconds each wait of this
+    call may take (the agreement and every transfer; default the
+    communicator's), else ``CommError``.  Arguments are checked as
+    ``attention`` checks them, before any communication.
     """
     causal, return_lse = (checks.flag(causal, "causal"),
                           checks.flag(return_lse, "return_lse"))
     call = RingCall(comm, layout, seq_len, num_threads, timeout, progress,
                     profile)
     kind = kind_of(q)
-    qb, kb, vb = shard_buffers(
-        [("q", q), ("k", k), ("v", v)],
+    mask_kw = mask_kwargs(segment_ids, None, window, softcap)
+    (qb, kb, vb), masks, plan, hops = _prepare(
+        comm, "fwd", [("q", q), ("k", k), ("v", v)],
         lambda q, k, v: _C.attn_fwd(q, k, v, causal=causal, scale=scale,
-                                    check_only=True))
-    plan = agree(comm, describe("fwd", qb, kb, causal, scale, call.layout,
-                                call.seq_len), call.timeout)
-    out, lse = _ring_forward(qb, kb, vb, comm, plan, causal, scale,
-                             call.progress, call.threads, call.timeout,
-                             call.profile)
+                                    check_only=True, **mask_kw),
+        causal, scale, call, (segment_ids, window, softcap))
+    step = _Step(hops, masks, causal, scale, call.threads)
+    out, lse = _ring_forward(qb, kb, vb, comm, step, call)
     out_final = as_result(out, qb, kind)
     if return_lse:
         return out_final, from_buffer(lse, kind)
     return out_final
 
 
-def _ring_forward(qb, kb, vb, comm, plan, causal, scale, progress, threads,
-                  timeout, profile=None):
-    p, r = plan.world_size, plan.rank
+def _trip_ends(hops, trip):
+    """(rank this trip sends to, rank it receives from)."""
+    p, r = hops.world_size, hops.rank
+    if trip == "right":
+        return (r + 1) % p, (r - 1) % p
+    return (r - 1) % p, (r + 1) % p
+
+
+def _step_index(hops, trip, d):
+    """The comm step of hop d + 1 of `trip` (one count over both trips)."""
+    return d if trip == "right" else hops.right + d
+
+
+def _kv_hop(comm, prof, kv, hops, trip, d, cur, timeout):
+    """Start hop d + 1 of `trip` for the k/v blocks: send the rows of ours
+    that go on (packed into slot 0 from our own inputs, slot 2 when cut
+    from a block that arrived), receive the next into slot (d + 1) % 2.
+    Returns (requests, the next Block or None)."""
+    dst, src = _trip_ends(hops, trip)
+    lo, hi = hops.rows(trip, hops.block_at(trip, d), d + 1)
+    send = kv.outgoing(0 if d == 0 else 2, cur, lo, hi) if hi > lo else None
+    nlo, nhi = hops.rows(trip, hops.block_at(trip, d + 1), d + 1)
+    nxt = kv.block((d + 1) % 2, nhi - nlo, (nlo, nhi)) if nhi > nlo else None
+    reqs = prof.start(comm, send, dst, None if nxt is None else nxt.packed,
+                      src, _step_index(hops, trip, d), timeout)
+    return reqs, nxt
+
+
+def _kv_slots(hops, B, Hkv, D, dtype, dev, masks=None):
+    """The k/v (or dk/dv) slots of a call.  The plain ring (``hops.lap``)
+    holds two whole blocks from the start whatever p is, so per-rank
+    memory is one function of the shard length for every world size;
+    other plans size their slots by the rows they move (O(window))."""
+    with_ids = masks is not None and masks.ids is not None
+    if hops.lap:
+        slots = Packed(2, B, Hkv, D, max(hops.lengths), dtype, dev, with_ids)
+        slots.reserve(2)
+        return slots
+    return Packed(2, B, Hkv, D, hops.max_rows(), dtype, dev, with_ids)
+
+
+def _walk(hops, call):
+    """Every step of a call: (trip, its hops, d, s, compute) for the block
+    of rank s held after d hops of `trip` (d = 0: our own), compute when
+    this rank sees any of it; progress(step, steps) after each step.  The
+    right trip always comes (its step 0 is the local block), the left one
+    when it has hops."""
+    done, total = 0, hops.steps()
+    for trip in HopPlan.TRIPS:
+        n_hops = hops.hops(trip)
+        if trip == "left" and n_hops == 0:
+            continue
+        for d in range(n_hops + 1):
+            s = hops.block_at(trip, d)
+            local = d == 0 and trip == "right"
+            yield trip, n_hops, d, s, local or (d > 0 and hops.needs(s))
+            if local or d > 0:
+                done += 1
+                if call.progress is not None:
+                    call.progress(done, total)
+
+
+def _ring_forward(qb, kb, vb, comm, step, call):
+    hops, masks = step.hops, step.masks
     B, n_r, H, D = qb.shape
-    Hkv = kb.shape[2]
     dev = _device(qb)
     acc = "float64" if qb.dtype == "float64" else "float32"
     out, lse = empty_state(B, n_r, H, D, acc, dev)
-    # the same double-buffered path for every p, so per-rank memory is the
-    # same function of the shard length whatever the world size
-    blocks = _KVBlocks(2, B, Hkv, D, max(plan.lengths), qb.dtype, dev)
-    cur = blocks.view(0, n_r)
-    blocks.part(cur, 0).copy_(kb)
-    blocks.part(cur, 1).copy_(vb)
-    cur_i = 0
-    compute_s = wait_s = 0.0
-    sent = 0
-    for step in range(p):
-        src_rank = (r - step) % p          # whose block we hold now
-        req = None
-        if step < p - 1:
-            nxt_len = plan.lengths[(r - step - 1) % p]
-            nxt = blocks.view(1 - cur_i, nxt_len)
-            req = comm.sendrecv_start(cur, (r + 1) % p, nxt, (r - 1) % p,
-                                      step=step, timeout=timeout)
-            sent += cur.nbytes
-        t0 = time.perf_counter()
-        k_blk, v_blk = blocks.part(cur, 0), blocks.part(cur, 1)
-        for (q_off, q_len), (k_off, k_len), positions in _pairs(
-                plan, r, src_rank, causal):
-            _C.attn_fwd(qb.narrow(1, q_off, q_len),
-                        k_blk.narrow(1, k_off, k_len),
-                        v_blk.narrow(1, k_off, k_len),
-                        causal=causal, scale=scale,
-                        out=out.narrow(1, q_off, q_len),
-                        lse=lse.narrow(2, q_off, q_len), accumulate=True,
-                        num_threads=threads, **positions)
-        t1 = time.perf_counter()
-        if req is not None:
-            req.wait()
-            cur_i = 1 - cur_i
-            cur = nxt
-        t2 = time.perf_counter()
-        compute_s += t1 - t0
-        wait_s += t2 - t1
-        if progress is not None:
-            progress(step + 1, p)
-    if profile is not None:
-        profile.update(compute_s=compute_s, wait_s=wait_s, steps=p,
-                       bytes_sent=sent)
+    kv = _kv_slots(hops, B, kb.shape[2], D, qb.dtype, dev, masks)
+    prof = _Profile()
+    for trip, n_hops, d, s, compute in _walk(hops, call):
+        if d == 0:
+            cur = Block(kb, vb, masks.ids, (0, n_r))
+        reqs, nxt = _kv_hop(comm, prof, kv, hops, trip, d, cur,
+                            call.timeout) if d < n_hops else ([], None)
+        if compute:
+            with prof.computing():
+                for (q_off, q_len), (k_off, k_len), kw in step.calls(
+                        s, cur.ids, cur.rows[0]):
+                    _C.attn_fwd(qb.narrow(1, q_off, q_len),
+                                cur.k.narrow(1, k_off, k_len),
+                                cur.v.narrow(1, k_off, k_len),
+                                out=out.narrow(1, q_off, q_len),
+                                lse=lse.narrow(2, q_off, q_len),
+                                accumulate=True, **kw)
+        prof.wait(reqs)
+        cur = nxt
+    prof.report(call.profile, hops)
     return out, lse
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
                             scale=None, layout="contiguous", seq_len=None,
-                            progress=None, num_threads=None, timeout=None):
+                            segment_ids=None, window=None, softcap=None,
+                            progress=None, num_threads=None, timeout=None,
+                            profile=None):
     """Gradients of ``ring_attention`` for this rank's shard.
 
     dout, q, out: (B, n_r, H, D); k, v: (B, n_r, H_kv, D); lse: (B, H, n_r)
     as returned by ``ring_attention(..., return_lse=True)``.  Returns
     (dq, dk, dv) in the inputs' dtypes; dk/dv are this rank's keys'
-    gradients summed over every rank's queries.  Arguments and timeout as
-    ``ring_attention``.
+    gradients summed over every rank's queries.  Arguments, masks, profile
+    and timeout as ``ring_attention``.
     """
     causal = checks.flag(causal, "causal")
-    call = RingCall(comm, layout, seq_len, num_threads, timeout, progress)
+    call = RingCall(comm, layout, seq_len, num_threads, timeout, progress,
+                    profile)
     kind = kind_of(q)
-    qb, kb, vb, doutb, outb, lseb = shard_buffers(
-        [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out),
-         ("lse", lse)],
+    mask_kw = mask_kwargs(segment_ids, None, window, softcap)
+    bufs, masks, plan, hops = _prepare(
+        comm, "bwd", [("q", q), ("k", k), ("v", v), ("dout", dout),
+                      ("out", out), ("lse", lse)],
         lambda q, k, v, dout, out, lse: _C.attn_bwd(
             dout, q, k, v, out, lse, causal=causal, scale=scale,
-            check_only=True))
-    plan = agree(comm, describe("bwd", qb, kb, causal, scale, call.layout,
-                                call.seq_len), call.timeout)
-    dq, dk, dv = _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan,
-                                causal, scale, call.progress, call.threads,
-                                call.timeout)
+            check_only=True, **mask_kw),
+        causal, scale, call, (segment_ids, window, softcap))
+    qb, kb, vb, doutb, outb, lseb = bufs
+    step = _Step(hops, masks, causal, scale, call.threads)
+    dq, dk, dv = _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, step,
+                                call)
     return tuple(as_result(g, like, kind)
                  for g, like in ((dq, qb), (dk, kb), (dv, vb)))
 
 
-def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, plan, causal, scale,
-                   progress, threads, timeout):
-    p, r = plan.world_size, plan.rank
+class _Home:
+    """This rank's dk/dv (2, B, n_r, H_kv, D), and the rows of them that
+    arrive from the rank holding our block once no later hop needs them.
+
+    With ``hops.lap`` (whole blocks, the full lap to the right) our dk/dv
+    leave from dk/dv slot 0 and come back whole after the last hop, into
+    the slot no block needs then, as in the plain ring; otherwise they live
+    in a buffer of their own and arrive in pieces.
+    """
+
+    def __init__(self, dkv, hops, n_r, dev, acc):
+        self.dkv, self.lap, self.n_r = dkv, hops.lap, n_r
+        if self.lap:
+            self.grads = dkv.view(0, n_r)[0]
+            self.grads.zero_()
+        else:
+            self.grads = _C.zeros((2, dkv.B, n_r, dkv.Hkv, dkv.D), acc,
+                                  *dev)
+        self.arriving = None
+
+    def exchange(self, comm, prof, hops, trip, d, held, timeout):
+        """After hop d: send the final rows of the block whose dk/dv we
+        hold (`held`) to its owner; receive ours."""
+        s = hops.block_at(trip, d)
+        out_runs = hops.home_rows(trip, s, d)
+        send = None
+        if out_runs:
+            send = self.dkv.gather(3, held, out_runs,
+                                   hops.grad_rows(trip, s, d)[0])
+        in_runs = hops.home_rows(trip, hops.rank, d)
+        recv = None
+        if self.lap and in_runs:        # the slot no block needs now
+            recv = self.dkv.view((d + 1) % 2, self.n_r)[0]
+            self.grads = recv
+        elif in_runs == [(0, self.n_r)]:
+            recv = self.grads
+        elif in_runs:
+            recv = self.dkv.view(4, sum(b - a for a, b in in_runs))[0]
+            self.arriving = (recv, in_runs)
+        return prof.start(comm, (send, None), s, (recv, None),
+                          hops.holder(trip, hops.rank, d),
+                          _step_index(hops, trip, d - 1), timeout)
+
+    def settle(self):
+        """Write the rows that arrived into our dk/dv."""
+        if self.arriving is not None:
+            recv, runs = self.arriving
+            Packed.scatter(self.grads, recv, runs)
+            self.arriving = None
+
+
+def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, step, call):
+    """dk/dv travel with their k/v rows; rows no later hop needs go
+    straight home (``_Home``).  dk/dv slots: 0, 1 the travelling ones (a
+    block's dk/dv that arrive on hop d land in slot d % 2; our own rows
+    leave from slot 0), 2 a cut that goes on, 3 and 4 rows going home and
+    arriving home."""
+    hops, masks = step.hops, step.masks
     B, n_r, H, D = qb.shape
     Hkv = kb.shape[2]
     dev = _device(qb)
     acc = "float64" if qb.dtype == "float64" else "float32"
     # checks out/dout/lse shapes and computes delta = rowsum(dout * out)
-    delta = _C.attn_bwd_preprocess(doutb, outb, num_threads=threads)
+    delta = _C.attn_bwd_preprocess(doutb, outb, num_threads=call.threads)
     dq = _C.zeros((B, n_r, H, D), acc, *dev)
-    max_len = max(plan.lengths)
-    dkv = _KVBlocks(2, B, Hkv, D, max_len, acc, dev)
-    kv = _KVBlocks(2, B, Hkv, D, max_len, qb.dtype, dev)
-    kv_cur, kv_i = kv.view(0, n_r), 0
-    kv.part(kv_cur, 0).copy_(kb)
-    kv.part(kv_cur, 1).copy_(vb)
-    dkv_cur, dkv_i = dkv.view(0, n_r), 0
-    dkv_cur.zero_()
-    dkv_req = None
-    for step in range(p):
-        src_rank = (r - step) % p
-        if dkv_req is not None:       # this block's dk/dv from the previous rank
-            dkv_req.wait()
-            dkv_i = 1 - dkv_i
-            dkv_cur = dkv_nxt
-        kv_req = None
-        if step < p - 1:
-            kv_nxt = kv.view(1 - kv_i, plan.lengths[(r - step - 1) % p])
-            kv_req = comm.sendrecv_start(kv_cur, (r + 1) % p, kv_nxt,
-                                         (r - 1) % p, step=step, timeout=timeout)
-        k_blk, v_blk = kv.part(kv_cur, 0), kv.part(kv_cur, 1)
-        dk_blk, dv_blk = dkv.part(dkv_cur, 0), dkv.part(dkv_cur, 1)
-        for (q_off, q_len), (k_off, k_len), positions in _pairs(
-                plan, r, src_rank, causal):
-            _C.attn_bwd(doutb.narrow(1, q_off, q_len),
-                        qb.narrow(1, q_off, q_len),
-                        k_blk.narrow(1, k_off, k_len),
-                        v_blk.narrow(1, k_off, k_len),
-                        None, lseb.narrow(2, q_off, q_len),
-                        causal=causal, scale=scale,
-                        dq=dq.narrow(1, q_off, q_len),
-                        dk=dk_blk.narrow(1, k_off, k_len),
-                        dv=dv_blk.narrow(1, k_off, k_len),
-                        delta=delta.narrow(2, q_off, q_len), accumulate=True,
-                        num_threads=threads, **positions)
-        if kv_req is not None:
-            kv_req.wait()
-            kv_i = 1 - kv_i
-            kv_cur = kv_nxt
-        # dk/dv move on with their block; after the last step they reach
-        # their owner, and ours arrives from the previous rank (p = 1: a
-        # copy to ourselves)
-        home_len = plan.lengths[(r - step - 1) % p]
-        dkv_nxt = dkv.view(1 - dkv_i, home_len)
-        dkv_req = comm.sendrecv_start(dkv_cur, (r + 1) % p, dkv_nxt,
-                                      (r - 1) % p, step=step, timeout=timeout)
-        if progress is not None:
-            progress(step + 1, p)
-    if dkv_req is not None:
-        dkv_req.wait()
-        dkv_cur = dkv_nxt
-    return dq, dkv.part(dkv_cur, 0), dkv.part(dkv_cur, 1)
+    kv = _kv_slots(hops, B, Hkv, D, qb.dtype, dev, masks)
+    dkv = _kv_slots(hops, B, Hkv, D, acc, dev)
+    home = _Home(dkv, hops, n_r, dev, acc)
+    prof, pending, arrived = _Profile(), [], None
+    for trip, n_hops, d, s, compute in _walk(hops, call):
+        if d == 0:
+            cur, grads = Block(kb, vb, masks.ids, (0, n_r)), home.grads
+        else:           # this block's dk/dv, and rows of ours, arrive
+            prof.wait(pending)
+            home.settle()
+            grads = arrived
+        reqs, nxt = _kv_hop(comm, prof, kv, hops, trip, d, cur,
+                            call.timeout) if d < n_hops else ([], None)
+        if compute:
+            with prof.computing():
+                _bwd_block(step, doutb, qb, lseb, delta, dq, cur, grads, s)
+        prof.wait(reqs)
+        pending, arrived = [], None
+        if d < n_hops:
+            pending, arrived = _grad_hop(comm, prof, dkv, hops, trip, d,
+                                         grads, call.timeout)
+        if d > 0:
+            pending += home.exchange(comm, prof, hops, trip, d, grads,
+                                     call.timeout)
+        if d == n_hops:
+            prof.wait(pending)
+            home.settle()
+        cur = nxt
+    prof.report(call.profile, hops)
+    return dq, Packed.part(home.grads, 0), Packed.part(home.grads, 1)
+
+
+def _grad_hop(comm, prof, dkv, hops, trip, d, grads, timeout):
+    """Start hop d + 1 of `trip` for the dk/dv: ours of the rows that go
+    on (packed into slot 0 from our own, slot 2 when cut), and the next
+    block's into slot (d + 1) % 2.  Returns (requests, where they land)."""
+    dst, src = _trip_ends(hops, trip)
+    s = hops.block_at(trip, d)
+    lo, hi = hops.grad_rows(trip, s, d + 1)
+    send = None
+    if hi > lo:
+        base = 0 if d == 0 else hops.grad_rows(trip, s, d)[0]
+        send = dkv.gather(0 if d == 0 else 2, grads, [(lo, hi)], base)
+    nlo, nhi = hops.grad_rows(trip, hops.block_at(trip, d + 1), d + 1)
+    arrived = dkv.view((d + 1) % 2, nhi - nlo)[0] if nhi > nlo else None
+    reqs = prof.start(comm, (send, None), dst, (arrived, None), src,
+                      _step_index(hops, trip, d), timeout)
+    return reqs, arrived
+
+
+def _bwd_block(step, doutb, qb, lseb, delta, dq, block, grads, s):
+    """Add this rank's gradients against block s (k/v `block`, dk/dv
+    `grads` (2, B, L, H_kv, D) of the same rows) into dq and grads."""
+    dk_blk, dv_blk = Packed.part(grads, 0), Packed.part(grads, 1)
+    for (q_off, q_len), (k_off, k_len), kw in step.calls(s, block.ids,
+                                                         block.rows[0]):
+        _C.attn_bwd(doutb.narrow(1, q_off, q_len),
+                    qb.narrow(1, q_off, q_len),
+                    block.k.narrow(1, k_off, k_len),
+                    block.v.narrow(1, k_off, k_len),
+                    None, lseb.narrow(2, q_off, q_len),
+                    dq=dq.narrow(1, q_off, q_len),
+                    dk=dk_blk.narrow(1, k_off, k_len),
+                    dv=dv_blk.narrow(1, k_off, k_len),
+                    delta=delta.narrow(2, q_off, q_len), accumulate=True,
+                    **kw)

@@ -6,8 +6,9 @@ and the backward calls the ringattn backward kernels.  Tensors cross
 zero-copy through DLPack, on the CPU or a CUDA device.
 
 With ``return_lse=True`` the lse is differentiable too (its gradient costs
-one more forward and backward pass, only when lse is used; see
-``ringattn.lse_grad``).  Second derivatives are not implemented: a double
+one more backward pass, only when lse is used; see ``ringattn.lse_grad``).
+Masks (segment ids, window, softcap) pass through as ``ringattn.attention``
+and ``ringattn.ring_attention`` take them; ids get no gradient.  Second derivatives are not implemented: a double
 backward raises RuntimeError (as PyTorch's flash attention does) rather
 than returning zeros.
 
@@ -22,7 +23,7 @@ from .attention import attention_backward as _attention_bwd
 from . import dilated as _dilated
 from . import ring as _ring
 from . import ring_dilated as _ring_dilated
-from .lse_grad import default_scale, lse_cotangent_grads
+from .lse_grad import lse_cotangent_grads
 
 __all__ = ["attention", "dilated_attention", "ring_attention",
            "ring_dilated_attention"]
@@ -48,13 +49,12 @@ class _NoSecondDerivative(torch.autograd.Function):
 
 class _Attention(torch.autograd.Function):
     """Generic wrapper: `forward_fn(q, k, v) -> (out, lse)`,
-    `backward_fn(dout, q, k, v, out, lse) -> (dq, dk, dv)`; `scale` is the
-    resolved softmax scale (for the gradient through lse)."""
+    `backward_fn(dout, q, k, v, out, lse) -> (dq, dk, dv)`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, forward_fn, backward_fn, scale):
+    def forward(ctx, q, k, v, forward_fn, backward_fn):
         out, lse = forward_fn(q.detach(), k.detach(), v.detach())
-        ctx.forward_fn, ctx.backward_fn, ctx.scale = forward_fn, backward_fn, scale
+        ctx.forward_fn, ctx.backward_fn = forward_fn, backward_fn
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)      # an unused output's grad: None
         return out, lse
@@ -67,13 +67,13 @@ class _Attention(torch.autograd.Function):
             grads = _gradients(ctx, detach(dout), detach(dlse),
                                *(x.detach() for x in saved))
         if not torch.is_grad_enabled():
-            return grads + (None, None, None)
+            return grads + (None, None)
         # create_graph=True: a second derivative through these gradients
         # must raise, not silently be zero
         anchors = [x for x in saved[:3] + (dout, dlse)
                    if x is not None and x.requires_grad]
         return _NoSecondDerivative.apply(anchors[0] if anchors else None,
-                                         *grads) + (None, None, None)
+                                         *grads) + (None, None)
 
 
 def _gradients(ctx, dout, dlse, q, k, v, out, lse):
@@ -84,27 +84,29 @@ def _gradients(ctx, dout, dlse, q, k, v, out, lse):
         dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
     if dlse is not None:
         lse_dq, lse_dk = lse_cotangent_grads(
-            dlse.contiguous(), q, k, v, out, lse, ctx.forward_fn,
-            ctx.backward_fn, ctx.scale)
+            dlse.contiguous(), q, k, v, out, lse, ctx.backward_fn)
         dq, dk = dq + lse_dq, dk + lse_dk
     return dq, dk, dv
 
 
-def _apply(q, k, v, fwd, bwd, scale, return_lse):
+def _apply(q, k, v, fwd, bwd, return_lse):
     return_lse = flag(return_lse, "return_lse")
-    out, lse = _Attention.apply(q, k, v, fwd, bwd, default_scale(q, scale))
+    out, lse = _Attention.apply(q, k, v, fwd, bwd)
     return (out, lse) if return_lse else out
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
-    """Differentiable ``ringattn.attention`` for torch tensors."""
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False,
+              segment_ids=None, kv_segment_ids=None, window=None,
+              softcap=None):
+    """Differentiable ``ringattn.attention`` for torch tensors (masks as
+    there)."""
+    kw = dict(causal=causal, scale=scale, segment_ids=segment_ids,
+              kv_segment_ids=kv_segment_ids, window=window, softcap=softcap)
     return _apply(
         q, k, v,
-        lambda q, k, v: _attention_fwd(q, k, v, causal=causal,
-                                             scale=scale, return_lse=True),
-        lambda do, q, k, v, o, l: _attention_bwd(
-            do, q, k, v, o, l, causal=causal, scale=scale),
-        scale, return_lse)
+        lambda q, k, v: _attention_fwd(q, k, v, return_lse=True, **kw),
+        lambda do, q, k, v, o, l: _attention_bwd(do, q, k, v, o, l, **kw),
+        return_lse)
 
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
@@ -117,20 +119,23 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
             q, k, v, segs, rates, causal=causal, scale=scale, return_lse=True),
         lambda do, q, k, v, o, l: _dilated.dilated_attention_backward(
             do, q, k, v, o, l, segs, rates, causal=causal, scale=scale),
-        scale, return_lse)
+        return_lse)
 
 
 def ring_attention(q, k, v, comm, *, causal=False, scale=None,
-                   layout="contiguous", seq_len=None, return_lse=False):
-    """Differentiable ``ringattn.ring_attention`` on this rank's shard."""
-    kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len)
+                   layout="contiguous", seq_len=None, return_lse=False,
+                   segment_ids=None, window=None, softcap=None):
+    """Differentiable ``ringattn.ring_attention`` on this rank's shard
+    (segment_ids: this shard's ids; masks as there)."""
+    kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len,
+              segment_ids=segment_ids, window=window, softcap=softcap)
     return _apply(
         q, k, v,
         lambda q, k, v: _ring.ring_attention(q, k, v, comm, return_lse=True,
                                              **kw),
         lambda do, q, k, v, o, l: _ring.ring_attention_backward(
             do, q, k, v, o, l, comm, **kw),
-        scale, return_lse)
+        return_lse)
 
 
 def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
@@ -146,4 +151,4 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
             q, k, v, comm, segs, rates, return_lse=True, **kw),
         lambda do, q, k, v, o, l: _ring_dilated.ring_dilated_attention_backward(
             do, q, k, v, o, l, comm, segs, rates, **kw),
-        scale, return_lse)
+        return_lse)

@@ -4,9 +4,9 @@ devices, for tests/test_jax_ring.py.
 A separate process because XLA_FLAGS=--xla_force_host_platform_device_count
 must be set before JAX is imported, and the rest of the test suite must
 keep its one CPU device.  The parent writes the cases (global q, k, v, dout
-in natural order) to an .npz; this writes back, per case, out and dq, dk,
-dv (as float64, natural order) and what the lowered forward+backward
-program contains.
+and segment ids in natural order; window and softcap in the case) to an
+.npz; this writes back, per case, out and dq, dk, dv (as float64, natural
+order) and what the lowered forward+backward program contains.
 
 usage: python jax_ring_worker.py CASES.npz RESULTS.npz
 """
@@ -39,13 +39,22 @@ def run_case(case, arrays):
     with_lse = case.get("lse", False)
     # lse (B, H, n_r) is sharded along its last dim
     lse_spec = P(None, None, "sp")
-    ring = shard_map(lambda q, k, v: rj.ring_attention(
+    masks = {key: tuple(case[key]) if key == "window" else case[key]
+             for key in ("window", "softcap") if key in case}
+    ids = arrays.get(f"{case['name']}/ids")
+    ring = shard_map(lambda q, k, v, *ids: rj.ring_attention(
         q, k, v, axis_name="sp", causal=case["causal"], layout=layout,
-        seq_len=n, return_lse=with_lse), mesh, spec,
+        seq_len=n, return_lse=with_lse,
+        segment_ids=ids[0] if ids else None, **masks), mesh,
+        (spec,) * (3 + (ids is not None)),
         (spec, lse_spec) if with_lse else spec)
+    placed_ids = () if ids is None else (jax.device_put(
+        jnp.asarray(ids[:, order].astype(np.int32)),
+        NamedSharding(mesh, spec)),)
 
     def out_and_grads(q, k, v, dout, *dlse):
-        out, pullback = jax.vjp(ring, q, k, v)
+        out, pullback = jax.vjp(lambda q, k, v: ring(q, k, v, *placed_ids),
+                                q, k, v)
         if with_lse:
             return out + tuple(pullback((dout, dlse[0])))
         return (out,) + tuple(pullback(dout))
@@ -71,6 +80,8 @@ def run_case(case, arrays):
         "ringattn_attn_bwd", "ringattn_attn_bwd_acc") if f"@{t}(" in text}))
     got["callbacks"] = np.array("callback" in text)
     got["permutes"] = np.array(text.count("collective_permute"))
+    got["calls"] = np.array(text.count("@ringattn_attn_fwd_acc(") +
+                            text.count("@ringattn_attn_bwd_acc("))
     return got
 
 

@@ -51,6 +51,24 @@ def test_demo_gqa_layout_dtype_options():
     assert proc.returncode == 0 and "PASS" in proc.stdout, describe(proc)
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout,extra", [
+    ("contiguous", ["--window", "40"]),
+    ("zigzag", ["--window", "16,9", "--docs", "5", "--no-causal"]),
+    ("striped", ["--docs", "12"]),
+])
+def test_demo_with_masks_passes_and_says_what_is_visible(layout, extra):
+    """--window and --docs reach both runs: PASS, and a line with the share
+    of the scores the masks leave visible."""
+    proc = run_cli("demo", "-n", "400", "-p", "3", "--backend", "threads",
+                   "--layout", layout, "--heads", "2", "--head-dim", "16",
+                   "--quiet", *extra)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("masks:")]
+    ok = proc.returncode == 0 and "PASS" in proc.stdout and len(lines) == 1 \
+        and "scores visible" in lines[0]
+    assert ok, describe(proc)
+
+
 @pytest.mark.timeout(60)
 def test_info_reports_version_and_devices():
     proc = run_cli("info")
@@ -95,6 +113,14 @@ BAD_FLAGS = [
     (["demo", "--layout", "diagonal"], "--layout"),
     (["demo", "--backend", "mpi"], "--backend"),
     (["demo", "--dtype", "int8"], "--dtype"),
+    (["demo", "--window", "-1"], "--window"),
+    (["demo", "--window", "8,-2"], "--window"),
+    (["demo", "--window", "1,2,3"], "--window"),
+    (["demo", "--window", "a"], "--window"),
+    (["demo", "--window", ","], "--window"),
+    (["demo", "--docs", "0"], "--docs"),
+    (["demo", "--docs", "x"], "--docs"),
+    (["demo", "-n", "16", "--docs", "17"], "--docs"),
     (["bench", "--repeat", "0"], "--repeat"),
     (["bench", "--threads", "-1"], "--threads"),
     (["bench", "--seq-lens", "512,0"], "--seq-lens"),

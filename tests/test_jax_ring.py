@@ -1,6 +1,7 @@
 """``ringattn.jax.ring_attention`` under ``jax.shard_map`` on 1-4 CPU devices
 against the float64 reference: every layout, causal and not, GQA, forward
-and gradients, several dtypes and odd shard lengths.
+and gradients, several dtypes and odd shard lengths; masks (documents,
+windows, soft-capping) on every layout and p, and the hops a window takes.
 
 The rings run in one subprocess (tests/jax_ring_worker.py) started with
 XLA_FLAGS=--xla_force_host_platform_device_count=4, so this process and
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from ringattn.testing import assert_close, random_problem, ref_attention, \
-    ref_attention_backward
+    ref_attention_backward, ref_segment_ids
 
 pytest.importorskip("jax")
 
@@ -45,10 +46,24 @@ def _cases():
     # one token per device; more devices' worth of heads than tokens
     cases.append(dict(p=4, layout="striped", causal=True, m=1, H=2, Hkv=1, D=4,
                       dtype="float64"))
+    # masks: every layout and p, gradients through out and lse
+    masks = [dict(causal=True, window=[4, 0], docs=True),
+             dict(causal=False, window=[2, 5], softcap=2.0),
+             dict(causal=True, softcap=1.5, docs=True, lse=True),
+             dict(causal=False, window=[None, 3], docs=True, lse=True)]
+    for p in (1, 2, 3, 4):
+        for i, layout in enumerate(("contiguous", "zigzag", "striped")):
+            mask = masks[(p + i) % len(masks)]
+            cases.append(dict(mask, p=p, layout=layout, m=7, H=4, Hkv=2, D=8,
+                              dtype="float64"))
+    cases.append(dict(p=4, layout="contiguous", causal=True, window=[3, 0],
+                      m=9, H=2, Hkv=1, D=8, dtype="float32", docs=True))
     for c in cases:
+        tags = "".join(f"-{key}" for key in ("lse", "window", "softcap", "docs")
+                       if c.get(key))
         c["name"] = (f"p{c['p']}-{c['layout']}-{'causal' if c['causal'] else 'full'}"
                      f"-n{c['p'] * c['m']}-h{c['H']}/{c['Hkv']}-{c['dtype']}"
-                     f"{'-lse' if c.get('lse') else ''}")
+                     f"{tags}")
     return cases
 
 
@@ -65,10 +80,18 @@ def ring_runs(tmp_path_factory):
                                        c["D"], c["dtype"])
         dlse = (rng.standard_normal((2, c["H"], c["p"] * c["m"]))
                 if c.get("lse") else None)
-        inputs[c["name"]] = (q, k, v, dout, dlse)
+        if c.get("softcap"):
+            q = q * 6                   # large scores: the cap bites
+        n = c["p"] * c["m"]
+        ids = np.stack([ref_segment_ids([0, 1, n // 3, n // 3 + 2], n)[0],
+                        ref_segment_ids([0, n // 2], n)[0]]) \
+            if c.get("docs") else None
+        inputs[c["name"]] = (q, k, v, dout, dlse, ids)
         for name, x in zip(("q", "k", "v", "dout", "dlse"), (q, k, v, dout, dlse)):
             if x is not None:
                 arrays[f"{c['name']}/{name}"] = x.astype(np.float64)
+        if ids is not None:
+            arrays[f"{c['name']}/ids"] = ids
     tmp = tmp_path_factory.mktemp("jax_ring")
     cases_path, out_path = tmp / "cases.npz", tmp / "results.npz"
     np.savez(cases_path, cases=np.array(json.dumps(CASES)), **arrays)
@@ -86,9 +109,10 @@ def ring_runs(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_ring_matches_reference(ring_runs, case):
     inputs, results = ring_runs
-    q, k, v, dout, dlse = inputs[case["name"]]
+    q, k, v, dout, dlse, ids = inputs[case["name"]]
     pos = np.arange(q.shape[1])
-    kw = dict(causal=case["causal"], q_pos=pos, k_pos=pos)
+    kw = dict(causal=case["causal"], q_pos=pos, k_pos=pos, segment_ids=ids,
+              window=case.get("window"), softcap=case.get("softcap"))
     ref_out, ref_lse = ref_attention(q, k, v, **kw)
     grads = tuple(ref_attention_backward(dout, q, k, v, dlse=dlse, **kw))
     names = ("out", "dq", "dk", "dv")
@@ -101,7 +125,8 @@ def test_ring_matches_reference(ring_runs, case):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", [c for c in CASES if c["dtype"] == "float64"
-                                  and c["layout"] == "zigzag"],
+                                  and c["layout"] == "zigzag"
+                                  and not c.get("window")],
                          ids=lambda c: c["name"])
 def test_ring_program_is_custom_calls_and_permutes(ring_runs, case):
     """The lowered forward+backward is FFI custom calls and ppermutes: no
@@ -115,3 +140,14 @@ def test_ring_program_is_custom_calls_and_permutes(ring_runs, case):
     assert targets == expected
     assert results[f"{case['name']}/permutes"] >= (3 * (case["p"] - 1) + 1
                                                    if case["p"] > 1 else 0)
+
+
+@pytest.mark.timeout(600)
+def test_window_ring_takes_only_the_hops_it_needs(ring_runs):
+    """Contiguous, causal window of 3 over shards of 9: one hop forward
+    (and one back), not p - 1: fewer block calls than the full ring."""
+    _, results = ring_runs
+    name = [c["name"] for c in CASES if c["dtype"] == "float32"
+            and c.get("window")][0]
+    # forward: one block step; backward: one block step
+    assert int(results[f"{name}/calls"]) == 2, int(results[f"{name}/calls"])

@@ -12,7 +12,8 @@ import ringattn as ra
 from ringattn.comm import LAUNCHER_ENV, _rank_and_size, launcher_env
 
 ALL_VARS = {v for row in LAUNCHER_ENV for v in row[1:] if v} | {
-    "SLURM_NNODES", "MASTER_ADDR", "MASTER_PORT", "RINGATTN_MASTER_PORT",
+    "SLURM_NTASKS", "SLURM_NNODES", "SLURM_STEP_NUM_NODES", "SLURM_STEP_ID",
+    "SLURM_STEPID", "MASTER_ADDR", "MASTER_PORT", "RINGATTN_MASTER_PORT",
     "RINGATTN_TOKEN"}
 
 
@@ -32,8 +33,9 @@ LAUNCHES = {
                  "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
     "MPICH/PMI": {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0",
                   "MPI_LOCALNRANKS": "2"},
-    "Slurm": {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0",
-              "SLURM_NNODES": "2"},
+    "Slurm": {"SLURM_PROCID": "2", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0",
+              "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "0",
+              "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2"},
 }
 
 
@@ -45,6 +47,28 @@ def test_rank_and_size_come_from_each_launcher(clean_env, launcher):
     got = (env["launcher"], env["rank"], env["size"], env["local_rank"],
            _rank_and_size(None, None))
     assert got == (launcher, 2, 4, 0, (2, 4))
+
+
+@pytest.mark.parametrize("step", [None, "batch", "4294967294", "extern"])
+def test_slurm_batch_script_is_one_rank(clean_env, step):
+    """A batch script of an --ntasks=4 allocation runs one process: the
+    allocation's task count is not a world size to wait for."""
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NNODES": "1",
+           "MASTER_PORT": "29613"}
+    if step is not None:
+        env.update(SLURM_STEP_ID=step, SLURM_STEP_NUM_TASKS="1")
+    for var, value in env.items():
+        clean_env.setenv(var, value)
+    assert launcher_env() is None and _rank_and_size(None, None) == (0, 1)
+
+
+def test_slurm_step_on_one_node_needs_only_a_port(clean_env):
+    env = dict(LAUNCHES["Slurm"], SLURM_STEP_NUM_NODES="1")
+    for var, value in env.items():
+        clean_env.setenv(var, value)
+    assert launcher_env()["local_size"] == 4
+    clean_env.setenv("MASTER_PORT", "29500")
+    assert _rank_and_size(None, None, (None, None)) == (2, 4)
 
 
 def test_rank_and_world_size_win_over_mpi(clean_env):

@@ -83,7 +83,7 @@ MALFORMED = {
     "pickle padded to size": pickle.dumps(RunsCode()).ljust(
         agreement.RECORD_SIZE, b"."),
     "magic": _patched(0, "<4s", b"RAP0"),
-    "version": _patched(4, "<H", 2),
+    "version": _patched(4, "<H", agreement.VERSION + 1),
     "op code": _patched(6, "<B", 9),
     "dtype code": _patched(7, "<B", 200),
     "device code": _patched(8, "<B", 7),

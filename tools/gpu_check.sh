@@ -3,12 +3,12 @@
 # 10-minute call of the device tool.  Run from anywhere; it works on the
 # repository it lives in.
 #
-# The three device calls (timeout_s 600 each; about 25 minutes of commands
-# plus three machine starts, about 29 device-minutes; a machine is bare
+# The three device calls (timeout_s 600 each; about 26 minutes of commands
+# plus three machine starts, about 30 device-minutes; a machine is bare
 # again 30 s after a call, so every call builds):
 #
 #   1. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build selftest tests
-#        build ~2.5 min, selftest ~2 min, tests ~3 min            (~7.5 min)
+#        build ~2.5 min, selftest ~2 min, tests ~3.5 min          (~8 min)
 #   2. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build sanitize
 #        build ~2.5 min, sanitize ~6.5 min                         (~9 min)
 #   3. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build nccl bench ringbench
@@ -24,9 +24,12 @@
 #   selftest   tools/cuda_selftest.cu, every kernel variant vs float64
 #              ("full" grid); linked with the build's CUDA objects
 #   tests      pytest -m gpu tests/test_cuda.py tests/test_cuda_interop.py
+#              tests/test_jax_ffi_gpu.py (the XLA FFI CUDA handlers: they
+#              skip, with the reason shown, where JAX there has no CUDA)
 #   sanitize   compute-sanitizer memcheck, racecheck, synccheck, initcheck
 #              on "selftest quick", and memcheck on tools/sanitize_case.py,
-#              limited to ringattn's kernels
+#              limited to ringattn's kernels; first a canary
+#              (tools/sanitizer_canary.cu) the filtered memcheck must catch
 #   nccl       pytest -m gpu tests/test_nccl.py (world size 1; 2-4 ranks on
 #              one GPU where NCCL >= 2.30; a silent and a killed peer)
 #   bench      ringattn bench --gpu (TFLOP/s next to SDPA flash/cuDNN, and
@@ -59,9 +62,15 @@ ARCHS="${RINGATTN_CUDA_ARCHS:-90}"
 export RINGATTN_CUDA_ARCHS="$ARCHS" PYTHONUNBUFFERED=1
 START=$SECONDS
 ALL_STAGES="build selftest tests sanitize nccl bench ringbench"
-# ringattn's kernels only (nvcc names a kernel of an anonymous namespace
-# after its source file: _GLOBAL__N__<hash>_<n>_attn_fwd_simt_cu_...)
-KERNEL_FILTER='regex=_GLOBAL__N__[0-9a-f]+_[0-9]+_(attn_[a-z_]+|merge|copy)_cu_'
+# ringattn's kernels only, by either name the sanitizer may match: the
+# mangled one (nvcc names a kernel of an anonymous namespace after its
+# source file: _GLOBAL__N__<hash>_<n>_attn_fwd_simt_cu_...) or the
+# demangled one ("(anonymous namespace)::fwd_simt_kernel<...>(...)").
+# tests/test_gpu_kit.py keeps both lists complete; the sanitize stage's
+# canary (tools/sanitizer_canary.cu) proves the filter matches a kernel.
+KERNEL_FILES='attn_[a-z_]+|merge|copy|sanitizer_canary'
+KERNEL_NAMES='copy|delta|dkdv_simt|dkdv_tc|dq_simt|dq_tc|fill_state|fwd_simt|fwd_tc|merge|sanitizer_canary'
+KERNEL_FILTER="regex=(_GLOBAL__N__[0-9a-f]+_[0-9]+_($KERNEL_FILES)_cu_|($KERNEL_NAMES)_kernel)"
 
 case "$PY" in
     */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;;
@@ -307,8 +316,9 @@ PY
 }
 
 stage_tests() {
-    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py (~3 min)"
-    pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_interop.py"
+    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py test_jax_ffi_gpu.py (~3.5 min)"
+    pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_interop.py" \
+        "$REPO/tests/test_jax_ffi_gpu.py"
 }
 
 stage_nccl() {
@@ -342,6 +352,21 @@ stage_sanitize() {
         return 1
     fi
     local tool rc out verdict=PASS parts=()
+    # the positive control: memcheck with the same filter must catch the
+    # canary's out-of-bounds write, or every "clean" below means nothing
+    local nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" arch="${ARCHS%%[;, ]*}"
+    [ -x "$nvcc" ] || nvcc="$(command -v nvcc)"
+    run_logged sanitize_canary 120 bash -c "'$nvcc' -O1 -arch=sm_${arch#sm_} \
+        '$REPO/tools/sanitizer_canary.cu' -o '$WORK/canary' && '$san' --tool memcheck \
+        --error-exitcode 9 --kernel-name '$KERNEL_FILTER' '$WORK/canary'"
+    rc=$?
+    if [ $rc -eq 9 ] && grep -q 'Invalid __global__ write' "$LOGDIR/sanitize_canary.log"; then
+        parts+=("canary caught")
+    else
+        record sanitize FAIL "the kernel filter's canary was not caught (rc=$rc): a clean run would prove nothing"
+        show_tail sanitize_canary 20
+        return 1
+    fi
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
         run_logged "sanitize_$tool" 180 "$san" --tool "$tool" --error-exitcode 9 \
             --kernel-name "$KERNEL_FILTER" "$bin" quick

@@ -25,14 +25,18 @@ const char *ra_device_name(int t) {
     return t == RA_DEV_CPU ? "cpu" : t == RA_DEV_CUDA ? "cuda" : "other";
 }
 
-int dtype_error(const char *name, ra_buffer *b) {
+int dtype_error_expecting(const char *name, ra_buffer *b,
+                          const char *expected) {
     char dt[32];
     ra_dl_dtype_name(b->dl_dtype, dt, sizeof dt);
-    PyErr_Format(PyExc_TypeError,
-                 "%s: expected a float32, float64, float16 or bfloat16 array, "
-                 "got %s",
-                 name, dt);
+    PyErr_Format(PyExc_TypeError, "%s: expected %s, got %s", name, expected,
+                 dt);
     return -1;
+}
+
+int dtype_error(const char *name, ra_buffer *b) {
+    return dtype_error_expecting(
+        name, b, "a float32, float64, float16 or bfloat16 array");
 }
 
 /* Convert `obj` into a Buffer with a float dtype and `ndim` dimensions

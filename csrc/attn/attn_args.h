@@ -27,7 +27,10 @@ extern const char *BHS;  /* "(batch, heads, seq_q)" */
 
 void release_args(tensor_arg *a, int n);
 const char *ra_device_name(int device_type);
-int dtype_error(const char *name, ra_buffer *b);
+int dtype_error(const char *name, ra_buffer *b);   /* not a float dtype */
+/* TypeError "name: expected <expected>, got <b's dtype>"; -1 */
+int dtype_error_expecting(const char *name, ra_buffer *b,
+                          const char *expected);
 int load_tensor(tensor_arg *a, PyObject *obj, const char *name, int ndim,
                 const char *dims_doc);  /* copies a strided last dim */
 int load_output(tensor_arg *a, PyObject *obj, const char *name, int ndim,

@@ -299,6 +299,14 @@ static inline int64_t ra_ids_search(const int32_t *ids, int64_t lo, int64_t hi,
     return lo;
 }
 
+/* Narrow [*lo, *hi) of sorted ids to the indices whose id is in [a, b]. */
+static inline void ra_ids_narrow(const int32_t *ids, int32_t a, int32_t b,
+                                 int64_t *lo, int64_t *hi) {
+    if (*lo >= *hi) return;
+    *lo = ra_ids_search(ids, *lo, *hi, a, 0);
+    *hi = ra_ids_search(ids, *lo, *hi, b, 1);
+}
+
 /* ceil(a / b) for a >= 0, b > 0 */
 static inline int64_t ra_cpu_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -205,13 +205,10 @@ static void k_fwd_block(const ra_fwd_blk *fb, void *scratch) {
     int32_t qmin = 0, qmax = 0;
     if (m->q_ids != NULL) {
         ra_ids_range(m->q_ids, nq, m->q_sorted, &qmin, &qmax);
-        if (m->kv_sorted && jlo < jhi) {
-            jlo = ra_ids_search(m->kv_ids, jlo, jhi, qmin, 0);
-            jhi = ra_ids_search(m->kv_ids, jlo, jhi, qmax, 1);
-        }
+        if (m->kv_sorted) ra_ids_narrow(m->kv_ids, qmin, qmax, &jlo, &jhi);
     }
 
-    for (int64_t kb = jlo / BK; kb * BK < jhi; kb++) {
+    for (int64_t kb = jlo / BK; jlo < jhi && kb * BK < jhi; kb++) {
         const int64_t j0 = kb * BK;
         /* keys [ja, jb) of the block are in [jlo, jhi) */
         const int64_t ja = jlo > j0 ? jlo - j0 : 0;
@@ -375,10 +372,7 @@ static void k_bwd_kblock(const ra_bwd_blk *bb, void *scratch) {
     int32_t kmin = 0, kmax = 0;
     if (m->q_ids != NULL) {
         ra_ids_range(m->kv_ids, nk, m->kv_sorted, &kmin, &kmax);
-        if (m->q_sorted && i_lo < i_hi) {
-            i_lo = ra_ids_search(m->q_ids, i_lo, i_hi, kmin, 0);
-            i_hi = ra_ids_search(m->q_ids, i_lo, i_hi, kmax, 1);
-        }
+        if (m->q_sorted) ra_ids_narrow(m->q_ids, kmin, kmax, &i_lo, &i_hi);
     }
 
     for (int64_t i0 = i_lo; i0 < i_hi; i0 += RA_CPU_BQB) {

@@ -167,15 +167,10 @@ static int load_ids(tensor_arg *a, PyObject *obj, const char *name,
     a->buf = ra_buffer_from_object(obj, name, -1);
     if (a->buf == NULL) return -1;
     ra_buffer *b = a->buf;
-    if (!is_integer_dtype(b->dl_dtype)) {
-        char dt[32];
-        ra_dl_dtype_name(b->dl_dtype, dt, sizeof dt);
-        PyErr_Format(PyExc_TypeError,
-                     "%s: expected an integer array (int32, or integers that "
-                     "fit in int32), got %s",
-                     name, dt);
-        return -1;
-    }
+    if (!is_integer_dtype(b->dl_dtype))
+        return dtype_error_expecting(name, b,
+                                     "an integer array (int32, or integers "
+                                     "that fit in int32)");
     if (b->ndim != 2 || b->shape[0] != d->B || b->shape[1] != S) {
         char shape[96] = "";
         size_t used = 0;

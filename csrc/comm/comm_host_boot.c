@@ -32,6 +32,10 @@
 #define TABLE_MAGIC 0x52415431u      /* "RAT1" */
 #define HANDSHAKE_TIMEOUT 5.0        /* per accepted connection, run
                                       * concurrently (accept_peers) */
+#define HANDSHAKE_TRIES 4            /* connect + handshake attempts when
+                                      * the listener closes on us (it drops
+                                      * its oldest pending handshake when a
+                                      * flood of connections fills it) */
 
 /* ---- small socket helpers ---------------------------------------------- */
 
@@ -210,11 +214,14 @@ static void hs_mac(const char *token, char tag, const unsigned char *na,
     ra_hmac_sha256(token, strlen(token), msg, sizeof msg, mac);
 }
 
+/* *closed = 1 when the failure was the listener closing the connection:
+ * a wrong token or world size, or a handshake dropped to make room. */
 static ra_status hs_connect(int fd, const char *token, int rank, int size,
-                            int peer, double deadline) {
+                            int peer, double deadline, int *closed) {
     unsigned char hello[20], resp[56], conf[36], mac[32];
     int err;
     io_result r;
+    *closed = 0;
     if ((r = ra_host_io_all(fd, hello, sizeof hello, 0, deadline, &err)) !=
         IO_OK)
         goto io_fail;
@@ -244,15 +251,40 @@ static ra_status hs_connect(int fd, const char *token, int rank, int size,
     }
     return RA_OK;
 io_fail:
+    *closed = r == IO_EOF;
     if (r == IO_EOF)
         ra_set_error(RA_ERR_COMM,
-                     "rank %d: init: rank %d refused the connection "
-                     "(wrong token or a different world size?)", rank, peer);
+                     "rank %d: init: rank %d closed the connection during "
+                     "the handshake %d times (a different RINGATTN_TOKEN or "
+                     "world size, or more connections at once than its "
+                     "listener holds)", rank, peer, HANDSHAKE_TRIES);
     else
         ra_set_error(r == IO_TIMEOUT ? RA_ERR_TIMEOUT : RA_ERR_COMM,
                      "rank %d: init: handshake with rank %d: %s", rank, peer,
                      io_what(r, err));
     return r == IO_TIMEOUT ? RA_ERR_TIMEOUT : RA_ERR_COMM;
+}
+
+/* Connect to `peer` and prove the token, until the deadline: a listener
+ * that closes the connection mid-handshake is tried again a few times
+ * (HANDSHAKE_TRIES) before that counts as a refusal. */
+static ra_status join_peer(struct in_addr ip, int port, const char *token,
+                           int rank, int size, int peer, double deadline,
+                           int *out_fd) {
+    ra_status st = RA_ERR_COMM;
+    double pause = 0.05;
+    for (int attempt = 0; attempt < HANDSHAKE_TRIES; attempt++) {
+        int closed = 0;
+        RA_CHECK(connect_retry(ip, port, rank, peer, deadline, out_fd));
+        st = hs_connect(*out_fd, token, rank, size, peer, deadline, &closed);
+        if (st == RA_OK) return RA_OK;
+        close_fd(out_fd);
+        if (!closed || ra_now() + pause >= deadline) return st;
+        struct timespec ts = {0, (long)(pause * 1e9)};
+        nanosleep(&ts, NULL);
+        pause *= 2;
+    }
+    return st;
 }
 
 /* The accept side runs every pending handshake at once, each a small state
@@ -523,10 +555,8 @@ ra_status ra_host_bootstrap(int rank, int size, int *fds,
         goto out;
     }
     /* rank > 0: register with rank 0 */
-    RA_CHECKGOTO(connect_retry(master, port, rank, 0, deadline, &fds[0]),
-                 st, out);
-    RA_CHECKGOTO(hs_connect(fds[0], token, rank, size, 0, deadline), st,
-                 out);
+    RA_CHECKGOTO(join_peer(master, port, token, rank, size, 0, deadline,
+                           &fds[0]), st, out);
     struct sockaddr_in me;
     socklen_t sl = sizeof me;
     getsockname(fds[0], (struct sockaddr *)&me, &sl);
@@ -553,10 +583,8 @@ ra_status ra_host_bootstrap(int rank, int size, int *fds,
         struct in_addr ip;
         memcpy(&ip, table + 8 + 8 * i, 4);
         int pport = (int)get32(table + 12 + 8 * i);
-        RA_CHECKGOTO(connect_retry(ip, pport, rank, i, deadline, &fds[i]),
-                     st, out);
-        RA_CHECKGOTO(hs_connect(fds[i], token, rank, size, i, deadline),
-                     st, out);
+        RA_CHECKGOTO(join_peer(ip, pport, token, rank, size, i, deadline,
+                               &fds[i]), st, out);
     }
     for (int k = rank + 1; k < size; k++) want[k] = 1;
     RA_CHECKGOTO(accept_peers(lfd, token, rank, size, want, size - 1 - rank,

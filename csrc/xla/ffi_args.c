@@ -85,6 +85,42 @@ ra_status ra_xla_check_alias(const ra_xla_tensor *in, const ra_xla_tensor *out) 
     return RA_OK;
 }
 
+/* A window side beyond this reaches every position a call can index, so
+ * it counts as unbounded (and keeps position +- side inside int64). */
+#define WINDOW_UNBOUNDED_FROM ((int64_t)1 << 61)
+
+static ra_status read_mask(const ra_xla_call *c, ra_xla_opts *o) {
+    int has_left = 0, has_right = 0, present = 0;
+    int64_t left = -1, right = -1, ids = 0;
+    memset(&o->mask, 0, sizeof o->mask);
+    RA_CHECK(ra_xla_attr_int(c, "window_left", &left, &has_left));
+    RA_CHECK(ra_xla_attr_int(c, "window_right", &right, &has_right));
+    if (has_left != has_right || left < -1 || right < -1) {
+        ra_set_error(RA_ERR_VALUE,
+                     "window: expected attributes window_left and "
+                     "window_right together, each >= 0 or -1 (unbounded), "
+                     "got %lld, %lld",
+                     has_left ? (long long)left : -2LL,
+                     has_right ? (long long)right : -2LL);
+        return RA_ERR_VALUE;
+    }
+    if (has_left) {
+        o->mask.has_window = 1;
+        o->mask.window_left = left >= WINDOW_UNBOUNDED_FROM ? -1 : left;
+        o->mask.window_right = right >= WINDOW_UNBOUNDED_FROM ? -1 : right;
+    }
+    RA_CHECK(ra_xla_attr_f64(c, "softcap", &o->mask.softcap, &present));
+    if (present && !(o->mask.softcap > 0 && isfinite(o->mask.softcap))) {
+        ra_set_error(RA_ERR_VALUE, "softcap: expected a finite number > 0, "
+                                   "got %g",
+                     o->mask.softcap);
+        return RA_ERR_VALUE;
+    }
+    RA_CHECK(ra_xla_attr_int(c, "segment_ids", &ids, &present));
+    o->has_ids = ids != 0;
+    return RA_OK;
+}
+
 ra_status ra_xla_read_opts(const ra_xla_call *c, int64_t D, ra_xla_opts *o) {
     int present = 0;
     int64_t causal = 0, nt = 0;
@@ -104,7 +140,84 @@ ra_status ra_xla_read_opts(const ra_xla_call *c, int64_t D, ra_xla_opts *o) {
         return RA_ERR_VALUE;
     }
     o->num_threads = (int)nt;
+    return read_mask(c, o);
+}
+
+/* ---- mask operands ---------------------------------------------------------- */
+
+ra_status ra_xla_no_masks(const ra_xla_opts *o) {
+    if (o->mask.has_window || o->mask.softcap > 0 || o->has_ids) {
+        ra_set_error(RA_ERR_VALUE, "dilated attention takes no segment ids, "
+                                   "window or softcap");
+        return RA_ERR_VALUE;
+    }
     return RA_OK;
+}
+
+static ra_status extra_args(const ra_xla_call *c, int base,
+                            const ra_xla_opts *o, int *has_pos, int *ids_at) {
+    const int64_t extra = c->frame->args.size - base - (o->has_ids ? 2 : 0);
+    if (extra != 0 && extra != 1) {
+        ra_set_error(RA_ERR_VALUE,
+                     "expected %d operands, then positions if any, then %s, "
+                     "got %lld operands",
+                     base, o->has_ids ? "two segment id operands" : "nothing",
+                     (long long)c->frame->args.size);
+        return RA_ERR_VALUE;
+    }
+    *has_pos = (int)extra;
+    *ids_at = base + (int)extra;
+    return RA_OK;
+}
+
+static ra_status ids_args(const ra_xla_call *c, int i, const ra_xla_qkv *d,
+                          ra_xla_tensor *ids) {
+    static const char *names[2] = {"segment_ids", "kv_segment_ids"};
+    for (int j = 0; j < 2; j++) {
+        RA_CHECK(ra_xla_arg(c, i + j, names[j], 2, &ids[j]));
+        if (ids[j].ffi_dtype != RA_FFI_S32) {
+            ra_set_error(RA_ERR_TYPE, "%s: expected int32 ids, got XLA type %d",
+                         names[j], ids[j].ffi_dtype);
+            return RA_ERR_TYPE;
+        }
+        const int64_t dims[2] = {d->B, j == 0 ? d->Sq : d->Sk};
+        RA_CHECK(ra_xla_check_dims(&ids[j], dims,
+                                   j == 0 ? "(batch, seq_q)" : "(batch, seq_k)"));
+    }
+    return RA_OK;
+}
+
+ra_status ra_xla_optional_args(const ra_xla_call *c, int base,
+                               const ra_xla_opts *o, const ra_xla_qkv *d,
+                               const ra_xla_tensor *ref, ra_xla_lead *l,
+                               ra_xla_tensor *pos, int *nq,
+                               ra_xla_tensor *ids) {
+    int has_pos = 0, ids_at = 0;
+    RA_CHECK(extra_args(c, base, o, &has_pos, &ids_at));
+    if (o->has_ids) {
+        ra_xla_lead li;
+        RA_CHECK(ids_args(c, ids_at, d, ids));
+        RA_CHECK(ra_xla_lead_plan(&li, ref, ids, 2));
+        l->folded = l->folded && li.folded;
+    }
+    memset(pos, 0, sizeof *pos);
+    *nq = 1;
+    if (has_pos) RA_CHECK(ra_xla_positions_arg(c, base, ref, pos, nq));
+    return RA_OK;
+}
+
+void ra_xla_block_mask(ra_attn_mask *mask, const ra_xla_opts *o,
+                       const int32_t *q_ids, const int32_t *kv_ids,
+                       const ra_xla_qkv *d, int64_t q_off, int64_t k_off) {
+    *mask = o->mask;
+    if (q_ids == NULL) return;
+    /* dense (B, S) of the whole operands, this block's rows onward */
+    mask->q_segment_ids = q_ids + q_off;
+    mask->q_seg_batch_stride = d->Sq;
+    mask->q_seg_seq_stride = 1;
+    mask->kv_segment_ids = kv_ids + k_off;
+    mask->kv_seg_batch_stride = d->Sk;
+    mask->kv_seg_seq_stride = 1;
 }
 
 /* ---- position pieces -------------------------------------------------------- */
@@ -209,28 +322,69 @@ int ra_xla_single_block(const ra_xla_pieces *pp, ra_xla_block *block) {
     return 1;
 }
 
-int ra_xla_state_blocks(const ra_xla_pieces *pp, int causal,
+static int64_t floor_div(int64_t a, int64_t b) {   /* b > 0 */
+    const int64_t q = a / b;
+    return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+static int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Rows [*i0, *i1) of q piece qp that see any key of kp, and keys [*j0, *j1)
+ * that some row sees, when every visible distance pos_k - pos_q lies in
+ * [lo, hi] and both pieces have one stride (the difference j - i then
+ * runs over a range).  0 when none does. */
+static int meet(const ra_xla_piece *qp, const ra_xla_piece *kp, int64_t lo,
+                int64_t hi, int64_t *i0, int64_t *i1, int64_t *j0,
+                int64_t *j1) {
+    const int64_t s = qp->stride, c = kp->start - qp->start;
+    const int64_t m_lo = max64(1 - qp->len, ceil_div(lo - c, s));
+    const int64_t m_hi = min64(kp->len - 1, floor_div(hi - c, s));
+    if (lo > hi || m_lo > m_hi) return 0;
+    *i0 = max64(0, -m_hi);
+    *i1 = min64(qp->len - 1, kp->len - 1 - m_lo) + 1;
+    *j0 = max64(0, m_lo);
+    *j1 = min64(kp->len - 1, qp->len - 1 + m_hi) + 1;
+    return 1;
+}
+
+int ra_xla_state_blocks(const ra_xla_pieces *pp, const ra_xla_opts *o,
                         ra_xla_block *blocks) {
+    /* visible distances pos_k - pos_q: [lo, hi] (positions stay within
+     * +-2^61, so +-2^62 is unbounded) */
+    const int64_t big = (int64_t)1 << 62;
+    int64_t lo = -big, hi = big;
+    if (o->causal) hi = 0;
+    if (o->mask.has_window) {
+        if (o->mask.window_left >= 0) lo = -o->mask.window_left;
+        if (o->mask.window_right >= 0) hi = min64(hi, o->mask.window_right);
+    }
+    const int bounded = o->causal || o->mask.has_window;
     int n = 0;
     for (int a = 0; a < pp->nq; a++) {
         for (int b = 0; b < pp->nk; b++) {
             const ra_xla_piece *qp = &pp->q[a], *kp = &pp->k[b];
-            int64_t i0 = 0, kn = kp->len;
+            int64_t i0 = 0, i1 = qp->len, j0 = 0, j1 = kp->len;
             if (qp->len == 0 || kp->len == 0) continue;
-            if (causal) {
+            if (bounded && qp->stride == kp->stride) {
+                if (!meet(qp, kp, lo, hi, &i0, &i1, &j0, &j1)) continue;
+            } else if (o->causal) {
                 const int64_t q_last = qp->start + qp->stride * (qp->len - 1);
                 if (kp->start > q_last) continue;       /* all in the future */
                 /* keys some row sees: pos_k <= q_last */
-                const int64_t seen = (q_last - kp->start) / kp->stride + 1;
-                if (seen < kn) kn = seen;
+                j1 = min64(kp->len, (q_last - kp->start) / kp->stride + 1);
                 /* rows that see a key: pos_q >= kp->start */
                 if (kp->start > qp->start)
                     i0 = (kp->start - qp->start + qp->stride - 1) / qp->stride;
                 if (i0 >= qp->len) continue;
             }
-            blocks[n++] = (ra_xla_block){qp->off + i0, qp->len - i0,
+            blocks[n++] = (ra_xla_block){qp->off + i0, i1 - i0,
                                          qp->start + i0 * qp->stride, qp->stride,
-                                         kp->off, kn, kp->start, kp->stride};
+                                         kp->off + j0, j1 - j0,
+                                         kp->start + j0 * kp->stride,
+                                         kp->stride};
         }
     }
     return n;

@@ -36,13 +36,36 @@ ra_status ra_xla_check_bhs(const ra_xla_tensor *t, const ra_xla_qkv *d);
 /* Two tensors of one shape (an aliased input and its result). */
 ra_status ra_xla_check_alias(const ra_xla_tensor *in, const ra_xla_tensor *out);
 
-/* Common attributes: causal, scale (default 1/sqrt(D)), num_threads. */
+/* Common attributes: causal, scale (default 1/sqrt(D)), num_threads, the
+ * window and softcap (into mask, whose id pointers each block sets) and
+ * whether segment id operands follow (has_ids). */
 typedef struct ra_xla_opts {
     int causal;
     double scale;
     int num_threads;
+    ra_attn_mask mask;
+    int has_ids;
 } ra_xla_opts;
 ra_status ra_xla_read_opts(const ra_xla_call *c, int64_t D, ra_xla_opts *o);
+
+/* RA_ERR_VALUE if any mask attribute was given (dilated attention). */
+ra_status ra_xla_no_masks(const ra_xla_opts *o);
+/* The optional operands after the `base` ones, checked: the positions
+ * (pos->data NULL when absent; *nq from q_pieces) and, with o->has_ids,
+ * the two segment id operands into ids[0..1], int32 (B, S_q) and
+ * (B, S_k).  ref is the result that fixes the leading dims; l->folded is
+ * cleared when the ids do not fold into the batch. */
+ra_status ra_xla_optional_args(const ra_xla_call *c, int base,
+                               const ra_xla_opts *o, const ra_xla_qkv *d,
+                               const ra_xla_tensor *ref, ra_xla_lead *l,
+                               ra_xla_tensor *pos, int *nq,
+                               ra_xla_tensor *ids);
+/* mask with its id pointers set for a block of q rows from q_off and k
+ * rows from k_off (ids: the call's two id operands at this leading index,
+ * NULL without ids). */
+void ra_xla_block_mask(ra_attn_mask *mask, const ra_xla_opts *o,
+                       const int32_t *q_ids, const int32_t *kv_ids,
+                       const ra_xla_qkv *d, int64_t q_off, int64_t k_off);
 
 typedef struct ra_xla_piece {
     int64_t off, len;           /* local rows [off, off + len) */
@@ -76,10 +99,10 @@ typedef struct ra_xla_block {
 
 /* The kernel calls that merge a call's pieces into a running state: one
  * per (q piece, k piece) pair that has a visible key, trimmed to the query
- * rows that see a key of the piece and the keys some row sees; pairs empty
- * or (causal) entirely in the future are left out, costing nothing.
- * Returns how many blocks it wrote. */
-int ra_xla_state_blocks(const ra_xla_pieces *pp, int causal,
+ * rows that see a key of the piece and the keys some row sees (by causal
+ * masking and the window); pairs empty or that nothing can see are left
+ * out, costing nothing.  Returns how many blocks it wrote. */
+int ra_xla_state_blocks(const ra_xla_pieces *pp, const ra_xla_opts *o,
                         ra_xla_block *blocks);
 /* A call over a single pair of pieces without a running state: one block
  * of every row (what ringattn.attention runs). */

@@ -2,16 +2,18 @@
  * ffi_bwd.c -- the backward handlers.
  *
  *   ringattn_attn_bwd_pre  (dout, out) -> delta = rowsum(dout * out)
- *   ringattn_attn_bwd      (dout, q, k, v, lse, delta[, positions])
- *                          -> (dq, dk, dv)
- *   ringattn_attn_bwd_acc  (dout, q, k, v, lse, delta, dq, dk, dv[, positions])
+ *   ringattn_attn_bwd      (dout, q, k, v, lse, delta[, positions]
+ *                          [, q ids, kv ids]) -> (dq, dk, dv)
+ *   ringattn_attn_bwd_acc  (dout, q, k, v, lse, delta, dq, dk, dv
+ *                          [, positions][, q ids, kv ids])
  *                          -> (dq, dk, dv) float32 (float64), aliased: this
  *                          block's gradients are added in place
  *   ringattn_dilated_bwd   (dout, q, k, v, lse, delta) -> (dq, dk, dv)  CPU
  *
  * dout, q, dq: (B, S_q, H, D); k, v, dk, dv: (B, S_k, H_kv, D); lse, delta:
- * (B, H, S_q) acc dtype: lse is the final one over all keys.  Gradients are
- * deterministic (same bits on every run: no atomics on either platform).
+ * (B, H, S_q) acc dtype: lse is the final one over all keys.  Masks as
+ * ffi_fwd.c's.  Gradients are deterministic (same bits on every run: no
+ * atomics on either platform).
  */
 #include <string.h>
 
@@ -26,6 +28,7 @@ typedef struct bwd_job {
     char *dq, *dk, *dv;
     ra_dtype grad_dtype;
     const ra_xla_opts *o;
+    const int32_t *q_ids, *kv_ids;      /* NULL without segment ids */
 } bwd_job;
 
 static void bwd_params(ra_attn_bwd_params *p, const bwd_job *j,
@@ -75,6 +78,8 @@ static void bwd_params(ra_attn_bwd_params *p, const bwd_job *j,
     p->q_pos_stride = blk->q_stride;
     p->k_pos_offset = blk->k_start;
     p->k_pos_stride = blk->k_stride;
+    ra_xla_block_mask(&p->mask, j->o, j->q_ids, j->kv_ids, d, blk->q_off,
+                      blk->k_off);
     p->accumulate = accumulate;
     p->deterministic = 1;
     p->num_threads = j->o->num_threads;
@@ -104,7 +109,7 @@ static ra_status bwd_pieces(const ra_xla_call *c, const bwd_job *j,
         RA_CHECK(ra_xla_zero(c, j->dk, (size_t)(j->B * d->Sk * d->Hkv * d->D) * gs));
         RA_CHECK(ra_xla_zero(c, j->dv, (size_t)(j->B * d->Sk * d->Hkv * d->D) * gs));
     }
-    const int n = ra_xla_state_blocks(pp, j->o->causal, blocks);
+    const int n = ra_xla_state_blocks(pp, j->o, blocks);
     for (int i = 0; i < n; i++) {
         bwd_params(&p, j, &blocks[i], 1);
         RA_CHECK(ra_xla_run_bwd(c, &p));
@@ -132,21 +137,27 @@ static ra_status load_bwd(ra_xla_call *c, ra_xla_tensor *t, ra_xla_tensor *g,
     return ra_xla_read_opts(c, d->D, o);
 }
 
+/* ids: the two id operands, or NULL */
 static bwd_job make_job(const ra_xla_lead *l, ra_xla_tensor *t,
                         ra_xla_tensor *g, const ra_xla_qkv *d,
-                        const ra_xla_opts *o, int64_t it, int whole) {
+                        const ra_xla_opts *o, const ra_xla_tensor *ids,
+                        int64_t it, int whole) {
     bwd_job j = {d, whole ? l->count * d->B : d->B,
                  ra_xla_item(l, &t[0], it, whole), ra_xla_item(l, &t[1], it, whole),
                  ra_xla_item(l, &t[2], it, whole), ra_xla_item(l, &t[3], it, whole),
                  ra_xla_item(l, &t[4], it, whole), ra_xla_item(l, &t[5], it, whole),
                  ra_xla_item(l, &g[0], it, whole), ra_xla_item(l, &g[1], it, whole),
-                 ra_xla_item(l, &g[2], it, whole), g[0].dtype, o};
+                 ra_xla_item(l, &g[2], it, whole), g[0].dtype, o, NULL, NULL};
+    if (ids != NULL) {
+        j.q_ids = (const int32_t *)ra_xla_item(l, &ids[0], it, whole);
+        j.kv_ids = (const int32_t *)ra_xla_item(l, &ids[1], it, whole);
+    }
     return j;
 }
 
 static ra_status attn_bwd(ra_xla_call *c, int accumulate) {
     const int base = accumulate ? 9 : 6;
-    ra_xla_tensor t[9], g[3], pos;
+    ra_xla_tensor t[9], g[3], pos, ids[2];
     ra_xla_qkv d;
     ra_xla_opts o;
     ra_xla_lead l;
@@ -161,7 +172,7 @@ static ra_status attn_bwd(ra_xla_call *c, int accumulate) {
     }
     RA_CHECK(ra_xla_lead_plan(&l, &g[0], g, 3));
     RA_CHECK(ra_xla_lead_plan(&l, &g[0], t, base));
-    RA_CHECK(ra_xla_positions_arg(c, base, &g[0], &pos, &nq));
+    RA_CHECK(ra_xla_optional_args(c, base, &o, &d, &g[0], &l, &pos, &nq, ids));
     if (accumulate) {   /* XLA aliases them; copy if it could not */
         for (int i = 0; i < 3; i++)
             RA_CHECK(ra_xla_copy(c, g[i].data, t[6 + i].data,
@@ -173,7 +184,7 @@ static ra_status attn_bwd(ra_xla_call *c, int accumulate) {
     for (int64_t it = 0; it < iters; it++) {
         ra_xla_pieces pp;
         RA_CHECK(ra_xla_load_pieces(c, &pos, nq, &l, it, d.Sq, d.Sk, &pp));
-        bwd_job j = make_job(&l, t, g, &d, &o, it, one);
+        bwd_job j = make_job(&l, t, g, &d, &o, o.has_ids ? ids : NULL, it, one);
         RA_CHECK(bwd_pieces(c, &j, &pp, accumulate));
     }
     return RA_OK;
@@ -189,12 +200,13 @@ ra_status ra_xla_dilated_bwd(ra_xla_call *c) {
     ra_xla_lead l;
     ra_dilated_config cfg;
     RA_CHECK(load_bwd(c, t, g, &d, &o, 0));
+    RA_CHECK(ra_xla_no_masks(&o));
     RA_CHECK(ra_xla_read_dilated(c, &d, &cfg));
     RA_CHECK(ra_xla_lead_plan(&l, &g[0], g, 3));
     RA_CHECK(ra_xla_lead_plan(&l, &g[0], t, 6));
     const int64_t iters = l.folded ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {
-        bwd_job j = make_job(&l, t, g, &d, &o, it, l.folded);
+        bwd_job j = make_job(&l, t, g, &d, &o, NULL, it, l.folded);
         const ra_xla_block all = {0, d.Sq, 0, 1, 0, d.Sk, 0, 1};
         ra_attn_bwd_params p;
         bwd_params(&p, &j, &all, 0);

@@ -259,9 +259,24 @@ int64_t ra_xla_lead_offset(const ra_xla_lead *l, const ra_xla_tensor *t,
     return off;
 }
 
+/* Bytes per element: the float types', else by XLA's integer type. */
+static size_t elem_size(const ra_xla_tensor *t) {
+    if (t->dtype != RA_DTYPE_OTHER) return ra_dtype_size(t->dtype);
+    switch (t->ffi_dtype) {
+    case RA_FFI_PRED:
+    case RA_FFI_S8:
+    case RA_FFI_U8: return 1;
+    case RA_FFI_S16:
+    case RA_FFI_U16: return 2;
+    case RA_FFI_S32:
+    case RA_FFI_U32: return 4;
+    default: return 8;
+    }
+}
+
 char *ra_xla_item(const ra_xla_lead *l, const ra_xla_tensor *t, int64_t idx,
                   int whole) {
-    const size_t es = t->dtype == RA_DTYPE_OTHER ? 8 : ra_dtype_size(t->dtype);
+    const size_t es = elem_size(t);
     const int64_t off = whole ? 0 : ra_xla_lead_offset(l, t, idx);
     return (char *)t->data + (size_t)off * es;
 }

@@ -2,16 +2,18 @@
  * ffi_fwd.c -- the forward handlers: attention, the ring's block forward
  * that continues a running state, the dilated forward and the LSE merge.
  *
- *   ringattn_attn_fwd       (q, k, v[, positions]) -> (out, lse)
- *   ringattn_attn_fwd_acc   (q, k, v, out, lse[, positions]) -> (out, lse)
+ *   ringattn_attn_fwd       (q, k, v[, positions][, q ids, kv ids])
+ *                           -> (out, lse)
+ *   ringattn_attn_fwd_acc   (q, k, v, out, lse[, positions][, q ids, kv ids])
+ *                           -> (out, lse)
  *                           out/lse float32 (float64) in and out, aliased
  *   ringattn_dilated_fwd    (q, k, v) -> (out, lse)            CPU only
  *   ringattn_merge          (out1, lse1, out2, lse2) -> (out, lse)
  *
  * q, out: (B, S_q, H, D); k, v: (B, S_k, H_kv, D); lse: (B, H, S_q), each
  * possibly behind vmap's leading dims.  Attributes: causal, scale,
- * num_threads; q_pieces with positions; segment_lengths and dilation_rates
- * for the dilated forward.  out of the plain forward is q's dtype or the
+ * num_threads, the masks' (ffi_args.h); q_pieces with positions;
+ * segment_lengths and dilation_rates for the dilated forward.  out of the plain forward is q's dtype or the
  * acc dtype (the ring's first block starts its float32 state that way).
  */
 #include <string.h>
@@ -29,6 +31,7 @@ typedef struct fwd_job {
     char *out, *lse;
     ra_dtype out_dtype;
     const ra_xla_opts *o;
+    const int32_t *q_ids, *kv_ids;      /* NULL without segment ids */
 } fwd_job;
 
 static void fwd_params(ra_attn_fwd_params *p, const fwd_job *j,
@@ -66,6 +69,8 @@ static void fwd_params(ra_attn_fwd_params *p, const fwd_job *j,
     p->q_pos_stride = blk->q_stride;
     p->k_pos_offset = blk->k_start;
     p->k_pos_stride = blk->k_stride;
+    ra_xla_block_mask(&p->mask, j->o, j->q_ids, j->kv_ids, d, blk->q_off,
+                      blk->k_off);
     p->accumulate = accumulate;
     p->num_threads = j->o->num_threads;
 }
@@ -92,7 +97,7 @@ static ra_status fwd_pieces(const ra_xla_call *c, const fwd_job *j,
         RA_CHECK(ra_xla_fill_state(c, j->out, j->lse, j->d->acc, j->B, j->d->Sq,
                                    j->d->H, j->d->D));
     }
-    const int n = ra_xla_state_blocks(pp, j->o->causal, blocks);
+    const int n = ra_xla_state_blocks(pp, j->o, blocks);
     for (int i = 0; i < n; i++) {
         fwd_params(&p, j, &blocks[i], 1);
         RA_CHECK(ra_xla_run_fwd(c, &p));
@@ -116,19 +121,25 @@ static ra_status load_fwd(ra_xla_call *c, ra_xla_tensor *t, ra_xla_tensor *r,
     return ra_xla_read_opts(c, d->D, o);
 }
 
+/* ids: the two id operands, or NULL */
 static fwd_job make_job(const ra_xla_lead *l, const ra_xla_tensor *t,
                         const ra_xla_tensor *r, const ra_xla_qkv *d,
-                        const ra_xla_opts *o, int64_t it, int whole) {
+                        const ra_xla_opts *o, const ra_xla_tensor *ids,
+                        int64_t it, int whole) {
     fwd_job j = {d, whole ? l->count * d->B : d->B,
                  ra_xla_item(l, &t[0], it, whole), ra_xla_item(l, &t[1], it, whole),
                  ra_xla_item(l, &t[2], it, whole), ra_xla_item(l, &r[0], it, whole),
-                 ra_xla_item(l, &r[1], it, whole), r[0].dtype, o};
+                 ra_xla_item(l, &r[1], it, whole), r[0].dtype, o, NULL, NULL};
+    if (ids != NULL) {
+        j.q_ids = (const int32_t *)ra_xla_item(l, &ids[0], it, whole);
+        j.kv_ids = (const int32_t *)ra_xla_item(l, &ids[1], it, whole);
+    }
     return j;
 }
 
 static ra_status attn_fwd(ra_xla_call *c, int accumulate) {
     const int base = accumulate ? 5 : 3;
-    ra_xla_tensor t[5], r[2], pos;
+    ra_xla_tensor t[5], r[2], pos, ids[2];
     ra_xla_qkv d;
     ra_xla_opts o;
     ra_xla_lead l;
@@ -141,7 +152,7 @@ static ra_status attn_fwd(ra_xla_call *c, int accumulate) {
         RA_CHECK(ra_xla_check_alias(&t[4], &r[1]));
     }
     RA_CHECK(ra_xla_lead_plan(&l, &r[0], t, base));
-    RA_CHECK(ra_xla_positions_arg(c, base, &r[0], &pos, &nq));
+    RA_CHECK(ra_xla_optional_args(c, base, &o, &d, &r[0], &l, &pos, &nq, ids));
     if (accumulate) {   /* XLA aliases them; copy if it could not */
         for (int i = 0; i < 2; i++)
             RA_CHECK(ra_xla_copy(c, r[i].data, t[3 + i].data,
@@ -153,7 +164,7 @@ static ra_status attn_fwd(ra_xla_call *c, int accumulate) {
     for (int64_t it = 0; it < iters; it++) {
         ra_xla_pieces pp;
         RA_CHECK(ra_xla_load_pieces(c, &pos, nq, &l, it, d.Sq, d.Sk, &pp));
-        fwd_job j = make_job(&l, t, r, &d, &o, it, one);
+        fwd_job j = make_job(&l, t, r, &d, &o, o.has_ids ? ids : NULL, it, one);
         RA_CHECK(fwd_pieces(c, &j, &pp, accumulate));
     }
     return RA_OK;
@@ -207,11 +218,12 @@ ra_status ra_xla_dilated_fwd(ra_xla_call *c) {
     ra_xla_lead l;
     ra_dilated_config cfg;
     RA_CHECK(load_fwd(c, t, r, &d, &o, 0));
+    RA_CHECK(ra_xla_no_masks(&o));
     RA_CHECK(ra_xla_read_dilated(c, &d, &cfg));
     RA_CHECK(ra_xla_lead_plan(&l, &r[0], t, 3));
     const int64_t iters = l.folded ? 1 : l.count;
     for (int64_t it = 0; it < iters; it++) {
-        fwd_job j = make_job(&l, t, r, &d, &o, it, l.folded);
+        fwd_job j = make_job(&l, t, r, &d, &o, NULL, it, l.folded);
         const ra_xla_block all = {0, d.Sq, 0, 1, 0, d.Sk, 0, 1};
         ra_attn_fwd_params p;
         fwd_params(&p, &j, &all, 0);

@@ -41,11 +41,13 @@
 #define RA_CUDA_HANDLER(name) NULL
 #endif
 
-RA_XLA_TARGET(attn_fwd, ra_xla_attn_fwd, 3, 4, 2)
-RA_XLA_TARGET(attn_fwd_acc, ra_xla_attn_fwd_acc, 5, 6, 2)
+/* attention: base operands, then positions and two segment id operands,
+ * each optional (ffi_args.h) */
+RA_XLA_TARGET(attn_fwd, ra_xla_attn_fwd, 3, 6, 2)
+RA_XLA_TARGET(attn_fwd_acc, ra_xla_attn_fwd_acc, 5, 8, 2)
 RA_XLA_TARGET(attn_bwd_pre, ra_xla_bwd_preprocess, 2, 2, 1)
-RA_XLA_TARGET(attn_bwd, ra_xla_attn_bwd, 6, 7, 3)
-RA_XLA_TARGET(attn_bwd_acc, ra_xla_attn_bwd_acc, 9, 10, 3)
+RA_XLA_TARGET(attn_bwd, ra_xla_attn_bwd, 6, 9, 3)
+RA_XLA_TARGET(attn_bwd_acc, ra_xla_attn_bwd_acc, 9, 12, 3)
 RA_XLA_TARGET(merge, ra_xla_merge, 4, 4, 2)
 RA_XLA_HANDLER(dilated_fwd_cpu, ra_xla_dilated_fwd, "ringattn_dilated_fwd",
                RA_DEV_CPU, 3, 3, 2)

@@ -1,0 +1,88 @@
+"""tools/gpu_check.sh keeps its promises without a GPU to run it: the
+sanitizer's kernel filter names every ringattn kernel (by its mangled and
+its demangled name) and the canary that proves the filter matches, and the
+script parses."""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
+CANARY = os.path.join(ROOT, "tools", "sanitizer_canary.cu")
+KERNEL_SOURCES = sorted(glob.glob(os.path.join(ROOT, "cuda", "*.cu")) +
+                        glob.glob(os.path.join(ROOT, "cuda", "*.cuh")))
+
+pytestmark = pytest.mark.skipif(not os.path.exists(SCRIPT),
+                                reason="no tools/ in this tree")
+
+
+def _script_var(name):
+    text = open(SCRIPT).read()
+    found = re.search(rf"^{name}='([^']*)'$", text, re.M)
+    assert found, f"{name} not found in gpu_check.sh"
+    return found.group(1)
+
+
+def _kernel_filter():
+    """The regex of the script's --kernel-name regex=..., built as it does."""
+    files, names = _script_var("KERNEL_FILES"), _script_var("KERNEL_NAMES")
+    return re.compile(rf"(_GLOBAL__N__[0-9a-f]+_[0-9]+_({files})_cu_|({names})_kernel)")
+
+
+def _global_kernels(path):
+    text = open(path).read()
+    return set(re.findall(r"__global__\s+(?:static\s+)?void\s+"
+                          r"(?:__launch_bounds__\([^()]*(?:\([^()]*\))?[^()]*\)\s+)?"
+                          r"(\w+)\s*\(", text))
+
+
+def test_filter_names_every_kernel_file_and_kernel():
+    files = re.compile(rf"({_script_var('KERNEL_FILES')})")
+    names = re.compile(rf"({_script_var('KERNEL_NAMES')})_kernel")
+    sources = [p for p in KERNEL_SOURCES if p.endswith(".cu")] + [CANARY]
+    stems = [os.path.basename(p)[:-3] for p in sources]
+    kernels = set().union(*(_global_kernels(p) for p in KERNEL_SOURCES + [CANARY]))
+    assert kernels, "no __global__ kernel found"
+    missing = ([s for s in stems if not files.fullmatch(s)] +
+               sorted(k for k in kernels if not names.fullmatch(k)))
+    assert not missing, f"not in gpu_check.sh's kernel filter: {missing}"
+
+
+@pytest.mark.parametrize("name", [
+    "_ZN44_GLOBAL__N__a425848a_11_attn_bwd_cu_17ebf39712delta_kernelIfEEv18ra_attn_bwd_params",
+    "_ZN40_GLOBAL__N__85efb046_8_merge_cu_a47a8c5712merge_kernelIdEEv15ra_merge_params",
+    "(anonymous namespace)::fwd_tc_kernel<__nv_bfloat16, 128>(ra_attn_fwd_params, long)",
+    "(anonymous namespace)::sanitizer_canary_kernel(float*, int)",
+])
+def test_filter_matches_mangled_and_demangled_names(name):
+    assert _kernel_filter().search(name)
+
+
+@pytest.mark.parametrize("name", [
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+    "_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_11FillFunctorIfEEEEvi",
+])
+def test_filter_leaves_other_kernels_out(name):
+    assert not _kernel_filter().search(name)
+
+
+def test_script_parses():
+    subprocess.run(["bash", "-n", SCRIPT], check=True)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and
+                    not os.path.exists("/usr/local/cuda/bin/nvcc"),
+                    reason="no nvcc (CUDA toolkit) here")
+def test_canary_compiles(tmp_path):
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    # nvcc's own tools do not run under a preloaded sanitizer runtime (the
+    # suite also runs with ASan preloaded); the canary compiles as it would
+    # on the GPU machine
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    subprocess.run([nvcc, "-O1", "-arch=sm_90", CANARY, "-o",
+                    str(tmp_path / "canary")], check=True, timeout=300, env=env)
