@@ -495,3 +495,41 @@ def test_masked_ring_steps_accumulate(dtype, D, case):
     close(lse, ref_lse, "float32")
     for got, ref in zip(grads, refs):
         close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("ids_dtype", ["int64", "int16", "uint8"])
+def test_masked_ids_of_any_integer_dtype_and_strides_on_the_device(ids_dtype):
+    # ids on the device in another integer dtype, and a strided view, are
+    # converted (or read in place) and give what contiguous int32 ids give
+    backend = mask_backend("float32")
+    rng = np.random.default_rng(zlib.crc32(repr(("ids", ids_dtype)).encode()))
+    B, S, H, D = 2, 90, 2, 64
+    q, k, v = make_qkv(rng, B, S, S, H, 1, D, "float32", backend)
+    ids = np.sort(rng.integers(0, 5, (B, S)), axis=1)
+    wide = np.repeat(ids, 2, axis=1)            # every other column is ids
+    host = {"segment_ids": ids.astype(np.int32)}
+    want = ra.attention(q, k, v, causal=True, **on_device(host, backend))
+    got = ra.attention(q, k, v, causal=True,
+                       **on_device({"segment_ids": ids.astype(ids_dtype)}, backend))
+    strided = on_device({"segment_ids": wide.astype(ids_dtype)}, backend)["segment_ids"]
+    got_strided = ra.attention(q, k, v, causal=True, segment_ids=strided[:, ::2])
+    ref, _ = testing.ref_attention(to_host(q), to_host(k), to_host(v), causal=True, **host)
+    for x in (want, got, got_strided):
+        close(x, ref, "float32")
+    assert np.array_equal(to_host(got), to_host(want))
+
+
+def test_masked_ids_on_the_host_with_device_arrays_are_refused():
+    backend = mask_backend("float32")
+    rng = np.random.default_rng(5)
+    q, k, v = make_qkv(rng, 1, 20, 20, 2, 1, 64, "float32", backend)
+    ids = np.zeros((1, 20), np.int32)
+    with pytest.raises(ValueError, match="segment_ids.*device"):
+        ra.attention(q, k, v, segment_ids=ids)
+    with pytest.raises(ValueError, match="kv_segment_ids.*device"):
+        ra.attention(q, k, v, segment_ids=on_device({"segment_ids": ids}, backend)["segment_ids"],
+                     kv_segment_ids=ids)
+    with pytest.raises(ValueError, match="window"):
+        ra.attention(q, k, v, window=(-1, 0))
+    with pytest.raises(ValueError, match="softcap"):
+        ra.attention(q, k, v, softcap=0.0)
