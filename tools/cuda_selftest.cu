@@ -725,9 +725,14 @@ int main(int argc, char **argv) {
                 continue;
             }
             // the tensor-core kernels (and the generic ones as a control on every
-            // third case); float32 at two lane widths, float64 at one
-            if (!(tc || (D == 59 && !sixteen) || (t == RA_FLOAT32 && D == 128))) continue;
+            // third case); float32 at two lane widths, float64 at one; every
+            // dtype at the other lane widths (D 8 below 32 lanes, 96, 256) on a
+            // third of the cases each
+            const bool every = tc || (D == 59 && !sixteen) || (t == RA_FLOAT32 && D == 128);
+            const bool third = !tc && (D == 8 || D == 96 || D == 256);
+            if (!every && !third) continue;
             for (int ci = 0; ci < n_mask_cases; ci++) {
+                if (!every && ci % 3 != D % 3) continue;
                 count(run_masked(t, D, mask_cases[ci], false));
                 if (tc && ci % 3 == 0) count(run_masked(t, D, mask_cases[ci], true));
             }
