@@ -124,14 +124,17 @@ def _torch_attention(q, k, v, dout, causal, visible=None, softcap=None):
     return [out.transpose(1, 2)] + [g.transpose(1, 2) for g in grads]
 
 
-def _masked_inputs(name, S, device, B=1):
-    """(ringattn's mask keywords, sorted ids (S,) or None, window or None,
-    softcap or None) of a causal mask case for B rows of S tokens: "causal"
-    (none), "window" (S/4, 0), "docs" (8 equal packed documents), "all"
-    (those two and softcap 30)."""
-    import numpy as np
-    import torch
+MASK_CASES = ("causal", "window", "docs", "all")
 
+
+def mask_spec(name, S):
+    """(sorted ids (S,) int32 or None, window or None, softcap or None) of
+    a causal mask case over S tokens: "causal" (none), "window" (S/4, 0),
+    "docs" (8 equal packed documents), "all" (those two and softcap 30)."""
+    import numpy as np
+
+    if name not in MASK_CASES:
+        raise ValueError(f"name: expected one of {MASK_CASES}, got {name!r}")
     ids = window = softcap = None
     if name in ("window", "all"):
         window = (S // 4, 0)
@@ -139,13 +142,30 @@ def _masked_inputs(name, S, device, B=1):
         ids = (np.arange(S) // max(1, S // MASKED_DOCS)).astype(np.int32)
     if name == "all":
         softcap = 30.0
+    return ids, window, softcap
+
+
+def mask_keywords(ids, window, softcap, B, to_device):
+    """ringattn's mask keywords of a mask_spec for B rows; to_device turns
+    the (B, S) int32 ids into an array on the GPU."""
+    import numpy as np
+
     kw = {}
     if window is not None:
         kw["window"] = window
     if ids is not None:
-        kw["segment_ids"] = torch.from_numpy(np.repeat(ids[None], B, axis=0)).to(device)
+        kw["segment_ids"] = to_device(np.repeat(ids[None], B, axis=0))
     if softcap is not None:
         kw["softcap"] = softcap
+    return kw
+
+
+def _masked_inputs(name, S, B=1):
+    """(mask keywords with the ids on the GPU, ids, window, softcap)."""
+    import torch
+
+    ids, window, softcap = mask_spec(name, S)
+    kw = mask_keywords(ids, window, softcap, B, lambda x: torch.from_numpy(x).to("cuda"))
     return kw, ids, window, softcap
 
 
@@ -200,7 +220,7 @@ def masked_accuracy_row(dtype, B, S, H, D):
 
     import ringattn as ra
 
-    kw, ids, window, softcap = _masked_inputs("all", S, "cuda", B)
+    kw, ids, window, softcap = _masked_inputs("all", S, B)
     visible = torch.from_numpy(dense_mask(S, ids, window)).to("cuda")
     g = torch.Generator(device="cuda").manual_seed(D + 7)
     base = [torch.randn(B, S, H, D, device="cuda", generator=g) for _ in range(4)]
@@ -303,7 +323,7 @@ def masked_speed_rows(S, warmup, repeats, echo=print):
                                  generator=g) for _ in range(4))
     rows = []
     for name in ("causal", "window", "docs"):
-        kw, ids, window, _ = _masked_inputs(name, S, "cuda")
+        kw, ids, window, _ = _masked_inputs(name, S)
         out, lse = ra.attention(q, k, v, causal=True, return_lse=True, **kw)
         ms = {("fwd", "ra"): _time_ms(
                   lambda: ra.attention(q, k, v, causal=True, return_lse=True, **kw),
