@@ -101,15 +101,9 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
         if (docs) {
             const ra::SegIds kids = ra::kv_seg_ids(p.mask, b);
             qids = ra::q_seg_ids(p.mask, b);
-#pragma unroll
-            for (int r = 0; r < kRowsPerWarp; r++) {
-                const int64_t j = k0 + warp * kRowsPerWarp + r;
-                kid[r] = j < p.seqlen_k ? kids.at(j) : 0;
-            }
-            int32_t lo, hi;
-            ra::id_range(kids, k0, k0 + kBlockRows < p.seqlen_k ? k0 + kBlockRows : p.seqlen_k,
-                         &lo, &hi);
-            tiles.init(qids, i_begin, i_end, lo, hi, doc_words);
+            ra::row_ids(kids, k0 + warp * kRowsPerWarp, p.seqlen_k, kid);
+            tiles.init_block(kids, k0, k0 + kBlockRows < p.seqlen_k ? k0 + kBlockRows : p.seqlen_k,
+                             qids, i_begin, i_end, doc_words);
         }
     }
     auto next_tile = [&](int64_t t) -> ra::Hit {

@@ -75,15 +75,9 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
         if (docs) {
             const ra::SegIds qids = ra::q_seg_ids(p.mask, b);
             kids = ra::kv_seg_ids(p.mask, b);
-#pragma unroll
-            for (int r = 0; r < kRowsPerWarp; r++) {
-                const int64_t i = q0 + warp * kRowsPerWarp + r;
-                qid[r] = i < p.seqlen_q ? qids.at(i) : 0;
-            }
-            int32_t lo, hi;
-            ra::id_range(qids, q0, q0 + kBlockRows < p.seqlen_q ? q0 + kBlockRows : p.seqlen_q,
-                         &lo, &hi);
-            tiles.init(kids, kbegin, kend, lo, hi, doc_words);
+            ra::row_ids(qids, q0 + warp * kRowsPerWarp, p.seqlen_q, qid);
+            tiles.init_block(qids, q0, q0 + kBlockRows < p.seqlen_q ? q0 + kBlockRows : p.seqlen_q,
+                             kids, kbegin, kend, doc_words);
         }
     }
     auto next_tile = [&](int64_t t) -> ra::Hit {

@@ -125,10 +125,8 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
             qids = ra::q_seg_ids(p.mask, b);
             kid_a = key_a < p.seqlen_k ? kids.at(key_a) : 0;
             kid_b = key_b < p.seqlen_k ? kids.at(key_b) : 0;
-            int32_t lo, hi;
-            ra::id_range(kids, k0, k0 + kBlockN < p.seqlen_k ? k0 + kBlockN : p.seqlen_k, &lo,
-                         &hi);
-            tiles.init(qids, i_begin, i_end, lo, hi, doc_words);
+            tiles.init_block(kids, k0, k0 + kBlockN < p.seqlen_k ? k0 + kBlockN : p.seqlen_k,
+                             qids, i_begin, i_end, doc_words);
         }
     }
     // the first visible (query head, query tile) pair at or after `it`; the

@@ -114,9 +114,7 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
             kids = ra::kv_seg_ids(p.mask, b);
             qid_a = row_a < p.seqlen_q ? qids.at(row_a) : 0;
             qid_b = row_b < p.seqlen_q ? qids.at(row_b) : 0;
-            int32_t lo, hi;
-            ra::id_range(qids, q0, q_end, &lo, &hi);
-            tiles.init(kids, kbegin, kend, lo, hi, doc_words);
+            tiles.init_block(qids, q0, q_end, kids, kbegin, kend, doc_words);
         }
     }
     auto next_tile = [&](int64_t it) -> ra::Hit {

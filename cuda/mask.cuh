@@ -164,6 +164,13 @@ __device__ __forceinline__ void id_range(SegIds ids, int64_t r0, int64_t r1, int
     *hi = z;
 }
 
+/* The ids of a warp's RPW rows from `first` (0 past n) of one batch row. */
+template <int RPW>
+__device__ __forceinline__ void row_ids(SegIds ids, int64_t first, int64_t n, int32_t (&id)[RPW]) {
+#pragma unroll
+    for (int r = 0; r < RPW; r++) id[r] = first + r < n ? ids.at(first + r) : 0;
+}
+
 /* A streamed tile the block visits: its index and whether every id in it
  * equals the block's single id (then no element needs the document test). */
 struct Hit {
@@ -196,6 +203,16 @@ struct DocTiles {
         hi = hi_;
         words = words_;
         chunk0 = -1;
+    }
+
+    /* init for a block that owns rows [r0, r_end) of `own` and streams
+     * rows [base_, n_) of `other`: lo, hi the owned rows' id range */
+    __device__ __forceinline__ void init_block(SegIds own, int64_t r0, int64_t r_end,
+                                               SegIds other, int64_t base_, int64_t n_,
+                                               uint32_t *words_) {
+        int32_t lo_, hi_;
+        id_range(own, r0, r_end, &lo_, &hi_);
+        init(other, base_, n_, lo_, hi_, words_);
     }
 
     __device__ void test_chunk(int64_t t0, int64_t t_end) {
