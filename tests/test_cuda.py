@@ -17,7 +17,10 @@ in place (what the ring does every step).
 Masks (documents, windows, soft-capping) take the mask cases of
 tests/test_masks.py (the CPU kernels' tests) onto the device: against the
 float64 reference, against the CPU kernels on the same inputs, tensor-core
-against generic kernels, long packed sequences, and ring steps.
+against generic kernels, long packed sequences, ring steps (keys in chunks
+with position offsets, accumulated), and ids of any integer dtype, strided,
+on the device.  Same tolerance as above (the CPU kernels: twice it, as each
+implementation is within it of the reference).
 """
 import zlib
 
