@@ -12,6 +12,7 @@ come back as the kind of q.
 from . import _C
 from .checks import flag
 from .interop import kind_of, from_buffer, to_buffer
+from .lse_cotangent import local_backward
 from .masks import mask_kwargs
 
 
@@ -45,23 +46,24 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False,
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
                        deterministic=False, segment_ids=None,
-                       kv_segment_ids=None, window=None, softcap=None):
+                       kv_segment_ids=None, window=None, softcap=None,
+                       dlse=None):
     """Gradients of ``attention``: returns (dq, dk, dv) in the inputs' dtype.
 
     dout, out: (B, S_q, H, D); lse: (B, H, S_q) as returned by
     ``attention(..., return_lse=True)`` with the same masks, which are
-    passed here again.  Arithmetic is float32 (float64 for float64 inputs)
-    with delta = rowsum(dout * out) computed first; with a softcap the
+    passed here again.  dlse: None, or the cotangent of lse (B, H, S_q) in
+    lse's dtype, whose gradient is added (``ringattn.lse_cotangent``).
+    Arithmetic is float32 (float64 for float64 inputs) with delta =
+    rowsum(dout * out) (minus dlse) computed first; with a softcap the
     gradient goes through the tanh.
     """
     kind = kind_of(q)
-    grads = _C.attn_bwd(to_buffer(dout, "dout"), to_buffer(q, "q"),
-                        to_buffer(k, "k"), to_buffer(v, "v"),
-                        to_buffer(out, "out"), to_buffer(lse, "lse"),
-                        causal=flag(causal, "causal"), scale=scale,
-                        deterministic=flag(deterministic, "deterministic"),
-                        **mask_kwargs(segment_ids, kv_segment_ids, window,
-                                      softcap))
+    grads = local_backward(
+        _C.attn_bwd, (dout, q, k, v, out, lse), dlse, kind,
+        causal=flag(causal, "causal"), scale=scale,
+        deterministic=flag(deterministic, "deterministic"),
+        **mask_kwargs(segment_ids, kv_segment_ids, window, softcap))
     return tuple(from_buffer(g, kind) for g in grads)
 
 

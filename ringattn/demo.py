@@ -155,7 +155,7 @@ def _flops(B, H, n, D, causal, visible=None):
 def _describe_masks(cfg, causal):
     """One line: the masks and the share of the scores they leave visible,
     and how many (query, key) pairs that is (None, None without masks)."""
-    from .bench_masks import visible_fraction
+    from .bench.masks import visible_fraction
     from .masks import segment_ids
 
     if cfg["window"] is None and cfg["docs"] is None:

@@ -16,6 +16,7 @@ import operator
 from . import _C
 from .checks import flag
 from .interop import kind_of, from_buffer, to_buffer
+from .lse_cotangent import local_backward
 
 
 def check_config(segment_lengths, dilation_rates):
@@ -75,14 +76,17 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
 
 
 def dilated_attention_backward(dout, q, k, v, out, lse, segment_lengths,
-                               dilation_rates, *, causal=False, scale=None):
-    """Gradients of ``dilated_attention``: (dq, dk, dv) in the inputs' dtype."""
+                               dilation_rates, *, causal=False, scale=None,
+                               dlse=None):
+    """Gradients of ``dilated_attention``: (dq, dk, dv) in the inputs' dtype.
+
+    dlse: None, or the cotangent of the (merged) lse (B, H, n) in lse's
+    dtype, whose gradient is added (``ringattn.lse_cotangent``)."""
     segs, rates = check_config(segment_lengths, dilation_rates)
     kind = kind_of(q)
-    grads = _C.dilated_bwd(to_buffer(dout, "dout"), to_buffer(q, "q"),
-                           to_buffer(k, "k"), to_buffer(v, "v"),
-                           to_buffer(out, "out"), to_buffer(lse, "lse"), segs,
-                           rates, causal=flag(causal, "causal"), scale=scale)
+    grads = local_backward(_C.dilated_bwd, (dout, q, k, v, out, lse), dlse,
+                           kind, segment_lengths=segs, dilation_rates=rates,
+                           causal=flag(causal, "causal"), scale=scale)
     return tuple(from_buffer(g, kind) for g in grads)
 
 
@@ -111,10 +115,11 @@ class DilatedAttention:
                                  self.dilation_rates, causal=self.causal,
                                  scale=self.scale, return_lse=return_lse)
 
-    def backward(self, dout, q, k, v, out, lse):
+    def backward(self, dout, q, k, v, out, lse, dlse=None):
+        """``dilated_attention_backward`` with this configuration."""
         return dilated_attention_backward(
             dout, q, k, v, out, lse, self.segment_lengths, self.dilation_rates,
-            causal=self.causal, scale=self.scale)
+            causal=self.causal, scale=self.scale, dlse=dlse)
 
     def ring(self, q, k, v, comm, **kwargs):
         from .ring_dilated import ring_dilated_attention

@@ -1,16 +1,18 @@
 """JAX autodiff for ringattn (``import ringattn.jax``; imports JAX lazily).
 
-``attention`` and ``dilated_attention`` run the kernels as XLA FFI custom
-calls (ringattn/jax_ffi.py): under ``jax.jit`` they work on XLA's own
-buffers and stream, forward and ``jax.grad``, and ``jax.vmap`` batches them.
-``ring_attention(q, k, v, axis_name=...)`` is the ring inside a JAX program
-(under ``jax.shard_map``; ringattn/jax_ring.py).
+``attention``, ``merge`` and (on the CPU) ``dilated_attention`` run the
+kernels as XLA FFI custom calls (ringattn/jax_ffi.py): under ``jax.jit``
+they work on XLA's own buffers and stream, forward and ``jax.grad``, and
+``jax.vmap`` batches them.  ``ring_attention(q, k, v, axis_name=...)`` is
+the ring inside a JAX program (under ``jax.shard_map``;
+ringattn/jax_ring.py).
 
-The comm-object ring wrappers (``ring_attention(q, k, v, comm)``,
-``ring_dilated_attention``) are a ``jax.custom_vjp`` whose forward and
-backward call ringattn's ring through ordered ``io_callback``, so every rank
-issues its communication in program order; device arrays are staged through
-the host there.
+Host callbacks (``_make``): ``dilated_attention`` off the CPU, through
+``jax.pure_callback``; the comm-object ring wrappers
+(``ring_attention(q, k, v, comm)``, ``ring_dilated_attention``), whose
+forward and backward call ringattn's ring through ordered ``io_callback``,
+so every rank issues its communication in program order (not under
+``jax.vmap``); device arrays are staged through the host there.
 
 Shapes as ``ringattn.attention``: q (B, S_q, H, D); k, v (B, S_k, H_kv, D).
 With ``return_lse=True`` each returns (out, lse), lse (B, H, S_q) float32
@@ -30,7 +32,6 @@ from . import jax_ring as _jax_ring
 from . import ring as _ring
 from . import ring_dilated as _ring_dilated
 from .checks import flag
-from .lse_grad import lse_cotangent_grads
 
 __all__ = ["attention", "dilated_attention", "ring_attention",
            "ring_dilated_attention", "merge"]
@@ -43,12 +44,6 @@ def _sds(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def _lse_sds(q):
-    B, S, H, _ = q.shape
-    dt = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-    return jax.ShapeDtypeStruct((B, H, S), dt)
-
-
 def _host(arrays):
     return [np.asarray(a) for a in arrays]
 
@@ -56,11 +51,11 @@ def _host(arrays):
 def _make(forward, backward, ordered, return_lse):
     """custom_vjp over (q, k, v, *ids) from host functions:
     forward(q, k, v, *ids) -> (out, lse); backward(dout, q, k, v, out, lse,
-    *ids) -> (dq, dk, dv); ids (integer segment ids) get no gradient.
-    Returns out, or (out, lse) when return_lse; the lse is differentiable
-    (``ringattn.lse_grad``), at the cost of one more backward in the
-    backward pass only when lse is used: symbolic zeros tell, at trace
-    time, which outputs the loss reads."""
+    *ids, dlse=None) -> (dq, dk, dv); ids (integer segment ids) get no
+    gradient.  Returns out, or (out, lse) when return_lse; the lse is
+    differentiable, its cotangent going to the same backward call as
+    ``dlse=`` (symbolic zeros tell, at trace time, which outputs the loss
+    reads)."""
     def call(fn, shapes, *args):
         host = lambda *a: tuple(np.asarray(x) for x in fn(*_host(a)))
         if ordered:
@@ -68,36 +63,43 @@ def _make(forward, backward, ordered, return_lse):
         return jax.pure_callback(host, shapes, *args,
                                  vmap_method="sequential")
 
-    def lse_terms(dlse, q, k, v, out, lse, *ids):
-        return lse_cotangent_grads(dlse, q, k, v, out, lse,
-                                   lambda *a: backward(*a, *ids))
-
     def outputs(out, lse):
         return (out, lse) if return_lse else out
 
+    def forward_shapes(q):
+        B, S, H, _ = q.shape
+        return (_sds(q),
+                jax.ShapeDtypeStruct((B, H, S), _ffi.acc_dtype(q.dtype)))
+
     @jax.custom_vjp
     def f(q, k, v, *ids):
-        return outputs(*call(forward, (_sds(q), _lse_sds(q)), q, k, v, *ids))
+        return outputs(*call(forward, forward_shapes(q), q, k, v, *ids))
 
     def f_fwd(q, k, v, *ids):
         # symbolic_zeros: the primals come wrapped
         q, k, v = q.value, k.value, v.value
         ids = tuple(x.value for x in ids)
-        out, lse = call(forward, (_sds(q), _lse_sds(q)), q, k, v, *ids)
+        out, lse = call(forward, forward_shapes(q), q, k, v, *ids)
         return outputs(out, lse), (q, k, v, out, lse, ids)
 
     def f_bwd(res, cotangent):
         q, k, v, out, lse, ids = res
         dout, dlse = cotangent if return_lse else (cotangent, None)
-        if isinstance(dout, SymbolicZero):
+        no_dout = isinstance(dout, SymbolicZero)
+        no_dlse = dlse is None or isinstance(dlse, SymbolicZero)
+        shapes = (_sds(q), _sds(k), _sds(v))
+        if no_dout and no_dlse:
             grads = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
         else:
-            grads = list(call(backward, (_sds(q), _sds(k), _sds(v)), dout,
-                              q, k, v, out, lse, *ids))
-        if dlse is not None and not isinstance(dlse, SymbolicZero):
-            lse_dq, lse_dk = call(lse_terms, (_sds(q), _sds(k)), dlse, q, k,
-                                  v, out, lse, *ids)
-            grads[0], grads[1] = grads[0] + lse_dq, grads[1] + lse_dk
+            if no_dout:
+                dout = jnp.zeros(out.shape, out.dtype)
+            args = (dout, q, k, v, out, lse, *ids)
+            if no_dlse:
+                grads = list(call(backward, shapes, *args))
+            else:
+                grads = list(call(
+                    lambda *a: backward(*a[:-1], dlse=a[-1]), shapes, *args,
+                    dlse.astype(lse.dtype)))
         no_grad = [np.zeros(x.shape, jax.dtypes.float0) for x in ids]
         return tuple(grads + no_grad)
 
@@ -128,8 +130,10 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
     f = _make(
         lambda q, k, v: _dilated.dilated_attention(
             q, k, v, segs, rates, causal=causal, scale=scale, return_lse=True),
-        lambda do, q, k, v, o, l: _dilated.dilated_attention_backward(
-            do, q, k, v, o, l, segs, rates, causal=causal, scale=scale),
+        lambda do, q, k, v, o, l, dlse=None:
+            _dilated.dilated_attention_backward(
+                do, q, k, v, o, l, segs, rates, causal=causal, scale=scale,
+                dlse=dlse),
         ordered=False, return_lse=return_lse)
     return _ffi.dilated_attention(q, k, v, segs, rates, causal=causal,
                                   scale=scale, return_lse=return_lse,
@@ -165,8 +169,10 @@ def ring_attention(q, k, v, comm=None, *, axis_name=None, causal=False,
     f = _make(
         lambda q, k, v, *ids: _ring.ring_attention(
             q, k, v, comm, return_lse=True, segment_ids=_one(ids), **kw),
-        lambda do, q, k, v, o, l, *ids: _ring.ring_attention_backward(
-            do, q, k, v, o, l, comm, segment_ids=_one(ids), **kw),
+        lambda do, q, k, v, o, l, *ids, dlse=None:
+            _ring.ring_attention_backward(do, q, k, v, o, l, comm,
+                                          segment_ids=_one(ids), dlse=dlse,
+                                          **kw),
         ordered=True, return_lse=return_lse)
     return f(q, k, v, *ids)
 
@@ -187,7 +193,8 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
     f = _make(
         lambda q, k, v: _ring_dilated.ring_dilated_attention(
             q, k, v, comm, segs, rates, return_lse=True, **kw),
-        lambda do, q, k, v, o, l: _ring_dilated.ring_dilated_attention_backward(
-            do, q, k, v, o, l, comm, segs, rates, **kw),
+        lambda do, q, k, v, o, l, dlse=None:
+            _ring_dilated.ring_dilated_attention_backward(
+                do, q, k, v, o, l, comm, segs, rates, dlse=dlse, **kw),
         ordered=True, return_lse=return_lse)
     return f(q, k, v)

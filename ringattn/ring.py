@@ -40,6 +40,7 @@ from .agreement import EMPTY_RANGE, MAX_SEQ_LEN, agree, describe, id_chunks
 from .hops import HopPlan, layout_hops
 from .interop import kind_of, from_buffer, to_buffer, to_numpy
 from .layout import check_layout
+from .lse_cotangent import check_dlse, fold_into_delta
 from .masks import mask_kwargs
 from .ring_blocks import Block, Packed, exchange
 
@@ -425,31 +426,42 @@ def _ring_forward(qb, kb, vb, comm, step, call):
 def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
                             scale=None, layout="contiguous", seq_len=None,
                             segment_ids=None, window=None, softcap=None,
-                            progress=None, num_threads=None, timeout=None,
-                            profile=None):
+                            dlse=None, progress=None, num_threads=None,
+                            timeout=None, profile=None):
     """Gradients of ``ring_attention`` for this rank's shard.
 
     dout, q, out: (B, n_r, H, D); k, v: (B, n_r, H_kv, D); lse: (B, H, n_r)
-    as returned by ``ring_attention(..., return_lse=True)``.  Returns
-    (dq, dk, dv) in the inputs' dtypes; dk/dv are this rank's keys'
-    gradients summed over every rank's queries.  Arguments, masks, profile
-    and timeout as ``ring_attention``.
+    as returned by ``ring_attention(..., return_lse=True)``.  dlse: None,
+    or the cotangent of this rank's lse (B, H, n_r) in lse's dtype, whose
+    gradient is added (``ringattn.lse_cotangent``; ranks may differ in
+    passing it).  Returns (dq, dk, dv) in the inputs' dtypes; dk/dv are
+    this rank's keys' gradients summed over every rank's queries.
+    Arguments, masks, profile and timeout as ``ring_attention``.
     """
     causal = checks.flag(causal, "causal")
     call = RingCall(comm, layout, seq_len, num_threads, timeout, progress,
                     profile)
     kind = kind_of(q)
     mask_kw = mask_kwargs(segment_ids, None, window, softcap)
+    dlse_buf = None
+
+    def local_check(q, k, v, dout, out, lse):
+        nonlocal dlse_buf
+        _C.attn_bwd(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                    check_only=True, **mask_kw)
+        dlse_buf = check_dlse(dlse, q)
+
     bufs, masks, plan, hops = _prepare(
         comm, "bwd", [("q", q), ("k", k), ("v", v), ("dout", dout),
-                      ("out", out), ("lse", lse)],
-        lambda q, k, v, dout, out, lse: _C.attn_bwd(
-            dout, q, k, v, out, lse, causal=causal, scale=scale,
-            check_only=True, **mask_kw),
+                      ("out", out), ("lse", lse)], local_check,
         causal, scale, call, (segment_ids, window, softcap))
     qb, kb, vb, doutb, outb, lseb = bufs
     step = _Step(hops, masks, causal, scale, call.threads)
-    dq, dk, dv = _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, step,
+    # delta = rowsum(dout * out) - dlse
+    delta = fold_into_delta(
+        _C.attn_bwd_preprocess(doutb, outb, num_threads=call.threads),
+        dlse_buf, kind)
+    dq, dk, dv = _ring_backward(doutb, qb, kb, vb, delta, lseb, comm, step,
                                 call)
     return tuple(as_result(g, like, kind)
                  for g, like in ((dq, qb), (dk, kb), (dv, vb)))
@@ -506,7 +518,7 @@ class _Home:
             self.arriving = None
 
 
-def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, step, call):
+def _ring_backward(doutb, qb, kb, vb, delta, lseb, comm, step, call):
     """dk/dv travel with their k/v rows; rows no later hop needs go
     straight home (``_Home``).  dk/dv slots: 0, 1 the travelling ones (a
     block's dk/dv that arrive on hop d land in slot d % 2; our own rows
@@ -517,8 +529,6 @@ def _ring_backward(doutb, qb, kb, vb, outb, lseb, comm, step, call):
     Hkv = kb.shape[2]
     dev = _device(qb)
     acc = "float64" if qb.dtype == "float64" else "float32"
-    # checks out/dout/lse shapes and computes delta = rowsum(dout * out)
-    delta = _C.attn_bwd_preprocess(doutb, outb, num_threads=call.threads)
     dq = _C.zeros((B, n_r, H, D), acc, *dev)
     kv = _kv_slots(hops, B, Hkv, D, qb.dtype, dev, masks)
     dkv = _kv_slots(hops, B, Hkv, D, acc, dev)

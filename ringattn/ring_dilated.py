@@ -27,6 +27,7 @@ from . import _C, checks
 from .agreement import agree, describe
 from .dilated import check_config
 from .interop import from_buffer, kind_of
+from .lse_cotangent import check_dlse, fold_into_delta
 from .ring import RingCall, _device, as_result, empty_state, shard_buffers
 
 __all__ = ["ring_dilated_attention", "ring_dilated_attention_backward"]
@@ -182,7 +183,8 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
     Shapes as ``ring_attention``: q (B, n_r, H, D), k, v (B, n_r, H_kv, D),
     this rank's shard in `layout`.  Returns out (B, n_r, H, D) in q's dtype
     (and lse (B, H, n_r) with return_lse=True).  profile: a dict filled with
-    {"bytes_sent"}.  Arguments are checked as ``dilated_attention`` checks
+    {"bytes_sent", "rounds"} (the exchange rounds with traffic to or from
+    this rank).  Arguments are checked as ``dilated_attention`` checks
     them, before any communication; timeout as ``ring_attention``.
     """
     causal, return_lse = (checks.flag(causal, "causal"),
@@ -227,7 +229,8 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
     # rows are computed (requests complete in order on every rank)
     sent = 0
     pending = None
-    for item in _rounds(plan, comm, segs, rates, H, Hkv, causal) + [None]:
+    rounds = _rounds(plan, comm, segs, rates, H, Hkv, causal)
+    for item in rounds + [None]:
         d = None if item is None else item[0]
         if d is not None:
             _, dst, send, src, recv = item
@@ -248,7 +251,7 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
         if d is not None:
             pending = (req, recv, recv_buf, send_buf)
     if profile is not None:
-        profile.update(bytes_sent=sent)
+        profile.update(bytes_sent=sent, rounds=len(rounds))
     out_final = as_result(out, qb, kind)
     if return_lse:
         return out_final, from_buffer(lse, kind)
@@ -293,26 +296,36 @@ def ring_dilated_attention_backward(dout, q, k, v, out, lse, comm,
                                     segment_lengths, dilation_rates, *,
                                     causal=False, scale=None,
                                     layout="contiguous", seq_len=None,
-                                    num_threads=None, timeout=None):
+                                    dlse=None, num_threads=None,
+                                    timeout=None):
     """Gradients of ``ring_dilated_attention`` for this rank's shard:
-    (dq, dk, dv) in the inputs' dtypes."""
+    (dq, dk, dv) in the inputs' dtypes.  dlse: None, or the cotangent of
+    this rank's (merged) lse (B, H, n_r) in lse's dtype, whose gradient is
+    added (``ringattn.lse_cotangent``)."""
     causal = checks.flag(causal, "causal")
     call = RingCall(comm, layout, seq_len, num_threads, timeout)
     kind = kind_of(q)
+    dlse_buf = None
+
+    def local_check(segs, rates, q, k, v, dout, out, lse):
+        nonlocal dlse_buf
+        _C.dilated_bwd(dout, q, k, v, out, lse, segs, rates, causal=causal,
+                       scale=scale, check_only=True)
+        dlse_buf = check_dlse(dlse, q)
+
     segs, rates, (qb, kb, vb, doutb, outb, lseb), plan = _prepare(
         comm, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out),
                ("lse", lse)], segment_lengths, dilation_rates, causal, scale,
-        call, "dilated_bwd",
-        lambda segs, rates, q, k, v, dout, out, lse: _C.dilated_bwd(
-            dout, q, k, v, out, lse, segs, rates, causal=causal, scale=scale,
-            check_only=True))
+        call, "dilated_bwd", local_check)
     threads, timeout = call.threads, call.timeout
     B, n_r, H, D = qb.shape
     Hkv = kb.shape[2]
     dev = _device(qb)
     acc = "float64" if qb.dtype == "float64" else "float32"
     u = comm.rank
-    delta = _C.attn_bwd_preprocess(doutb, outb, num_threads=threads)
+    delta = fold_into_delta(
+        _C.attn_bwd_preprocess(doutb, outb, num_threads=threads), dlse_buf,
+        kind)
     lse_c = _C.empty(tuple(lseb.shape), acc, *dev)
     lse_c.copy_(lseb)            # compact, the layout delta has
     dq = _C.zeros((B, n_r, H, D), acc, *dev)

@@ -5,12 +5,12 @@ lazily).
 and the backward calls the ringattn backward kernels.  Tensors cross
 zero-copy through DLPack, on the CPU or a CUDA device.
 
-With ``return_lse=True`` the lse is differentiable too (its gradient costs
-one more backward pass, only when lse is used; see ``ringattn.lse_grad``).
+With ``return_lse=True`` the lse is differentiable too: its cotangent goes
+to the same backward call as ``dlse=`` (``ringattn.lse_cotangent``).
 Masks (segment ids, window, softcap) pass through as ``ringattn.attention``
-and ``ringattn.ring_attention`` take them; ids get no gradient.  Second derivatives are not implemented: a double
-backward raises RuntimeError (as PyTorch's flash attention does) rather
-than returning zeros.
+and ``ringattn.ring_attention`` take them; ids get no gradient.  Second
+derivatives are not implemented: a double backward raises RuntimeError (as
+PyTorch's flash attention does) rather than returning zeros.
 
 Shapes as ``ringattn.attention``: q (B, S_q, H, D); k, v (B, S_k, H_kv, D).
 """
@@ -23,7 +23,6 @@ from .attention import attention_backward as _attention_bwd
 from . import dilated as _dilated
 from . import ring as _ring
 from . import ring_dilated as _ring_dilated
-from .lse_grad import lse_cotangent_grads
 
 __all__ = ["attention", "dilated_attention", "ring_attention",
            "ring_dilated_attention"]
@@ -49,7 +48,7 @@ class _NoSecondDerivative(torch.autograd.Function):
 
 class _Attention(torch.autograd.Function):
     """Generic wrapper: `forward_fn(q, k, v) -> (out, lse)`,
-    `backward_fn(dout, q, k, v, out, lse) -> (dq, dk, dv)`."""
+    `backward_fn(dout, q, k, v, out, lse, dlse) -> (dq, dk, dv)`."""
 
     @staticmethod
     def forward(ctx, q, k, v, forward_fn, backward_fn):
@@ -77,16 +76,14 @@ class _Attention(torch.autograd.Function):
 
 
 def _gradients(ctx, dout, dlse, q, k, v, out, lse):
-    """(dq, dk, dv) from the cotangents of out and lse (None when unused)."""
-    if dout is not None:
-        dq, dk, dv = ctx.backward_fn(dout.contiguous(), q, k, v, out, lse)
-    else:
-        dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
+    """(dq, dk, dv) from the cotangents of out and lse (None when unused):
+    one backward call, dlse folded into its delta."""
+    if dout is None and dlse is None:
+        return tuple(torch.zeros_like(x) for x in (q, k, v))
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     if dlse is not None:
-        lse_dq, lse_dk = lse_cotangent_grads(
-            dlse.contiguous(), q, k, v, out, lse, ctx.backward_fn)
-        dq, dk = dq + lse_dq, dk + lse_dk
-    return dq, dk, dv
+        dlse = dlse.contiguous()     # e.g. an expanded (stride 0) gradient
+    return tuple(ctx.backward_fn(dout, q, k, v, out, lse, dlse))
 
 
 def _apply(q, k, v, fwd, bwd, return_lse):
@@ -105,7 +102,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     return _apply(
         q, k, v,
         lambda q, k, v: _attention_fwd(q, k, v, return_lse=True, **kw),
-        lambda do, q, k, v, o, l: _attention_bwd(do, q, k, v, o, l, **kw),
+        lambda do, q, k, v, o, l, dlse: _attention_bwd(do, q, k, v, o, l,
+                                                       dlse=dlse, **kw),
         return_lse)
 
 
@@ -117,8 +115,9 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
         q, k, v,
         lambda q, k, v: _dilated.dilated_attention(
             q, k, v, segs, rates, causal=causal, scale=scale, return_lse=True),
-        lambda do, q, k, v, o, l: _dilated.dilated_attention_backward(
-            do, q, k, v, o, l, segs, rates, causal=causal, scale=scale),
+        lambda do, q, k, v, o, l, dlse: _dilated.dilated_attention_backward(
+            do, q, k, v, o, l, segs, rates, causal=causal, scale=scale,
+            dlse=dlse),
         return_lse)
 
 
@@ -133,8 +132,8 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
         q, k, v,
         lambda q, k, v: _ring.ring_attention(q, k, v, comm, return_lse=True,
                                              **kw),
-        lambda do, q, k, v, o, l: _ring.ring_attention_backward(
-            do, q, k, v, o, l, comm, **kw),
+        lambda do, q, k, v, o, l, dlse: _ring.ring_attention_backward(
+            do, q, k, v, o, l, comm, dlse=dlse, **kw),
         return_lse)
 
 
@@ -149,6 +148,7 @@ def ring_dilated_attention(q, k, v, comm, segment_lengths, dilation_rates, *,
         q, k, v,
         lambda q, k, v: _ring_dilated.ring_dilated_attention(
             q, k, v, comm, segs, rates, return_lse=True, **kw),
-        lambda do, q, k, v, o, l: _ring_dilated.ring_dilated_attention_backward(
-            do, q, k, v, o, l, comm, segs, rates, **kw),
+        lambda do, q, k, v, o, l, dlse:
+            _ring_dilated.ring_dilated_attention_backward(
+                do, q, k, v, o, l, comm, segs, rates, dlse=dlse, **kw),
         return_lse)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ringattn as ra
-from ringattn import bench_masks
+from ringattn.bench import masks as bench_masks
 from ringattn import testing as rt
 
 

@@ -253,3 +253,24 @@ def test_local_branches_only_agree_on_the_wire():
     sent = ra.launch(transport_bytes, P, args=([16, 64], [1, 2]),
                      backend="host", timeout=LAUNCH_TIMEOUT)
     assert max(sent) < 4096, f"transport bytes per rank {sent}"
+
+
+def _rounds(comm, segs, rates):
+    rng = np.random.default_rng(1)
+    q, k, v = random_qkv(rng, B, N, N, 8, 8, D, "float32")
+    qs, ks, vs = (ra.shard(x, comm.rank, comm.size, "contiguous")
+                  for x in (q, k, v))
+    profile = {}
+    ra.ring_dilated_attention(qs, ks, vs, comm, segs, rates, profile=profile)
+    return profile["rounds"], profile["bytes_sent"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("segs,rates,expected", [
+    (LONGNET[0], LONGNET[1], (P - 1, True)),    # a segment spans every rank
+    ([32, 64], [1, 2], (0, False)),             # every segment inside a shard
+], ids=["spanning", "local"])
+def test_profile_counts_rounds(segs, rates, expected):
+    got = ra.launch(_rounds, P, args=(segs, rates), backend="threads",
+                    timeout=LAUNCH_TIMEOUT)
+    assert [(r, b > 0) for r, b in got] == [expected] * P, got

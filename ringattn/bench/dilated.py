@@ -12,18 +12,10 @@ import time
 
 import numpy as np
 
+from .timing import best_time
+
 SEGMENTS = [2048, 4096, 8192, 16384]
 RATES = [1, 2, 4, 8]
-
-
-def _time(fn, repeat):
-    best = None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        t = time.perf_counter() - t0
-        best = t if best is None else min(best, t)
-    return best
 
 
 def _ring_rank(comm, cfg):
@@ -73,14 +65,14 @@ def run(args):
                        for _ in range(4))
         out, lse = ra.dilated_attention(q, k, v, segs, RATES, causal=True,
                                         return_lse=True)
-        df = _time(lambda: ra.dilated_attention(q, k, v, segs, RATES,
+        df = best_time(lambda: ra.dilated_attention(q, k, v, segs, RATES,
                                                 causal=True), repeat)
-        db = _time(lambda: ra.dilated_attention_backward(
+        db = best_time(lambda: ra.dilated_attention_backward(
             do, q, k, v, out, lse, segs, RATES, causal=True), repeat)
         if n <= dense_max:
             o2, l2 = ra.attention(q, k, v, causal=True, return_lse=True)
-            ff = _time(lambda: ra.attention(q, k, v, causal=True), repeat)
-            fb = _time(lambda: ra.attention_backward(do, q, k, v, o2, l2,
+            ff = best_time(lambda: ra.attention(q, k, v, causal=True), repeat)
+            fb = best_time(lambda: ra.attention_backward(do, q, k, v, o2, l2,
                                                      causal=True), repeat)
             dense = f"{ff:.2f} | {fb:.2f} | {ff / df:.1f}x"
         else:

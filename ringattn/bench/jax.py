@@ -22,7 +22,7 @@ import importlib.util
 import os
 import sys
 
-from .bench import _median_time
+from .timing import median_time
 
 DEVICES = 4
 Q_CHUNK, K_CHUNK = 128, 64   # RA_CPU_BQ, RA_CPU_BK (csrc/attn_cpu_kern.h)
@@ -87,7 +87,7 @@ def run_local(jax, rj, seq_lens, repeat):
                                              argnums=(0, 1, 2)))
                     else:
                         g = jax.jit(f)
-                    t[key] = _median_time(lambda: jax.block_until_ready(g(q, k, v)), repeat)
+                    t[key] = median_time(lambda: jax.block_until_ready(g(q, k, v)), repeat)
                 lines.append(f"| {S} | {'yes' if causal else 'no'} | {name} | "
                              f"{t['ringattn'] * 1e3:.1f} | {t['xla'] * 1e3:.1f} | "
                              f"{t['xla'] / t['ringattn']:.1f}x |")
@@ -100,7 +100,7 @@ def run_ring(jax, rj, seq_lens, repeat):
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from .jax_ring import shard_map
+    from ..jax_ring import shard_map
 
     B, H, D = 1, 8, 64
     theirs, why = _authors_ring()
@@ -148,7 +148,7 @@ def run_ring(jax, rj, seq_lens, repeat):
                     else:
                         g = jax.jit(jax.grad(lambda q, k, v, r=r: jnp.sum(r(q, k, v) * w),
                                              argnums=(0, 1, 2)))
-                    t[key] = _median_time(lambda: jax.block_until_ready(g(q, k, v)), repeat)
+                    t[key] = median_time(lambda: jax.block_until_ready(g(q, k, v)), repeat)
                 other = (f"{t['authors'] * 1e3:.1f} | {t['authors'] / t['ringattn']:.1f}x"
                          if "authors" in t else "n/a | n/a")
                 lines.append(f"| {n} | {'yes' if causal else 'no'} | {name} | "

@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from .timing import best_time
+
 B, D = 1, 64
 
 COLUMNS = [
@@ -85,22 +87,12 @@ def visible_fraction(n, causal=True, segment_ids=None, window=None):
     return float(np.clip(hi - lo + 1, 0, None).sum()) / n ** 2
 
 
-def _best(fn, repeat):
-    best = None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        t = time.perf_counter() - t0
-        best = t if best is None or t < best else best
-    return best
-
-
 def _ringattn_times(q, k, v, dout, repeat, masks):
     import ringattn as ra
 
     out, lse = ra.attention(q, k, v, causal=True, return_lse=True, **masks)
-    fwd = _best(lambda: ra.attention(q, k, v, causal=True, **masks), repeat)
-    bwd = _best(lambda: ra.attention_backward(dout, q, k, v, out, lse,
+    fwd = best_time(lambda: ra.attention(q, k, v, causal=True, **masks), repeat)
+    bwd = best_time(lambda: ra.attention_backward(dout, q, k, v, out, lse,
                                               causal=True, **masks), repeat)
     return fwd, bwd
 
@@ -174,7 +166,7 @@ class SdpaTimer:
                            for x in (q, k, v, dout))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         with torch.no_grad():
-            fwd = _best(lambda: sdpa(tq, tk, tv, attn_mask=mask), repeat)
+            fwd = best_time(lambda: sdpa(tq, tk, tv, attn_mask=mask), repeat)
         self.pairs_per_s = max(self.pairs_per_s or 0.0, work / fwd)
         if fwd * 3 > SDPA_BUDGET_S:
             return fwd, "over budget"
@@ -257,8 +249,8 @@ def unmasked_rows(S, H, repeat):
     rows = []
     for causal in (False, True):
         out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
-        fwd = _best(lambda: ra.attention(q, k, v, causal=causal), repeat)
-        bwd = _best(lambda: ra.attention_backward(dout, q, k, v, out, lse,
+        fwd = best_time(lambda: ra.attention(q, k, v, causal=causal), repeat)
+        bwd = best_time(lambda: ra.attention_backward(dout, q, k, v, out, lse,
                                                   causal=causal), repeat)
         rows.append({"case": "no mask, causal" if causal else "no mask",
                      "n": S, "H": H,
@@ -294,6 +286,6 @@ def run(args):
     print("\nno mask: the --cpu table's configuration\n", flush=True)
     print(format_table(unmasked_rows(S, 8, repeat), COLUMNS[:6]), flush=True)
     print()
-    from .bench_masks_ring import run as run_ring
+    from .masks_ring import run as run_ring
 
     return run_ring(args)

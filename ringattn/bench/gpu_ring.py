@@ -22,23 +22,11 @@ H = 16, D = 128, zigzag layout, causal and not, forward and backward:
 row ran, 1 when a ring failed, 2 when no GPU, NCCL or PyTorch is there.
 """
 import os
-import statistics
-import time
+
+from .timing import median_time
 
 B, H, D = 1, 16, 128
 DTYPE = "bfloat16"
-
-
-def _median(fn, repeat, sync):
-    fn()
-    sync()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _rank(comm, n, repeat):
@@ -75,7 +63,7 @@ def _rank_times(comm, n, causal, repeat):
         ra.ring_attention_backward(dout, q, k, v, state["out"], state["lse"], comm,
                                    causal=causal, layout="zigzag", seq_len=n)
 
-    res = {"fwd": _median(fwd, repeat, sync), "bwd": _median(bwd, repeat, sync)}
+    res = {"fwd": median_time(fwd, repeat, sync=sync), "bwd": median_time(bwd, repeat, sync=sync)}
     # the same transfers alone: k/v blocks (input dtype) for p - 1 steps;
     # the backward adds its float32 dk/dv blocks on every step
     lens = [len(shard_positions(n, p, "zigzag", i)) for i in range(p)]
@@ -97,8 +85,8 @@ def _rank_times(comm, n, causal, repeat):
                                   (r - 1) % p, step=step)
         return go
 
-    res["xfer_fwd"] = _median(steps(False), repeat, sync) if p > 1 else 0.0
-    res["xfer_bwd"] = _median(steps(True), repeat, sync) if p > 1 else 0.0
+    res["xfer_fwd"] = median_time(steps(False), repeat, sync=sync) if p > 1 else 0.0
+    res["xfer_bwd"] = median_time(steps(True), repeat, sync=sync) if p > 1 else 0.0
     return res
 
 
@@ -113,10 +101,10 @@ def _single(n, causal, repeat):
                      for _ in range(4))
     out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
     sync = torch.cuda.synchronize
-    return {"fwd": _median(lambda: ra.attention(q, k, v, causal=causal, return_lse=True),
-                           repeat, sync),
-            "bwd": _median(lambda: ra.attention_backward(dout, q, k, v, out, lse, causal=causal),
-                           repeat, sync)}
+    return {"fwd": median_time(lambda: ra.attention(q, k, v, causal=causal, return_lse=True),
+                               repeat, sync=sync),
+            "bwd": median_time(lambda: ra.attention_backward(dout, q, k, v, out, lse, causal=causal),
+                               repeat, sync=sync)}
 
 
 def _can_run(p, n_gpus, nccl):
@@ -130,7 +118,7 @@ def _can_run(p, n_gpus, nccl):
 
 def run(args=None) -> int:
     import ringattn as ra
-    from .bench_gpu import preflight
+    from .gpu import preflight
 
     torch = preflight("bench --ring --gpu", "bench-gpu-ring")
     if torch is None:

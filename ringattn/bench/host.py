@@ -1,4 +1,4 @@
-"""``ringattn bench``: throughput tables measured in one run.
+"""The host tables of ``ringattn bench``.
 
 --cpu   CPU kernels (B=1, H=8, D=64; S in 1024, 4096, 8192; causal and not;
         forward and backward): time, GFLOP/s (FA2 convention: forward
@@ -9,30 +9,16 @@
 --ring  ring time over single-rank time for p = 1, 2, 4 local ranks on the
         same total work, the share of transfer time hidden behind compute,
         and each rank's peak ringattn memory.
---dilated, --masks, --gpu, --ring --gpu: see ringattn.bench_dilated /
-        ringattn.bench_masks / ringattn.bench_gpu / ringattn.bench_gpu_ring
-        (the NCCL ring).
---plot FILE draws the --cpu and --ring tables (ringattn.bench_plot).
 """
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-
-def _median_time(fn, repeat, warmup=1):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from .timing import median_time
 
 
 def matmul_rate(n=2048, repeat=5):
@@ -42,7 +28,7 @@ def matmul_rate(n=2048, repeat=5):
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
-    t = _median_time(lambda: a @ b, repeat, warmup=2)
+    t = median_time(lambda: a @ b, repeat, warmup=2)
     return 2.0 * n ** 3 / t / 1e9
 
 
@@ -113,17 +99,17 @@ def cpu_table(threads, seq_lens, repeat, B=1, H=8, D=64):
         # would steal the cores from the next short kernel
         res = {}
         for causal in (False, True):
-            res[causal, "fwd"] = _median_time(lambda: _C.attn_fwd(
+            res[causal, "fwd"] = median_time(lambda: _C.attn_fwd(
                 q, k, v, causal=causal, num_threads=threads), repeat)
             out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
-            res[causal, "bwd"] = _median_time(lambda: _C.attn_bwd(
+            res[causal, "bwd"] = median_time(lambda: _C.attn_bwd(
                 dout, q, k, v, out, lse, causal=causal, num_threads=threads),
                 repeat)
         for causal in (False, True):
-            res[causal, "np_fwd"] = _median_time(
+            res[causal, "np_fwd"] = median_time(
                 lambda: numpy_attention(q, k, v, causal, scale), 1, warmup=0)
             np_out, np_lse = numpy_attention(q, k, v, causal, scale)
-            res[causal, "np_bwd"] = _median_time(lambda: numpy_attention_backward(
+            res[causal, "np_bwd"] = median_time(lambda: numpy_attention_backward(
                 dout, q, k, v, np_out, np_lse, causal, scale), 1, warmup=0)
         for causal in (False, True):
             fl = _flops(B, H, S, D, causal)
@@ -266,7 +252,7 @@ def run_ring(args):
           flush=True)
     rows = []
     for causal in (False, True):
-        single = _median_time(lambda: ra.attention(q, k, v, causal=causal),
+        single = median_time(lambda: ra.attention(q, k, v, causal=causal),
                               args.repeat)
         for p in (1, 2, 4):
             cfg = {"n": n, "B": B, "H": H, "D": D, "layout": "zigzag",
@@ -291,40 +277,3 @@ def run_ring(args):
                   f"{row['peak_mib']:.1f} |", flush=True)
     print()
     return 0, rows
-
-
-def run(args):
-    """``ringattn bench`` with parsed (CLI-checked) arguments; returns the
-    exit status."""
-    status = 0
-    if args.jax:
-        from .bench_jax import run as run_jax
-
-        return run_jax(args)
-    cpu_tables, ring_rows = [], []
-    if args.cpu or not (args.ring or args.dilated or args.gpu or args.masks):
-        code, cpu_tables = run_cpu(args)
-        status |= code
-    if args.ring and not args.gpu:
-        code, ring_rows = run_ring(args)
-        status |= code
-    if args.dilated:
-        from .bench_dilated import run as run_dilated
-
-        status |= run_dilated(args)
-    if args.masks:
-        from .bench_masks import run as run_masks
-
-        status |= run_masks(args)
-    if args.gpu:
-        if args.ring:
-            from .bench_gpu_ring import run as run_gpu
-        else:
-            from .bench_gpu import run as run_gpu
-        status |= run_gpu(args)
-    if args.plot and (cpu_tables or ring_rows):
-        from .bench_plot import draw
-
-        draw(args.plot, cpu_tables, ring_rows)
-        print(f"plot written to {args.plot}")
-    return status

@@ -4,7 +4,7 @@ without the window.
 
 n = 64k tokens (8k with --quick), window (4096, 0) ((512, 0)), causal,
 contiguous layout, float32, B = 1, H = 2, D = 64 (the local window table's
-problem, ringattn.bench_masks), each rank with cores / 4 kernel threads.
+problem, ringattn.bench.masks), each rank with cores / 4 kernel threads.
 Each row: the slowest rank's forward and backward seconds (best of
 --repeat), ring steps taken, and the MiB each rank sent (forward, backward;
 ``profile["bytes_sent"]``).  With the window a rank sends only the last w
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .bench_masks import B, D, format_table
+from .masks import B, D, format_table
 
 P, H = 4, 2
 
