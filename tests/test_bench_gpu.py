@@ -8,9 +8,9 @@ import pytest
 
 import ringattn as ra
 from ringattn import testing as rt
-from ringattn.bench_gpu import (MASK_CASES, format_accuracy_row, format_masked_row,
+from ringattn.bench.gpu import (MASK_CASES, format_accuracy_row, format_masked_row,
                                 mask_keywords, mask_spec, masked_summary)
-from ringattn.bench_masks import dense_mask, visible_fraction
+from ringattn.bench.masks import dense_mask, visible_fraction
 
 
 @pytest.mark.parametrize("S", [1, 7, 64, 100])

@@ -34,7 +34,7 @@ accuracy check passed, 1 otherwise, 2 when no GPU or PyTorch is there.
 """
 import statistics
 
-from .bench_masks import dense_mask, visible_fraction
+from .masks import dense_mask, visible_fraction
 
 SEQLENS = (1024, 4096, 16384)
 HEAD_DIMS = (64, 128)
