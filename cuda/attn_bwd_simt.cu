@@ -23,10 +23,17 @@
  *
  * Scores are recomputed exactly as the forward (attn_fwd_simt.cu) computed
  * them: q pre-multiplied by scale in A, then one fused multiply-add per
- * dimension in order d = 0 .. D-1.  So s_ij - lse_i is at most 0 up to the
- * rounding of lse itself, also for huge scores (q scaled by 1e9), and the
- * exponent is clamped to <= 0 on top: P never exceeds 1 and never
- * overflows, whatever the magnitude of the scores.
+ * dimension in order d = 0 .. D-1 (and soft-capped by the same tanh).  So
+ * s_ij - lse_i is at most 0 up to the rounding of lse itself, also for huge
+ * scores (q scaled by 1e9), and the exponent rule of mask.cuh (bwd_exponent:
+ * clamped to <= 0, and 0 within 16 ulps of a huge |lse|) makes P exact
+ * there: never above 1, never overflowing, 1 for a row's dominant key.
+ *
+ * The masked variant (M, mask.cuh): causal and the window bound each
+ * block's tile loop (the query range of a key block, the key range of a
+ * query block), tiles holding none of the block's document ids are
+ * skipped, pairs are tested against both, and with a softcap c the scores
+ * are c * tanh(s / c) and dS gains the factor 1 - tanh^2.
  *
  * Shapes: q, out, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D);
  * lse, delta (B, H, S_q) in A.
@@ -37,7 +44,7 @@ namespace {
 
 using namespace ra::bwd_simt;
 
-template <typename T, int DPL>
+template <typename T, int DPL, bool M>
 __global__ void __launch_bounds__(kWarps * 32)
 dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
     typedef typename ra::Acc<T>::type A;
@@ -50,48 +57,90 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
     A *sdo = sq + kTile * ldq;                  // 32 x ldq
     A *slse = sdo + kTile * ldq;                // 32
     A *sdelta = slse + kTile;                   // 32
+    uint32_t *doc_words = reinterpret_cast<uint32_t *>(sdelta + kTile);  // M: 2 * kWarps
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const ra::KBlock blk = ra::k_block<kBlockRows>(p, n_kblocks);
     const int64_t b = blk.b, hk = blk.hk, group = blk.group, k0 = blk.k0;
     const A scale = (A)p.scale;
 
-    const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
-    const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
+    const ra::In<T> kg(p.k, b * p.k_batch_stride, hk * p.k_head_stride, p.dtype);
+    const ra::In<T> vg(p.v, b * p.v_batch_stride, hk * p.v_head_stride, p.dtype);
     for (int idx = threadIdx.x; idx < kBlockRows * D; idx += blockDim.x) {
         const int r = idx / D, d = idx % D;
         const int64_t j = k0 + r;
         const bool ok = j < p.seqlen_k;
-        sk[idx] = ok ? ra::to_acc(kg[j * p.k_seq_stride + d]) : (A)0;
-        sv[idx] = ok ? ra::to_acc(vg[j * p.v_seq_stride + d]) : (A)0;
+        sk[idx] = ok ? kg[j * p.k_seq_stride + d] : (A)0;
+        sv[idx] = ok ? vg[j * p.v_seq_stride + d] : (A)0;
     }
 
     A dk[kRowsPerWarp][DPL], dv[kRowsPerWarp][DPL];
     int64_t kpos[kRowsPerWarp];
+    ra::Span seers[kRowsPerWarp];  // M: the query positions that may see each key
+    int32_t kid[kRowsPerWarp];     // M with documents: each key's segment id
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; r++) {
         kpos[r] = p.k_pos_offset + (k0 + warp * kRowsPerWarp + r) * p.k_pos_stride;
+        if constexpr (M) seers[r] = ra::queries_seeing(p, kpos[r]);
 #pragma unroll
         for (int t = 0; t < DPL; t++) dk[r][t] = dv[r][t] = 0;
     }
 
-    const int64_t i_begin = ra::block_query_begin(p, k0);
+    // queries [i_begin, i_end) bound the queries that see any owned key
+    const ra::Range queries = ra::block_queries<kBlockRows, M>(p, k0);
+    const int64_t i_begin = queries.begin, i_end = queries.end;
+
+    // masks (M): soft-capping, and the query tiles holding the block's documents
+    const bool docs = M && ra::mask_docs(p.mask);
+    const A cap = M ? (A)p.mask.softcap : (A)0;
+    const A inv_cap = cap > 0 ? (A)1 / cap : (A)0;
+    const int64_t n_tiles = i_end > i_begin ? (i_end - i_begin + kTile - 1) / kTile : 0;
+    ra::SegIds qids{};
+    ra::DocTiles<kTile, kWarps> tiles;
+    if constexpr (M) {
+        if (docs) {
+            const ra::SegIds kids = ra::kv_seg_ids(p.mask, b);
+            qids = ra::q_seg_ids(p.mask, b);
+            ra::row_ids(kids, k0 + warp * kRowsPerWarp, p.seqlen_k, kid);
+            tiles.init_block(kids, k0, k0 + kBlockRows < p.seqlen_k ? k0 + kBlockRows : p.seqlen_k,
+                             qids, i_begin, i_end, doc_words);
+        }
+    }
+    auto next_tile = [&](int64_t t) -> ra::Hit {
+        if constexpr (M) {
+            if (docs) return tiles.next(t, n_tiles);
+        }
+        return ra::Hit{t, true};
+    };
 
     for (int64_t g = 0; g < group; g++) {
         const int64_t h = hk * group + g;
-        const T *qg = (const T *)p.q + b * p.q_batch_stride + h * p.q_head_stride;
-        const T *dog = (const T *)p.dout + b * p.dout_batch_stride + h * p.dout_head_stride;
+        const ra::In<T> qg(p.q, b * p.q_batch_stride, h * p.q_head_stride, p.dtype);
+        const ra::In<T> dog(p.dout, b * p.dout_batch_stride, h * p.dout_head_stride, p.dtype);
         const A *lseg = (const A *)p.lse + b * p.lse_batch_stride + h * p.lse_head_stride;
         const A *deltag = (const A *)p.delta + b * p.lse_batch_stride + h * p.lse_head_stride;
-        for (int64_t i0 = i_begin; i0 < p.seqlen_q; i0 += kTile) {
+        // query tiles [i0, i0 + 32): every one from i_begin without M, with M
+        // those the masks leave (hit: the tile's index from i_begin, and
+        // whether its ids all equal the block's one id)
+        ra::Hit hit = next_tile(0);
+        auto step = [&](int64_t i0) -> int64_t {
+            if constexpr (M) {
+                hit = next_tile(hit.tile + 1);
+                return i_begin + hit.tile * kTile;
+            }
+            return i0 + kTile;
+        };
+        for (int64_t i0 = M ? i_begin + hit.tile * kTile : i_begin;
+             M ? hit.tile < n_tiles : i0 < p.seqlen_q; i0 = step(i0)) {
+            const bool same = hit.same;
             __syncthreads();  // owned K, V written / previous tile consumed
             for (int idx = threadIdx.x; idx < kTile * D; idx += blockDim.x) {
                 const int r = idx / D, d = idx % D;
                 const int64_t i = i0 + r;
                 const bool ok = i < p.seqlen_q;
                 // pre-scaled as in the forward, so s matches its bits
-                sq[r * ldq + d] = ok ? ra::to_acc(qg[i * p.q_seq_stride + d]) * scale : (A)0;
-                sdo[r * ldq + d] = ok ? ra::to_acc(dog[i * p.dout_seq_stride + d]) : (A)0;
+                sq[r * ldq + d] = ok ? qg[i * p.q_seq_stride + d] * scale : (A)0;
+                sdo[r * ldq + d] = ok ? dog[i * p.dout_seq_stride + d] : (A)0;
             }
             if (threadIdx.x < kTile) {
                 const int64_t i = i0 + threadIdx.x;
@@ -103,6 +152,9 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
 
             const int64_t qpos = p.q_pos_offset + (i0 + lane) * p.q_pos_stride;
             const A lse_i = slse[lane], delta_i = sdelta[lane];
+            const A band_i = ra::band_of(lse_i);
+            const bool doc_test = docs && !same;
+            const int32_t qid = doc_test && i0 + lane < i_end ? qids.at(i0 + lane) : 0;
             const int in = (int)(p.seqlen_q - i0 < kTile ? p.seqlen_q - i0 : kTile);
 #pragma unroll
             for (int r = 0; r < kRowsPerWarp; r++) {
@@ -116,9 +168,22 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                     dp += doi[d] * vr[d];
                 }
                 // lse_i = -inf covers rows past S_q and rows that saw no key
-                const bool vis = lse_i != ra::neg_inf<A>() && (!p.causal || kpos[r] <= qpos);
-                const A pr = vis ? ra::exp_acc(fmin(s - lse_i, (A)0)) : (A)0;
-                const A ds = pr * (dp - delta_i);
+                A dcap = 1;  // d capped / d s
+                bool vis;
+                if constexpr (M) {
+                    if (cap > 0) {
+                        const A u = ra::tanh_acc(s * inv_cap);
+                        s = cap * u;
+                        dcap = 1 - u * u;
+                    }
+                    vis = lse_i != ra::neg_inf<A>() && ra::in_span(seers[r], qpos) &&
+                          (!doc_test || kid[r] == qid);
+                } else {
+                    vis = lse_i != ra::neg_inf<A>() && (!p.causal || kpos[r] <= qpos);
+                }
+                const A pr = vis ? ra::exp_acc(ra::bwd_exponent(s - lse_i, band_i)) : (A)0;
+                A ds = pr * (dp - delta_i);
+                if constexpr (M) ds *= dcap;
                 for (int i = 0; i < in; i++) {
                     const A pb = __shfl_sync(0xffffffffu, pr, i);
                     const A dsb = __shfl_sync(0xffffffffu, ds, i);
@@ -160,7 +225,7 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
 }
 
 struct Launch {
-    template <typename T, int DPL>
+    template <typename T, int DPL, bool M>
     static ra_status run(const ra_attn_bwd_params &p, cudaStream_t s) {
         typedef typename ra::Acc<T>::type A;
         const int D = (int)p.head_dim;
@@ -168,12 +233,13 @@ struct Launch {
         // dk, dv: grid B * H_kv * ceil(S_k / 16), 128 threads
         if (p.seqlen_k > 0) {
             const size_t smem =
-                (size_t)(2 * kBlockRows * D + 2 * kTile * ld + 2 * kTile) * sizeof(A);
-            RA_CHECK(ra_set_smem(dkdv_simt_kernel<T, DPL>, smem));
+                (size_t)(2 * kBlockRows * D + 2 * kTile * ld + 2 * kTile) * sizeof(A) +
+                (M ? 2 * kWarps * sizeof(uint32_t) : 0);
+            RA_CHECK(ra_set_smem(dkdv_simt_kernel<T, DPL, M>, smem));
             const int64_t n_kblocks = (p.seqlen_k + kBlockRows - 1) / kBlockRows;
             int64_t blocks = 0;
             RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
-            dkdv_simt_kernel<T, DPL><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_kblocks);
+            dkdv_simt_kernel<T, DPL, M><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_kblocks);
             RA_CUDA_CHECK_LAUNCH("dkdv_simt_kernel");
         }
         return RA_OK;

@@ -5,13 +5,27 @@
  * of float32 accumulators into a gradient.
  *
  * Both kernels recompute P = exp(scale * q.k - lse) in log2 units, as the
- * forward does: P = exp2(min(s * scale * log2(e) - lse * log2(e), 0)).  The
- * clamp keeps P <= 1 when the recomputed score and the stored lse round
- * differently: with huge but finite scores (1e9) the difference is many
- * units, and an unclamped exp2 would overflow to inf.  A query row
- * that must contribute nothing (past S_q, or a final lse of -inf because it
- * saw no key) gets the log2 lse +inf, so its P is exp2(-inf) = 0 and its dS
- * is 0 * (dP - 0) = 0: never NaN.
+ * forward does: P = exp2(x), x = s * scale * log2(e) - lse * log2(e) (with
+ * a softcap c: x = c * log2(e) * tanh(s * scale / c) - lse * log2(e)),
+ * under the exponent rule of mask.cuh: x clamped to <= 0 (with huge but
+ * finite scores, 1e9, the recomputed score and the stored lse round
+ * differently by many units, and an unclamped exp2 would overflow to inf),
+ * and an x within 16 ulps of |lse log2 e| >= 2^13 below 0 read as 0.
+ *
+ * What that guarantees: P <= 1 and finite gradients for any finite scores;
+ * P exact (1 for a row's dominant key, not 2^-ulps) wherever the score
+ * recomputed here is within 16 ulps of the one the forward turned into lse.
+ * The dq pass computes S = Q K^T with the forward's very fragments and
+ * k-step order, so only the rounding of lse (stored, converted to log2
+ * units, merged over ring steps) separates them; the dk/dv pass computes
+ * S^T = K Q^T, the same products over the same k-steps with the operands'
+ * roles swapped in the mma, which the PTX ISA does not promise rounds alike
+ * -- there the guarantee is finiteness, and exactness as far as the
+ * hardware rounds both orientations within the band.
+ *
+ * A query row that must contribute nothing (past S_q, or a final lse of
+ * -inf because it saw no key) gets the log2 lse +inf (band 0), so its P is
+ * exp2(-inf) = 0 and its dS is 0 * (dP - 0) = 0: never NaN.
  */
 #ifndef RA_ATTN_BWD_TC_CUH
 #define RA_ATTN_BWD_TC_CUH
@@ -27,10 +41,12 @@ constexpr int kThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 
 /* lse * log2(e) of query row i of one (b, h), or +inf for a row that
- * contributes nothing; its delta, or 0 for such a row.  lse and delta are
- * float32 (B, H, S_q) with the lse strides; `off` = b * batch + h * head. */
+ * contributes nothing; its delta, or 0 for such a row; and the band of the
+ * exponent rule for that lse (mask.cuh band_of, 0 unless |lse2| >= 2^13).
+ * lse and delta are float32 (B, H, S_q) with the lse strides; `off` =
+ * b * batch + h * head. */
 __device__ __forceinline__ void row_stats(const ra_attn_bwd_params &p, int64_t off, int64_t i,
-                                          float *lse2, float *delta) {
+                                          float *lse2, float *delta, float *band) {
     float l2 = CUDART_INF_F, dl = 0.f;
     if (i < p.seqlen_q) {
         const int64_t li = off + i * p.lse_seq_stride;
@@ -42,6 +58,7 @@ __device__ __forceinline__ void row_stats(const ra_attn_bwd_params &p, int64_t o
     }
     *lse2 = l2;
     *delta = dl;
+    *band = band_of(l2);
 }
 
 /* Elements off and off + 1 of a gradient: added into float32 when

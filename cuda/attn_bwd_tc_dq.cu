@@ -25,11 +25,18 @@
  *   dS = P (dP - delta)
  *   dQ += dS K        (16 x D)    dS from registers, K as [k][n]
  * with dQ float32 in registers, written (times scale) once at the end by
- * its one owner thread: deterministic.
+ * its one owner thread: deterministic.  The exponent rule and what it
+ * guarantees for huge scores: attn_bwd_tc.cuh.
+ *
+ * The masked variant (M, mask.cuh) walks only the key tiles the block's
+ * window span and document ids leave, tests the elements of tiles not known
+ * to be fully visible against each row's span and segment id, and with a
+ * softcap c recomputes the capped score exactly as the forward did
+ * (u = tanh(s * scale / c), score c * u) and multiplies dS by 1 - u^2.
  *
  * Launch: grid B * H * ceil(S_q / 64) (1-D, heaviest causal blocks first),
  * 128 threads, dynamic shared memory (2 * 64 + 4 * 64) * D * 2 bytes
- * (Q, dout, 2 x K, 2 x V).
+ * (Q, dout, 2 x K, 2 x V), with M 2 * 64 ids and 8 words more.
  */
 #include "attn_bwd_tc.cuh"
 
@@ -40,12 +47,13 @@ using namespace ra::bwd_tc;
 constexpr int kBlockM = kWarps * 16;  // query rows per block, 16 per warp
 constexpr int kBlockN = 64;           // keys per streamed tile
 
-template <int D>
+template <int D, bool M>
 constexpr size_t dq_smem_bytes() {
-    return (size_t)(2 * kBlockM + 4 * kBlockN) * D * 2;
+    return (size_t)(2 * kBlockM + 4 * kBlockN) * D * 2 +
+           (M ? 2 * kBlockN * sizeof(int32_t) + 2 * kWarps * sizeof(uint32_t) : 0);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool M>
 __global__ void __launch_bounds__(kThreads)
 dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     constexpr int kNT = kBlockN / 8;  // n-tiles of S, dP (keys)
@@ -55,6 +63,8 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     T *sdo = sq + kBlockM * D;                // kBlockM x D
     T *sk = sdo + kBlockM * D;                // 2 x kBlockN x D, streamed keys
     T *sv = sk + 2 * kBlockN * D;             // 2 x kBlockN x D
+    int32_t *skid = reinterpret_cast<int32_t *>(sv + 2 * kBlockN * D);  // M: 2 x kBlockN ids
+    uint32_t *doc_words = reinterpret_cast<uint32_t *>(skid + 2 * kBlockN);  // M: 8
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -66,8 +76,9 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
     const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
 
-    // keys at or past kend are invisible to every query of the block
-    const int64_t kend = ra::block_key_end<kBlockM>(p, q0);
+    // keys outside [kbegin, kend) are invisible to every query of the block
+    const ra::Range keys = ra::block_keys<kBlockM, M>(p, q0);
+    const int64_t kbegin = keys.begin, kend = keys.end;  // kbegin = 0 without M
     const int n_tiles = (int)((kend + kBlockN - 1) / kBlockN);
     const int64_t qpos_first = p.q_pos_offset + q0 * p.q_pos_stride;
 
@@ -76,33 +87,80 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     const int64_t qpos_a = p.q_pos_offset + row_a * p.q_pos_stride;
     const int64_t qpos_b = p.q_pos_offset + row_b * p.q_pos_stride;
     const int64_t stat_off = b * p.lse_batch_stride + h * p.lse_head_stride;
-    float lse2_a, lse2_b, delta_a, delta_b;
-    row_stats(p, stat_off, row_a, &lse2_a, &delta_a);
-    row_stats(p, stat_off, row_b, &lse2_b, &delta_b);
+    float lse2_a, lse2_b, delta_a, delta_b, band_a, band_b;
+    row_stats(p, stat_off, row_a, &lse2_a, &delta_a, &band_a);
+    row_stats(p, stat_off, row_b, &lse2_b, &delta_b, &band_b);
     const float sl2 = (float)p.scale * kLog2e;
+
+    // masks (M): the rows' key spans and ids, the block's bounds, soft-capping
+    ra::Span seen_a{}, seen_b{};
+    int64_t blk_lo = 0, blk_hi = 0;  // keys at or past blk_lo, up to blk_hi, every row sees
+    int32_t qid_a = 0, qid_b = 0;
+    const bool docs = M && ra::mask_docs(p.mask);
+    const bool capped = M && p.mask.softcap > 0;
+    const float cap_in = capped ? (float)(p.scale / p.mask.softcap) : 0.f;
+    const float cap_out = capped ? (float)(p.mask.softcap * (double)kLog2e) : 0.f;
+    const int64_t m_tiles = kend > kbegin ? (kend - kbegin + kBlockN - 1) / kBlockN : 0;
+    ra::SegIds kids{};
+    ra::DocTiles<kBlockN, kWarps> tiles;
+    if constexpr (M) {
+        seen_a = ra::keys_seen_by(p, qpos_a);
+        seen_b = ra::keys_seen_by(p, qpos_b);
+        const int64_t q_end = q0 + kBlockM < p.seqlen_q ? q0 + kBlockM : p.seqlen_q;
+        blk_lo = ra::keys_seen_by(p, p.q_pos_offset + (q_end - 1) * p.q_pos_stride).lo;
+        blk_hi = ra::keys_seen_by(p, qpos_first).hi;
+        if (docs) {
+            const ra::SegIds qids = ra::q_seg_ids(p.mask, b);
+            kids = ra::kv_seg_ids(p.mask, b);
+            qid_a = row_a < p.seqlen_q ? qids.at(row_a) : 0;
+            qid_b = row_b < p.seqlen_q ? qids.at(row_b) : 0;
+            tiles.init_block(qids, q0, q_end, kids, kbegin, kend, doc_words);
+        }
+    }
+    auto next_tile = [&](int64_t it) -> ra::Hit {
+        if constexpr (M) {
+            if (docs) return tiles.next(it, m_tiles);
+        }
+        return ra::Hit{it, true};
+    };
+    // cp.async keys [k0, k0 + 64) into buffer buf (and with documents their ids)
+    auto stage = [&](int64_t k0, int buf) {
+        ra::cp_async_tile<T, D, kBlockN, kThreads>(sk + buf * kBlockN * D, kg, p.k_seq_stride,
+                                                   k0, kend);
+        ra::cp_async_tile<T, D, kBlockN, kThreads>(sv + buf * kBlockN * D, vg, p.v_seq_stride,
+                                                   k0, kend);
+        if constexpr (M) {
+            if (docs && threadIdx.x < kBlockN) {
+                const int64_t key = k0 + threadIdx.x;
+                skid[buf * kBlockN + threadIdx.x] = key < kend ? kids.at(key) : 0;
+            }
+        }
+    };
 
     float dq[kDT][4];
 #pragma unroll
     for (int i = 0; i < kDT; i++) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
 
-    if (n_tiles > 0) {
+    // Key tiles stream double buffered: tile it + 1 loads while tile it
+    // computes.  Without M tile it is keys [64 it, 64 it + 64); with M it is
+    // the it-th tile the masks leave (cur: its index from kbegin, and whether
+    // its ids all equal the block's one id).
+    ra::Hit cur = next_tile(0);
+    if (M ? cur.tile < m_tiles : n_tiles > 0) {
         // group 0: the owned Q, dout rows and the first key tile
         ra::cp_async_tile<T, D, kBlockM, kThreads>(sq, qg, p.q_seq_stride, q0, p.seqlen_q);
         ra::cp_async_tile<T, D, kBlockM, kThreads>(sdo, dog, p.dout_seq_stride, q0, p.seqlen_q);
-        ra::cp_async_tile<T, D, kBlockN, kThreads>(sk, kg, p.k_seq_stride, 0, kend);
-        ra::cp_async_tile<T, D, kBlockN, kThreads>(sv, vg, p.v_seq_stride, 0, kend);
+        stage(M ? kbegin + cur.tile * kBlockN : 0, 0);
         ra::cp_async_commit();
     }
 
-    for (int it = 0; it < n_tiles; it++) {
+    for (int it = 0; M ? cur.tile < m_tiles : it < n_tiles; it++) {
         const int buf = it & 1;
-        if (it + 1 < n_tiles) {
+        ra::Hit nxt{};
+        if constexpr (M) nxt = next_tile(cur.tile + 1);
+        if (M ? nxt.tile < m_tiles : it + 1 < n_tiles) {
             // buffer buf ^ 1 was released by the __syncthreads ending it - 1
-            const int64_t kn = (int64_t)(it + 1) * kBlockN;
-            ra::cp_async_tile<T, D, kBlockN, kThreads>(sk + (buf ^ 1) * kBlockN * D, kg,
-                                                       p.k_seq_stride, kn, kend);
-            ra::cp_async_tile<T, D, kBlockN, kThreads>(sv + (buf ^ 1) * kBlockN * D, vg,
-                                                       p.v_seq_stride, kn, kend);
+            stage(M ? kbegin + nxt.tile * kBlockN : (int64_t)(it + 1) * kBlockN, buf ^ 1);
             ra::cp_async_commit();
             ra::cp_async_wait<1>();
         } else {
@@ -112,7 +170,8 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
 
         const T *kt = sk + buf * kBlockN * D;
         const T *vt = sv + buf * kBlockN * D;
-        const int64_t k0 = (int64_t)it * kBlockN;
+        const int64_t k0 = M ? kbegin + cur.tile * kBlockN : (int64_t)it * kBlockN;
+        const bool same = cur.same;
 
         // S = Q K^T and dP = dout V^T: the warp's 16 rows x 64 keys
         float s[kNT][4], dp[kNT][4];
@@ -140,23 +199,65 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
 
         // P and dS = P (dP - delta); element (i, e) of the fragment is row
         // g (e < 2) or g + 8, key k0 + 8i + 2t + (e & 1)
-        const bool full = k0 + kBlockN <= kend &&
-            (!p.causal || p.k_pos_offset + (k0 + kBlockN - 1) * p.k_pos_stride <= qpos_first);
+        if constexpr (M) {
+            const bool full = k0 + kBlockN <= kend &&
+                p.k_pos_offset + k0 * p.k_pos_stride >= blk_lo &&
+                p.k_pos_offset + (k0 + kBlockN - 1) * p.k_pos_stride <= blk_hi && same;
+            const int32_t *ids = skid + buf * kBlockN;
+            const bool doc_test = docs && !same;
 #pragma unroll
-        for (int i = 0; i < kNT; i++) {
+            for (int i = 0; i < kNT; i++) {
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                float pa = exp2f(fminf(s[i][e] * sl2 - lse2_a, 0.f));
-                float pb = exp2f(fminf(s[i][2 + e] * sl2 - lse2_b, 0.f));
-                if (!full) {
-                    const int64_t key = k0 + i * 8 + 2 * t + e;
-                    const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
-                    const bool in = key < kend;
-                    if (!in || (p.causal && kpos > qpos_a)) pa = 0.f;
-                    if (!in || (p.causal && kpos > qpos_b)) pb = 0.f;
+                for (int e = 0; e < 2; e++) {
+                    // the forward's score in log2 units, and d score / d (scale q.k)
+                    float xa, xb, ca = 1.f, cb = 1.f;
+                    if (capped) {
+                        const float ua = ra::tanh_acc(s[i][e] * cap_in);
+                        const float ub = ra::tanh_acc(s[i][2 + e] * cap_in);
+                        xa = ua * cap_out;
+                        xb = ub * cap_out;
+                        ca = 1.f - ua * ua;
+                        cb = 1.f - ub * ub;
+                    } else {
+                        xa = s[i][e] * sl2;
+                        xb = s[i][2 + e] * sl2;
+                    }
+                    float pa = exp2f(ra::bwd_exponent(xa - lse2_a, band_a));
+                    float pb = exp2f(ra::bwd_exponent(xb - lse2_b, band_b));
+                    if (!full) {
+                        const int col = i * 8 + 2 * t + e;
+                        const int64_t key = k0 + col;
+                        const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
+                        const bool in = key < kend;
+                        const int32_t kid = doc_test ? ids[col] : 0;
+                        if (!in || !ra::in_span(seen_a, kpos) || (doc_test && kid != qid_a))
+                            pa = 0.f;
+                        if (!in || !ra::in_span(seen_b, kpos) || (doc_test && kid != qid_b))
+                            pb = 0.f;
+                    }
+                    dp[i][e] = pa * (dp[i][e] - delta_a) * ca;
+                    dp[i][2 + e] = pb * (dp[i][2 + e] - delta_b) * cb;
                 }
-                dp[i][e] = pa * (dp[i][e] - delta_a);
-                dp[i][2 + e] = pb * (dp[i][2 + e] - delta_b);
+            }
+        } else {
+            const bool full = k0 + kBlockN <= kend &&
+                (!p.causal || p.k_pos_offset + (k0 + kBlockN - 1) * p.k_pos_stride <= qpos_first);
+#pragma unroll
+            for (int i = 0; i < kNT; i++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float pa = exp2f(ra::bwd_exponent(s[i][e] * sl2 - lse2_a, band_a));
+                    float pb = exp2f(ra::bwd_exponent(s[i][2 + e] * sl2 - lse2_b, band_b));
+                    if (!full) {
+                        const int64_t key = k0 + i * 8 + 2 * t + e;
+                        const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
+                        const bool in = key < kend;
+                        if (!in || (p.causal && kpos > qpos_a)) pa = 0.f;
+                        if (!in || (p.causal && kpos > qpos_b)) pb = 0.f;
+                    }
+                    dp[i][e] = pa * (dp[i][e] - delta_a);
+                    dp[i][2 + e] = pb * (dp[i][2 + e] - delta_b);
+                }
             }
         }
 
@@ -174,6 +275,7 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
             }
         }
         __syncthreads();  // every warp done with buffer buf before it is refilled
+        if constexpr (M) cur = nxt;
     }
 
     // epilogue: rows g, g + 8 of the warp's queries, columns 8i + 2t, + 1
@@ -193,16 +295,16 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
 }
 
 struct Launch {
-    template <typename T, int D>
+    template <typename T, int D, bool M>
     static ra_status run(const ra_attn_bwd_params &p, cudaStream_t s) {
-        const size_t smem = dq_smem_bytes<D>();
-        RA_CHECK(ra_set_smem(dq_tc_kernel<T, D>, smem));
+        const size_t smem = dq_smem_bytes<D, M>();
+        RA_CHECK(ra_set_smem(dq_tc_kernel<T, D, M>, smem));
         const int64_t n_qblocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
         int64_t blocks = 0;
         RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
         // grid: B * H * ceil(S_q / 64) blocks of 128 threads;
         // q, dout, dq (B, S_q, H, D), k, v (B, S_k, H_kv, D)
-        dq_tc_kernel<T, D><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
+        dq_tc_kernel<T, D, M><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
         RA_CUDA_CHECK_LAUNCH("dq_tc_kernel");
         return RA_OK;
     }

@@ -21,8 +21,15 @@
  * Key tiles entirely in the causal future are never loaded.  Rows that see
  * no key keep m = -inf and l = 0 and end as out 0, lse -inf.
  *
+ * The masked variant (M, mask.cuh) walks only the key tiles the block's
+ * window span and document ids leave, tests the elements of the tiles not
+ * known to be fully visible against each row's span and segment id (the
+ * tile's ids staged in shared memory with it), and soft-caps the scores:
+ * s = c * tanh(scale * q.k / c), in log2 units.
+ *
  * Launch: grid B * H * ceil(S_q / 64) (1-D, heaviest causal blocks first),
- * 128 threads, dynamic shared memory 5 * 64 * D * 2 bytes (Q, 2 x K, 2 x V).
+ * 128 threads, dynamic shared memory 5 * 64 * D * 2 bytes (Q, 2 x K, 2 x V),
+ * with M 2 * 64 ids and 8 words of document tile bits more.
  */
 #include "attn_kernels.cuh"
 #include "mma.cuh"
@@ -36,13 +43,15 @@ constexpr int kThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <typename T, int D>
+template <typename T, int D, bool M>
 __global__ void __launch_bounds__(kThreads)
 fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *sq = reinterpret_cast<T *>(smem_raw);      // 64 x D
     T *sk = sq + kBlockQ * D;                      // 2 x 64 x D
     T *sv = sk + 2 * kBlockK * D;                  // 2 x 64 x D
+    int32_t *skid = reinterpret_cast<int32_t *>(sv + 2 * kBlockK * D);  // M: 2 x 64 ids
+    uint32_t *doc_words = reinterpret_cast<uint32_t *>(skid + 2 * kBlockK);  // M: 8
     constexpr int kDT = D / 8;                     // n-tiles of O
     constexpr int kNT = kBlockK / 8;               // n-tiles of S
 
@@ -55,7 +64,8 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     const T *kg = (const T *)p.k + b * p.k_batch_stride + hk * p.k_head_stride;
     const T *vg = (const T *)p.v + b * p.v_batch_stride + hk * p.v_head_stride;
 
-    const int64_t kend = ra::block_key_end<kBlockQ>(p, q0);
+    const ra::Range keys = ra::block_keys<kBlockQ, M>(p, q0);
+    const int64_t kbegin = keys.begin, kend = keys.end;  // kbegin = 0 without M
     const int n_tiles = (int)((kend + kBlockK - 1) / kBlockK);
     const int64_t qpos_first = p.q_pos_offset + q0 * p.q_pos_stride;
 
@@ -65,27 +75,74 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     const int64_t qpos_b = p.q_pos_offset + row_b * p.q_pos_stride;
     const float sl2 = (float)p.scale * kLog2e;
 
+    // masks (M): the rows' key spans and ids, the block's bounds, soft-capping
+    ra::Span seen_a{}, seen_b{};
+    int64_t blk_lo = 0, blk_hi = 0;  // keys at or past blk_lo, up to blk_hi, every row sees
+    int32_t qid_a = 0, qid_b = 0;
+    const bool docs = M && ra::mask_docs(p.mask);
+    const bool capped = M && p.mask.softcap > 0;
+    const float cap_in = capped ? (float)(p.scale / p.mask.softcap) : 0.f;
+    const float cap_out = capped ? (float)(p.mask.softcap * (double)kLog2e) : 0.f;
+    const int64_t m_tiles = kend > kbegin ? (kend - kbegin + kBlockK - 1) / kBlockK : 0;
+    ra::SegIds kids{};
+    ra::DocTiles<kBlockK, kWarps> tiles;
+    if constexpr (M) {
+        seen_a = ra::keys_seen_by(p, qpos_a);
+        seen_b = ra::keys_seen_by(p, qpos_b);
+        const int64_t q_end = q0 + kBlockQ < p.seqlen_q ? q0 + kBlockQ : p.seqlen_q;
+        blk_lo = ra::keys_seen_by(p, p.q_pos_offset + (q_end - 1) * p.q_pos_stride).lo;
+        blk_hi = ra::keys_seen_by(p, qpos_first).hi;
+        if (docs) {
+            const ra::SegIds qids = ra::q_seg_ids(p.mask, b);
+            kids = ra::kv_seg_ids(p.mask, b);
+            qid_a = row_a < p.seqlen_q ? qids.at(row_a) : 0;
+            qid_b = row_b < p.seqlen_q ? qids.at(row_b) : 0;
+            tiles.init_block(qids, q0, q_end, kids, kbegin, kend, doc_words);
+        }
+    }
+    auto next_tile = [&](int64_t it) -> ra::Hit {
+        if constexpr (M) {
+            if (docs) return tiles.next(it, m_tiles);
+        }
+        return ra::Hit{it, true};
+    };
+    // cp.async keys [k0, k0 + 64) into buffer buf (and with documents their ids)
+    auto stage = [&](int64_t k0, int buf) {
+        ra::cp_async_tile<T, D, kBlockK, kThreads>(sk + buf * kBlockK * D, kg, p.k_seq_stride,
+                                                   k0, kend);
+        ra::cp_async_tile<T, D, kBlockK, kThreads>(sv + buf * kBlockK * D, vg, p.v_seq_stride,
+                                                   k0, kend);
+        if constexpr (M) {
+            if (docs && threadIdx.x < kBlockK) {
+                const int64_t key = k0 + threadIdx.x;
+                skid[buf * kBlockK + threadIdx.x] = key < kend ? kids.at(key) : 0;
+            }
+        }
+    };
+
     float o[kDT][4];
 #pragma unroll
     for (int i = 0; i < kDT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m_a = -CUDART_INF_F, m_b = -CUDART_INF_F, l_a = 0.f, l_b = 0.f;
 
-    if (n_tiles > 0) {
+    // Key tiles stream double buffered: tile it + 1 loads while tile it
+    // computes.  Without M tile it is keys [64 it, 64 it + 64); with M it is
+    // the it-th tile the masks leave (cur: its index from kbegin, and whether
+    // its ids all equal the block's one id).
+    ra::Hit cur = next_tile(0);
+    if (M ? cur.tile < m_tiles : n_tiles > 0) {
         ra::cp_async_tile<T, D, kBlockQ, kThreads>(sq, qg, p.q_seq_stride, q0, p.seqlen_q);
-        ra::cp_async_tile<T, D, kBlockK, kThreads>(sk, kg, p.k_seq_stride, 0, kend);
-        ra::cp_async_tile<T, D, kBlockK, kThreads>(sv, vg, p.v_seq_stride, 0, kend);
+        stage(M ? kbegin + cur.tile * kBlockK : 0, 0);
         ra::cp_async_commit();
     }
 
-    for (int it = 0; it < n_tiles; it++) {
+    for (int it = 0; M ? cur.tile < m_tiles : it < n_tiles; it++) {
         const int buf = it & 1;
-        if (it + 1 < n_tiles) {
+        ra::Hit nxt{};
+        if constexpr (M) nxt = next_tile(cur.tile + 1);
+        if (M ? nxt.tile < m_tiles : it + 1 < n_tiles) {
             // buffer buf ^ 1 was released by the __syncthreads ending it - 1
-            const int64_t kn = (int64_t)(it + 1) * kBlockK;
-            ra::cp_async_tile<T, D, kBlockK, kThreads>(sk + (buf ^ 1) * kBlockK * D, kg,
-                                                       p.k_seq_stride, kn, kend);
-            ra::cp_async_tile<T, D, kBlockK, kThreads>(sv + (buf ^ 1) * kBlockK * D, vg,
-                                                       p.v_seq_stride, kn, kend);
+            stage(M ? kbegin + nxt.tile * kBlockK : (int64_t)(it + 1) * kBlockK, buf ^ 1);
             ra::cp_async_commit();
             ra::cp_async_wait<1>();
         } else {
@@ -95,7 +152,8 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
 
         const T *kt = sk + buf * kBlockK * D;
         const T *vt = sv + buf * kBlockK * D;
-        const int64_t k0 = (int64_t)it * kBlockK;
+        const int64_t k0 = M ? kbegin + cur.tile * kBlockK : (int64_t)it * kBlockK;
+        const bool same = cur.same;
 
         // S = Q K^T for this warp's 16 rows x 64 keys
         float s[kNT][4];
@@ -114,24 +172,56 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
             }
         }
 
-        // scale into log2 units; mask only tiles that are not fully visible
-        const bool full = k0 + kBlockK <= p.seqlen_k &&
-            (!p.causal || p.k_pos_offset + (k0 + kBlockK - 1) * p.k_pos_stride <= qpos_first);
-#pragma unroll
-        for (int i = 0; i < kNT; i++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) s[i][e] *= sl2;
-        }
-        if (!full) {
+        // scale (or soft-cap) into log2 units; mask only tiles that are not
+        // fully visible
+        if constexpr (M) {
+            const bool full = k0 + kBlockK <= kend &&
+                p.k_pos_offset + k0 * p.k_pos_stride >= blk_lo &&
+                p.k_pos_offset + (k0 + kBlockK - 1) * p.k_pos_stride <= blk_hi && same;
 #pragma unroll
             for (int i = 0; i < kNT; i++) {
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int64_t key = k0 + i * 8 + 2 * t + e;
-                    const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
-                    const bool in = key < kend;
-                    if (!in || (p.causal && kpos > qpos_a)) s[i][e] = -CUDART_INF_F;
-                    if (!in || (p.causal && kpos > qpos_b)) s[i][2 + e] = -CUDART_INF_F;
+                for (int e = 0; e < 4; e++)
+                    s[i][e] = capped ? ra::tanh_acc(s[i][e] * cap_in) * cap_out : s[i][e] * sl2;
+            }
+            if (!full) {
+                const int32_t *ids = skid + buf * kBlockK;
+                const bool doc_test = docs && !same;
+#pragma unroll
+                for (int i = 0; i < kNT; i++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int col = i * 8 + 2 * t + e;
+                        const int64_t key = k0 + col;
+                        const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
+                        const bool in = key < kend;
+                        const int32_t kid = doc_test ? ids[col] : 0;
+                        if (!in || !ra::in_span(seen_a, kpos) || (doc_test && kid != qid_a))
+                            s[i][e] = -CUDART_INF_F;
+                        if (!in || !ra::in_span(seen_b, kpos) || (doc_test && kid != qid_b))
+                            s[i][2 + e] = -CUDART_INF_F;
+                    }
+                }
+            }
+        } else {
+            const bool full = k0 + kBlockK <= p.seqlen_k &&
+                (!p.causal || p.k_pos_offset + (k0 + kBlockK - 1) * p.k_pos_stride <= qpos_first);
+#pragma unroll
+            for (int i = 0; i < kNT; i++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[i][e] *= sl2;
+            }
+            if (!full) {
+#pragma unroll
+                for (int i = 0; i < kNT; i++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int64_t key = k0 + i * 8 + 2 * t + e;
+                        const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
+                        const bool in = key < kend;
+                        if (!in || (p.causal && kpos > qpos_a)) s[i][e] = -CUDART_INF_F;
+                        if (!in || (p.causal && kpos > qpos_b)) s[i][2 + e] = -CUDART_INF_F;
+                    }
                 }
             }
         }
@@ -187,6 +277,7 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
             }
         }
         __syncthreads();  // every warp done with buffer buf before it is refilled
+        if constexpr (M) cur = nxt;
     }
 
     // epilogue: finish the row sums, normalise, store or merge
@@ -261,15 +352,17 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
 }
 
 struct Launch {
-    template <typename T, int D>
+    template <typename T, int D, bool M>
     static ra_status run(const ra_attn_fwd_params &p, cudaStream_t s) {
-        const size_t smem = (size_t)(kBlockQ + 4 * kBlockK) * D * sizeof(T);
-        RA_CHECK(ra_set_smem(fwd_tc_kernel<T, D>, smem));
+        const size_t smem = (size_t)(kBlockQ + 4 * kBlockK) * D * sizeof(T) +
+                            (M ? 2 * kBlockK * sizeof(int32_t) + 2 * kWarps * sizeof(uint32_t)
+                               : 0);
+        RA_CHECK(ra_set_smem(fwd_tc_kernel<T, D, M>, smem));
         const int64_t n_qblocks = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
         int64_t blocks = 0;
         RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
         // grid: B * H * ceil(S_q / 64) blocks of 128 threads
-        fwd_tc_kernel<T, D><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
+        fwd_tc_kernel<T, D, M><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
         RA_CUDA_CHECK_LAUNCH("fwd_tc_kernel");
         return RA_OK;
     }

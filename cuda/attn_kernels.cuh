@@ -7,10 +7,12 @@
 #ifndef RA_ATTN_KERNELS_CUH
 #define RA_ATTN_KERNELS_CUH
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common.cuh"
+#include "mask.cuh"
 
 /* Generic SIMT kernels: every dtype, head_dim 1..256.  attn_fwd_simt.cu,
  * attn_bwd_simt.cu (dk, dv; then dq from attn_bwd_simt_dq.cu) */
@@ -56,8 +58,8 @@ static inline bool ra_aligned(const void *ptr, unsigned bytes) {
 
 /* The checks every attention entry point makes, with `what` ("attention",
  * "attention backward") opening the message: a float dtype first, and the
- * head geometry and causal position strides after the entry point's own
- * dtype checks. */
+ * head geometry, the position strides (causal, window) and the masks'
+ * consistency after the entry point's own dtype checks. */
 static inline ra_status ra_check_attn_dtype(const char *what, ra_dtype dtype) {
     if (dtype != RA_FLOAT32 && dtype != RA_FLOAT64 && dtype != RA_FLOAT16 &&
         dtype != RA_BFLOAT16) {
@@ -78,46 +80,79 @@ static inline ra_status ra_check_attn_geometry(const char *what, const P &p) {
                      (long long)p.heads, (long long)p.heads_kv);
         return RA_ERR_VALUE;
     }
-    if (p.causal && (p.q_pos_stride < 1 || p.k_pos_stride < 1)) {
+    if ((p.causal || ra::mask_window(p.mask)) && (p.q_pos_stride < 1 || p.k_pos_stride < 1)) {
         ra_set_error(RA_ERR_VALUE, "%s: position strides must be >= 1", what);
+        return RA_ERR_VALUE;
+    }
+    if ((p.mask.q_segment_ids == nullptr) != (p.mask.kv_segment_ids == nullptr)) {
+        ra_set_error(RA_ERR_VALUE, "%s: q and kv segment ids must be given together", what);
+        return RA_ERR_VALUE;
+    }
+    if (!(p.mask.softcap >= 0 && p.mask.softcap < HUGE_VAL)) {
+        ra_set_error(RA_ERR_VALUE, "%s: softcap must be finite and >= 0 (0: none), got %g",
+                     what, p.mask.softcap);
         return RA_ERR_VALUE;
     }
     return RA_OK;
 }
 
 /* The generic kernels' instantiation for params p (fwd or bwd): element
- * type T from p.dtype and DPL, the head dims each lane holds, 1, 2, 4 or 8
- * for head_dim up to 32, 64, 128, 256; calls L::run<T, DPL>(p, s).  `what`
- * opens the message of an unsupported dtype. */
-template <typename L, typename T, typename P>
+ * type T from p.dtype, DPL, the head dims each lane holds, 1, 2, 4 or 8
+ * for head_dim up to 32, 64, 128, 256, and M, the masked variant when
+ * p.mask asks for it; calls L::run<T, DPL, M>(p, s).  The masked variant
+ * has fewer instantiations to compile: float32, float16 and bfloat16 share
+ * T = Dyn<float> (the dtype read at run time as the rows are staged) and
+ * head_dim <= 32 takes DPL 2.  `what` opens the message of an unsupported
+ * dtype. */
+template <typename L, typename T, bool M, typename P>
 static inline ra_status ra_simt_dispatch_dpl(const P &p, cudaStream_t s) {
-    if (p.head_dim <= 32) return L::template run<T, 1>(p, s);
-    if (p.head_dim <= 64) return L::template run<T, 2>(p, s);
-    if (p.head_dim <= 128) return L::template run<T, 4>(p, s);
-    return L::template run<T, 8>(p, s);
+    if constexpr (!M) {
+        if (p.head_dim <= 32) return L::template run<T, 1, M>(p, s);
+    }
+    if (p.head_dim <= 64) return L::template run<T, 2, M>(p, s);
+    if (p.head_dim <= 128) return L::template run<T, 4, M>(p, s);
+    return L::template run<T, 8, M>(p, s);
 }
-template <typename L, typename P>
-static inline ra_status ra_simt_dispatch(const P &p, cudaStream_t s, const char *what) {
+template <typename L, bool M, typename P>
+static inline ra_status ra_simt_dispatch_m(const P &p, cudaStream_t s, const char *what) {
     switch (p.dtype) {
-    case RA_FLOAT32: return ra_simt_dispatch_dpl<L, float>(p, s);
-    case RA_FLOAT64: return ra_simt_dispatch_dpl<L, double>(p, s);
-    case RA_FLOAT16: return ra_simt_dispatch_dpl<L, ra::half_t>(p, s);
-    case RA_BFLOAT16: return ra_simt_dispatch_dpl<L, ra::bf16_t>(p, s);
+    case RA_FLOAT64: return ra_simt_dispatch_dpl<L, double, M>(p, s);
+    case RA_FLOAT32:
+    case RA_FLOAT16:
+    case RA_BFLOAT16:
+        if constexpr (M) {
+            return ra_simt_dispatch_dpl<L, ra::Dyn<float>, M>(p, s);
+        } else {
+            if (p.dtype == RA_FLOAT32) return ra_simt_dispatch_dpl<L, float, M>(p, s);
+            if (p.dtype == RA_FLOAT16) return ra_simt_dispatch_dpl<L, ra::half_t, M>(p, s);
+            return ra_simt_dispatch_dpl<L, ra::bf16_t, M>(p, s);
+        }
     default:
         ra_set_error(RA_ERR_TYPE, "%s: unsupported dtype %s", what, ra_dtype_name(p.dtype));
         return RA_ERR_TYPE;
     }
 }
+template <typename L, typename P>
+static inline ra_status ra_simt_dispatch(const P &p, cudaStream_t s, const char *what) {
+    return ra::mask_active(p.mask) ? ra_simt_dispatch_m<L, true>(p, s, what)
+                                   : ra_simt_dispatch_m<L, false>(p, s, what);
+}
 
 /* The tensor-core kernels' instantiation (eligibility already checked:
- * float16 or bfloat16, head_dim 64 or 128): calls L::run<T, D>(p, s). */
+ * float16 or bfloat16, head_dim 64 or 128; M as above): calls
+ * L::run<T, D, M>(p, s). */
+template <typename L, bool M, typename P>
+static inline ra_status ra_tc_dispatch_m(const P &p, cudaStream_t s) {
+    if (p.dtype == RA_FLOAT16)
+        return p.head_dim == 64 ? L::template run<ra::half_t, 64, M>(p, s)
+                                : L::template run<ra::half_t, 128, M>(p, s);
+    return p.head_dim == 64 ? L::template run<ra::bf16_t, 64, M>(p, s)
+                            : L::template run<ra::bf16_t, 128, M>(p, s);
+}
 template <typename L, typename P>
 static inline ra_status ra_tc_dispatch(const P &p, cudaStream_t s) {
-    if (p.dtype == RA_FLOAT16)
-        return p.head_dim == 64 ? L::template run<ra::half_t, 64>(p, s)
-                                : L::template run<ra::half_t, 128>(p, s);
-    return p.head_dim == 64 ? L::template run<ra::bf16_t, 64>(p, s)
-                            : L::template run<ra::bf16_t, 128>(p, s);
+    return ra::mask_active(p.mask) ? ra_tc_dispatch_m<L, true>(p, s)
+                                   : ra_tc_dispatch_m<L, false>(p, s);
 }
 
 namespace ra {
@@ -157,21 +192,44 @@ __device__ __forceinline__ KBlock k_block(const P &p, int64_t n_kblocks) {
     return r;
 }
 
-/* Keys [0, end) some query of rows [q0, q0 + ROWS) can see: all S_k keys,
- * or under the causal rule those up to the last existing row's position. */
-template <int ROWS, typename P>
-__device__ __forceinline__ int64_t block_key_end(const P &p, int64_t q0) {
+/* A half-open index range [begin, end) (empty when end <= begin). */
+struct Range { int64_t begin, end; };
+
+/* Keys [begin, end) some query of rows [q0, q0 + ROWS) can see: all S_k
+ * keys, or those the causal rule (and with M the window) leaves to the
+ * rows' positions -- the span of the first row's lowest key to the last
+ * existing row's highest. */
+template <int ROWS, bool M, typename P>
+__host__ __device__ __forceinline__ Range block_keys(const P &p, int64_t q0) {
     const int64_t q_last = (q0 + ROWS < p.seqlen_q ? q0 + ROWS : p.seqlen_q) - 1;
-    return p.causal ? causal_key_end(q_last, p.q_pos_offset, p.q_pos_stride, p.k_pos_offset,
-                                     p.k_pos_stride, p.seqlen_k)
-                    : p.seqlen_k;
+    if (!M)
+        return Range{0, p.causal ? causal_key_end(q_last, p.q_pos_offset, p.q_pos_stride,
+                                                  p.k_pos_offset, p.k_pos_stride, p.seqlen_k)
+                                 : p.seqlen_k};
+    const int64_t qpos_first = p.q_pos_offset + q0 * p.q_pos_stride;
+    const int64_t qpos_last = p.q_pos_offset + q_last * p.q_pos_stride;
+    return Range{count_below_sat(keys_seen_by(p, qpos_first).lo, p.k_pos_offset,
+                                 p.k_pos_stride, p.seqlen_k),
+                 count_upto_sat(keys_seen_by(p, qpos_last).hi, p.k_pos_offset, p.k_pos_stride,
+                                p.seqlen_k)};
 }
-/* First query that can see key k0 (0 without the causal rule). */
-template <typename P>
-__device__ __forceinline__ int64_t block_query_begin(const P &p, int64_t k0) {
-    return p.causal ? causal_query_begin(k0, p.q_pos_offset, p.q_pos_stride, p.k_pos_offset,
-                                         p.k_pos_stride, p.seqlen_q)
-                    : 0;
+/* Queries [begin, end) that can see some key of [k0, k0 + ROWS): from the
+ * first that can see key k0 (0 without the causal rule) to S_q, or with M
+ * to the last the window leaves to the last existing key. */
+template <int ROWS, bool M, typename P>
+__host__ __device__ __forceinline__ Range block_queries(const P &p, int64_t k0) {
+    if (!M)
+        return Range{p.causal ? causal_query_begin(k0, p.q_pos_offset, p.q_pos_stride,
+                                                   p.k_pos_offset, p.k_pos_stride, p.seqlen_q)
+                              : 0,
+                     p.seqlen_q};
+    const int64_t kpos_first = p.k_pos_offset + k0 * p.k_pos_stride;
+    const int64_t k_last = (k0 + ROWS < p.seqlen_k ? k0 + ROWS : p.seqlen_k) - 1;
+    const int64_t kpos_last = p.k_pos_offset + k_last * p.k_pos_stride;
+    return Range{count_below_sat(queries_seeing(p, kpos_first).lo, p.q_pos_offset,
+                                 p.q_pos_stride, p.seqlen_q),
+                 count_upto_sat(queries_seeing(p, kpos_last).hi, p.q_pos_offset,
+                                p.q_pos_stride, p.seqlen_q)};
 }
 
 }  // namespace ra

@@ -100,6 +100,42 @@ __device__ __forceinline__ void store_dyn(void *p, int64_t i, ra_dtype t,
     }
 }
 
+/* An input dtype known only at run time, read into accumulator type A: the
+ * masked generic kernels serve float32, float16 and bfloat16 with one
+ * instantiation on Dyn<float> (one fewer set of kernels to compile). */
+template <typename A> struct Dyn {};
+template <typename A> struct Acc<Dyn<A>> { typedef A type; };
+
+__device__ __forceinline__ float load_dyn_f(const void *p, int64_t i, ra_dtype t) {
+    switch (t) {
+    case RA_FLOAT32: return ((const float *)p)[i];
+    case RA_FLOAT16: return __half2float(((const half_t *)p)[i]);
+    default: return __bfloat162float(((const bf16_t *)p)[i]);
+    }
+}
+
+/* The rows of one (b, h) of an input tensor of element type T: base +
+ * b_off + h_off elements; x[i] is element i in the accumulator type.
+ * For Dyn<float> the element type is the run-time dtype t. */
+template <typename T> struct In {
+    const T *p;
+    __device__ __forceinline__ In(const void *base, int64_t b_off, int64_t h_off, ra_dtype)
+        : p((const T *)base + b_off + h_off) {}
+    __device__ __forceinline__ typename Acc<T>::type operator[](int64_t i) const {
+        return to_acc(p[i]);
+    }
+};
+template <> struct In<Dyn<float>> {
+    const void *base;
+    int64_t off;
+    ra_dtype t;
+    __device__ __forceinline__ In(const void *base_, int64_t b_off, int64_t h_off, ra_dtype t_)
+        : base(base_), off(b_off + h_off), t(t_) {}
+    __device__ __forceinline__ float operator[](int64_t i) const {
+        return load_dyn_f(base, off + i, t);
+    }
+};
+
 template <typename A> __device__ __forceinline__ A neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() {
     return -CUDART_INF_F;
@@ -124,26 +160,38 @@ __device__ __forceinline__ A warp_sum(A x) {
     return x;
 }
 
-/* Key range [0, n) a block of queries [q0, q1) can see under the causal
- * rule pos_k(j) <= pos_q(i); positions increase along both sequences. */
+/* Positions are affine, pos(i) = off + i * stride with stride >= 1, so they
+ * increase along the sequence.  count_upto: how many of the n indices have
+ * pos(i) <= pos (the keys a causal query at pos sees, ...); count_below:
+ * how many have pos(i) < pos, i.e. the first index at or past pos.  pos
+ * must be a position near the sequence (pos - off must not overflow);
+ * count_upto_sat / count_below_sat (mask.cuh) take any int64. */
+__host__ __device__ __forceinline__ int64_t count_upto(int64_t pos, int64_t off,
+                                                       int64_t stride, int64_t n) {
+    if (pos < off) return 0;
+    const int64_t c = (pos - off) / stride + 1;
+    return c < n ? c : n;
+}
+__host__ __device__ __forceinline__ int64_t count_below(int64_t pos, int64_t off,
+                                                        int64_t stride, int64_t n) {
+    if (pos <= off) return 0;
+    const int64_t i = (pos - off + stride - 1) / stride;
+    return i < n ? i : n;
+}
+
+/* The causal rule pos_k(j) <= pos_q(i) by index: the keys [0, end) query
+ * q_last can see, and the first query that can see key k_first. */
 __host__ __device__ __forceinline__ int64_t causal_key_end(
     int64_t q_last, int64_t q_pos_offset, int64_t q_pos_stride,
     int64_t k_pos_offset, int64_t k_pos_stride, int64_t seqlen_k) {
-    int64_t qpos = q_pos_offset + q_last * q_pos_stride;
-    if (qpos < k_pos_offset) return 0;
-    int64_t n = (qpos - k_pos_offset) / k_pos_stride + 1;
-    return n < seqlen_k ? n : seqlen_k;
+    return count_upto(q_pos_offset + q_last * q_pos_stride, k_pos_offset, k_pos_stride,
+                      seqlen_k);
 }
-
-/* First query a key at index k_first can be seen by: the smallest i with
- * pos_q(i) >= pos_k(k_first), clamped to [0, seqlen_q]. */
 __host__ __device__ __forceinline__ int64_t causal_query_begin(
     int64_t k_first, int64_t q_pos_offset, int64_t q_pos_stride,
     int64_t k_pos_offset, int64_t k_pos_stride, int64_t seqlen_q) {
-    int64_t kpos = k_pos_offset + k_first * k_pos_stride;
-    if (kpos <= q_pos_offset) return 0;
-    int64_t i = (kpos - q_pos_offset + q_pos_stride - 1) / q_pos_stride;
-    return i < seqlen_q ? i : seqlen_q;
+    return count_below(k_pos_offset + k_first * k_pos_stride, q_pos_offset, q_pos_stride,
+                       seqlen_q);
 }
 
 /* Grid-stride loop of one warp per row of a (B, S, H, ...) tensor, row =

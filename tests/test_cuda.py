@@ -13,6 +13,14 @@ bfloat16, 5e-3 for float16, 1e-4 for float32 and 1e-9 for float64.
 ``ringattn._C.attn_fwd(q, k, v, out=, lse=, accumulate=True, causal=,
 q_pos_offset=, k_pos_offset=)`` continues a float32 running state (out, lse)
 in place (what the ring does every step).
+
+Masks (documents, windows, soft-capping) take the mask cases of
+tests/test_masks.py (the CPU kernels' tests) onto the device: against the
+float64 reference, against the CPU kernels on the same inputs, tensor-core
+against generic kernels, long packed sequences, ring steps (keys in chunks
+with position offsets, accumulated), and ids of any integer dtype, strided,
+on the device.  Same tolerance as above (the CPU kernels: twice it, as each
+implementation is within it of the reference).
 """
 import zlib
 
@@ -283,17 +291,248 @@ def test_backward_with_huge_scores_is_finite_and_correct(dtype, backend, D, caus
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="needs PyTorch (bfloat16)")
 @pytest.mark.parametrize("D", [64, 128])
-def test_tensor_core_backward_stays_finite_at_1e9(D):
+def test_tensor_core_backward_is_right_at_1e9(D):
     # bfloat16 holds q * 1e9; the tensor-core kernels' recomputed score and
-    # stored lse then differ by many units, which the clamp keeps from
-    # overflowing exp2
+    # stored lse then differ by many units: the clamp keeps exp2 from
+    # overflowing, and the band (16 ulps of a huge |lse|) gives the
+    # dominant key P = 1, so the gradients are right, not only finite
     rng = np.random.default_rng(D)
     q = to_device(rng.standard_normal((1, 130, 2, D)) * 1e9, "bfloat16", "torch")
     k, v = (to_device(rng.standard_normal((1, 150, 2, D)), "bfloat16", "torch") for _ in range(2))
     dout = to_device(rng.standard_normal((1, 130, 2, D)), "bfloat16", "torch")
     out, lse = ra.attention(q, k, v, return_lse=True)
-    grads = ra.attention_backward(dout, q, k, v, out, lse)
-    ref_out, _ = testing.ref_attention(to_host(q), to_host(k), to_host(v))
+    dq, dk, dv = ra.attention_backward(dout, q, k, v, out, lse)
+    qh, kh, vh = to_host(q), to_host(k), to_host(v)
+    ref_out, _ = testing.ref_attention(qh, kh, vh)
+    rdq, rdk, rdv = testing.ref_attention_backward(to_host(dout), qh, kh, vh)
     close(out, ref_out, "bfloat16")
-    for g in grads:
+    for g in (dq, dk, dv):
         assert np.isfinite(to_host(g)).all(), "non-finite gradient"
+    close(dv, rdv, "bfloat16")
+    close(dq, rdq, "bfloat16")
+    err = np.abs(to_host(dk) - rdk).max()   # dk carries q's magnitude
+    assert err <= TOL["bfloat16"] * np.abs(qh).max(), err
+
+
+# ---- masks: documents, windows, soft-capping -------------------------------
+
+# the CPU tests' mask cases (documents sorted, unsorted and mostly of length
+# 1, windows (0,0), (1,0), (0,1), asymmetric, wider than n, one-sided,
+# softcap, all at once), here on the device
+from test_masks import CASES as MASK_CASES  # noqa: E402
+from test_masks import mask_case  # noqa: E402
+
+MASK_SHAPES = [(2, 97, 150, 4, 2), (1, 150, 97, 2, 1)]   # B, S_q, S_k, H, H_kv
+
+
+def mask_backend(dtype):
+    """One backend per dtype for the mask grid (PyTorch where it can)."""
+    return backends_for(dtype)[0]
+
+
+def on_device(masks, backend):
+    """mask_case's keyword arguments with the segment ids on the device."""
+    out = dict(masks)
+    for key in ("segment_ids", "kv_segment_ids"):
+        if key in out:
+            ids = np.ascontiguousarray(out[key])
+            out[key] = (torch.from_numpy(ids).to("cuda") if backend == "torch"
+                        else cupy.asarray(ids))
+    return out
+
+
+def masked_problem(dtype, backend, D, case, shape, seed):
+    """q, k, v, dout on the device and the mask keywords (host and device)
+    of one mask case; q is scaled by 3 where a softcap bites."""
+    B, Sq, Sk, H, Hkv = shape
+    rng = np.random.default_rng(zlib.crc32(repr(seed).encode()))
+    host = mask_case(case, rng, B, Sq, Sk)
+    q, k, v = make_qkv(rng, B, Sq, Sk, H, Hkv, D, dtype, backend)
+    if case in ("softcap", "all"):
+        q = q * 3
+    dout = to_device(rng.standard_normal((B, Sq, H, D)), dtype, backend)
+    return q, k, v, dout, host, on_device(host, backend)
+
+
+# the tensor-core kernels (16-bit at D 64, 128) and the generic ones (float32,
+# float64 at an odd D and at 128); the selftest covers every lane width
+MASK_DTYPE_DIMS = [("bfloat16", 64), ("bfloat16", 128), ("float16", 64), ("float16", 128),
+                   ("float32", 59), ("float32", 128), ("float64", 59), ("float64", 128)]
+
+
+@pytest.mark.parametrize("dtype,D", MASK_DTYPE_DIMS)
+@pytest.mark.parametrize("case", MASK_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_masked_attention_matches_reference(dtype, D, case, causal):
+    backend = mask_backend(dtype)
+    shape = MASK_SHAPES[MASK_CASES.index(case) % 2]
+    q, k, v, dout, host, masks = masked_problem(dtype, backend, D, case, shape,
+                                                ("mask", dtype, D, case, causal))
+    out, lse = ra.attention(q, k, v, causal=causal, return_lse=True, **masks)
+    dq, dk, dv = ra.attention_backward(dout, q, k, v, out, lse, causal=causal, **masks)
+    qh, kh, vh = to_host(q), to_host(k), to_host(v)
+    ref_out, ref_lse = testing.ref_attention(qh, kh, vh, causal=causal, **host)
+    refs = testing.ref_attention_backward(to_host(dout), qh, kh, vh, causal=causal,
+                                          out=to_host(out), **host)
+    close(out, ref_out, dtype)
+    close(lse, ref_lse, "float64" if dtype == "float64" else "float32")
+    for got, ref in zip((dq, dk, dv), refs):
+        close(got, ref, dtype)
+
+
+def host_array(x, dtype):
+    """A device array as a NumPy array of its own dtype (ml_dtypes bfloat16)."""
+    return to_host(x).astype(testing.np_dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_masked_attention_matches_the_cpu_kernels(dtype, case):
+    # the same inputs through the CPU kernels: two implementations, each
+    # within the tolerance of the float64 reference, so within twice it
+    # of each other
+    backend = mask_backend(dtype)
+    q, k, v, dout, host, masks = masked_problem(dtype, backend, 64, case,
+                                                MASK_SHAPES[0], ("cpu", dtype, case))
+    out, lse = ra.attention(q, k, v, causal=True, return_lse=True, **masks)
+    grads = ra.attention_backward(dout, q, k, v, out, lse, causal=True, **masks)
+    qc, kc, vc, doc, oc = (host_array(x, dtype) for x in (q, k, v, dout, out))
+    cpu_out, cpu_lse = ra.attention(qc, kc, vc, causal=True, return_lse=True, **host)
+    cpu_grads = ra.attention_backward(doc, qc, kc, vc, oc, to_host(lse).astype(
+        np.float64 if dtype == "float64" else np.float32), causal=True, **host)
+    pairs = [(out, cpu_out, dtype), (lse, cpu_lse, "float64" if dtype == "float64" else "float32")]
+    pairs += [(g, c, dtype) for g, c in zip(grads, cpu_grads)]
+    for got, want, dt in pairs:
+        got, want = to_host(got), to_host(want)
+        assert np.array_equal(np.isneginf(got), np.isneginf(want)), "-inf pattern differs"
+        fin = np.isfinite(want)
+        err = np.abs(got[fin] - want[fin]).max(initial=0.0)
+        assert err <= 2 * TOL[dt] * max(1.0, np.abs(want[fin]).max(initial=0.0)), err
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", ["docs", "docs-few-unsorted", "window-asym", "all"])
+def test_masked_tensor_core_and_generic_paths_agree(D, case, monkeypatch):
+    backend = backends_for("float16")[0]
+    q, k, v, dout, _, masks = masked_problem("float16", backend, D, case, (2, 300, 333, 4, 2),
+                                             ("tc", D, case))
+    fast = ra.attention(q, k, v, causal=True, return_lse=True, **masks)
+    fast += ra.attention_backward(dout, q, k, v, fast[0], fast[1], causal=True, **masks)
+    monkeypatch.setenv("RINGATTN_CUDA_GENERIC", "1")
+    slow = ra.attention(q, k, v, causal=True, return_lse=True, **masks)
+    slow += ra.attention_backward(dout, q, k, v, fast[0], fast[1], causal=True, **masks)
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        close(a, to_host(b), "float32" if i == 1 else "float16")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("D", [59, 64])
+@pytest.mark.parametrize("lengths", [(70, 9000), (9000, 70)], ids=["long-kv", "long-q"])
+def test_masked_long_sequences_of_packed_documents(dtype, D, lengths):
+    # thousands of keys (or queries) in documents of up to 300 tokens: the
+    # kernels skip the tiles of other documents over several chunks of tiles
+    Sq, Sk = lengths
+    backend = mask_backend(dtype)
+    rng = np.random.default_rng(zlib.crc32(repr(("long", dtype, D, lengths)).encode()))
+    n = max(Sq, Sk)
+    ids = np.cumsum(rng.random(n) < 1 / 150).astype(np.int32)[None]   # sorted documents
+    host = {"segment_ids": ids[:, n - Sq:], "kv_segment_ids": ids[:, n - Sk:]}
+    q, k, v = make_qkv(rng, 1, Sq, Sk, 2, 1, D, dtype, backend)
+    dout = to_device(rng.standard_normal((1, Sq, 2, D)), dtype, backend)
+    masks = on_device(host, backend)
+    causal = Sq < Sk
+    out, lse = ra.attention(q, k, v, causal=causal, return_lse=True, **masks)
+    grads = ra.attention_backward(dout, q, k, v, out, lse, causal=causal, **masks)
+    qh, kh, vh = to_host(q), to_host(k), to_host(v)
+    ref_out, ref_lse = testing.ref_attention(qh, kh, vh, causal=causal, **host)
+    refs = testing.ref_attention_backward(to_host(dout), qh, kh, vh, causal=causal,
+                                          out=to_host(out), **host)
+    close(out, ref_out, dtype)
+    close(lse, ref_lse, "float32")
+    for got, ref in zip(grads, refs):
+        close(got, ref, dtype)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="needs PyTorch")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("D", [59, 64, 128])
+@pytest.mark.parametrize("case", ["docs", "window-asym", "window-left-none", "all"])
+def test_masked_ring_steps_accumulate(dtype, D, case):
+    # keys in three chunks, each call with its kv ids and positions, into a
+    # float32 running state and float32 grads (what a ring step does)
+    B, Sq, Sk, H, Hkv = 1, 70, 150, 2, 1
+    rng = np.random.default_rng(zlib.crc32(repr(("ring", dtype, D, case)).encode()))
+    host = mask_case(case, rng, B, Sq, Sk)
+    q, k, v = make_qkv(rng, B, Sq, Sk, H, Hkv, D, dtype, "torch")
+    if case == "all":
+        q = q * 3
+    dout = to_device(rng.standard_normal((B, Sq, H, D)), dtype, "torch")
+    q_ids = host.get("segment_ids")
+    kv_ids = host.get("kv_segment_ids", q_ids)
+    rest = {key: host[key] for key in ("window", "softcap") if key in host}
+    chunks = ((0, 50), (50, 100), (100, 150))
+
+    def piece(lo, hi):
+        if q_ids is None:
+            return dict(rest)
+        return on_device(dict(rest, segment_ids=q_ids, kv_segment_ids=kv_ids[:, lo:hi]), "torch")
+
+    qpos0 = 80  # queries at positions 80..149, causal
+    out = torch.zeros((B, Sq, H, D), dtype=torch.float32, device="cuda")
+    lse = torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device="cuda")
+    for lo, hi in chunks:
+        ra._C.attn_fwd(q, k[:, lo:hi], v[:, lo:hi], causal=True, out=out, lse=lse,
+                       accumulate=True, q_pos_offset=qpos0, k_pos_offset=lo, **piece(lo, hi))
+    o = out.to(getattr(torch, dtype))
+    grads = [torch.zeros(x.shape, dtype=torch.float32, device="cuda") for x in (q, k, v)]
+    for lo, hi in chunks:
+        ra._C.attn_bwd(dout, q, k[:, lo:hi], v[:, lo:hi], o, lse, causal=True, dq=grads[0],
+                       dk=grads[1][:, lo:hi], dv=grads[2][:, lo:hi], accumulate=True,
+                       q_pos_offset=qpos0, k_pos_offset=lo, **piece(lo, hi))
+    qh, kh, vh = to_host(q), to_host(k), to_host(v)
+    positions = dict(q_pos=np.arange(Sq) + qpos0, k_pos=np.arange(Sk))
+    ref_out, ref_lse = testing.ref_attention(qh, kh, vh, causal=True, **positions, **host)
+    refs = testing.ref_attention_backward(to_host(dout), qh, kh, vh, causal=True,
+                                          out=to_host(o), **positions, **host)
+    close(out, ref_out, dtype)
+    close(lse, ref_lse, "float32")
+    for got, ref in zip(grads, refs):
+        close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("ids_dtype", ["int64", "int16", "uint8"])
+def test_masked_ids_of_any_integer_dtype_and_strides_on_the_device(ids_dtype):
+    # ids on the device in another integer dtype, and a strided view, are
+    # converted (or read in place) and give what contiguous int32 ids give
+    backend = mask_backend("float32")
+    rng = np.random.default_rng(zlib.crc32(repr(("ids", ids_dtype)).encode()))
+    B, S, H, D = 2, 90, 2, 64
+    q, k, v = make_qkv(rng, B, S, S, H, 1, D, "float32", backend)
+    ids = np.sort(rng.integers(0, 5, (B, S)), axis=1)
+    wide = np.repeat(ids, 2, axis=1)            # every other column is ids
+    host = {"segment_ids": ids.astype(np.int32)}
+    want = ra.attention(q, k, v, causal=True, **on_device(host, backend))
+    got = ra.attention(q, k, v, causal=True,
+                       **on_device({"segment_ids": ids.astype(ids_dtype)}, backend))
+    strided = on_device({"segment_ids": wide.astype(ids_dtype)}, backend)["segment_ids"]
+    got_strided = ra.attention(q, k, v, causal=True, segment_ids=strided[:, ::2])
+    ref, _ = testing.ref_attention(to_host(q), to_host(k), to_host(v), causal=True, **host)
+    for x in (want, got, got_strided):
+        close(x, ref, "float32")
+    assert np.array_equal(to_host(got), to_host(want))
+
+
+def test_masked_ids_on_the_host_with_device_arrays_are_refused():
+    backend = mask_backend("float32")
+    rng = np.random.default_rng(5)
+    q, k, v = make_qkv(rng, 1, 20, 20, 2, 1, 64, "float32", backend)
+    ids = np.zeros((1, 20), np.int32)
+    with pytest.raises(ValueError, match="segment_ids.*device"):
+        ra.attention(q, k, v, segment_ids=ids)
+    with pytest.raises(ValueError, match="kv_segment_ids.*device"):
+        ra.attention(q, k, v, segment_ids=on_device({"segment_ids": ids}, backend)["segment_ids"],
+                     kv_segment_ids=ids)
+    with pytest.raises(ValueError, match="window"):
+        ra.attention(q, k, v, window=(-1, 0))
+    with pytest.raises(ValueError, match="softcap"):
+        ra.attention(q, k, v, softcap=0.0)

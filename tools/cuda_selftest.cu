@@ -16,8 +16,12 @@
  *                 positions (ring steps), empty query rows, keys no query
  *                 sees, float32 grads and accumulate; the backward also
  *                 against the generic kernels and against itself (bits)
- *   run_huge      huge but finite scores (q scaled by 1e9 in float32, 1e18
- *                 in float64): finite and correct gradients
+ *   run_masked    documents, windows and soft-capping with causal, GQA,
+ *                 S_q != S_k, ring positions and accumulate, forward and
+ *                 backward (MaskCase; the generic kernels as a control)
+ *   run_huge      huge but finite scores (q scaled by 1e9 in float32 and
+ *                 bfloat16, 1e18 in float64): finite and correct gradients,
+ *                 also from an lse merged over two key chunks
  *   run_merge     the LSE merge of two key halves
  *   run_copy      the strided cast copy, every pair of dtypes
  * The full grid: float32/float64/float16/bfloat16, D in {8, 59, 64, 96,
@@ -25,9 +29,11 @@
  * (for compute-sanitizer) runs every kernel instantiation once on small
  * sizes: the generic kernels at each per-lane width (D 8, 59, 96, 256) and
  * dtype, the tensor-core kernels for both 16-bit dtypes at D 64 and 128
- * with 16-bit and float32 outputs and accumulate, merge, fill_state, copy.
+ * with 16-bit and float32 outputs and accumulate, each masked variant the
+ * same way (and the long document walks once), merge, fill_state, copy.
  * Exit status: 0 when every case passed.
  */
+#include <climits>
 #include <cstring>
 #include <random>
 
@@ -92,25 +98,34 @@ static ra_attn_bwd_params bwd_params(const ra_attn_fwd_params &f) {
     b.scale = f.scale; b.causal = f.causal;
     b.q_pos_offset = f.q_pos_offset; b.q_pos_stride = f.q_pos_stride;
     b.k_pos_offset = f.k_pos_offset; b.k_pos_stride = f.k_pos_stride;
+    b.mask = f.mask;
     b.deterministic = 1;
     return b;
 }
 
 /* ---- contiguous forward, backward, accumulate -------------------------- */
 
+/* Positions and masks of a problem (DESIGN.md §2): pos_q(i) = qoff + i qstr,
+ * pos_k(j) = koff + j kstr (qoff = LONG_MIN: bottom-right, S_k - S_q). */
+struct Layout {
+    long qoff = LONG_MIN, koff = 0, qstr = 1, kstr = 1;
+    RefMask mask;
+};
+
 /* A contiguous problem: q (scaled by q_scale), k, v, dout rounded to t,
- * the float64 reference, device copies, and forward/backward params wired
- * to them and to fresh (poisoned) out, lse, delta and grad buffers. */
+ * the float64 reference, device copies (segment ids too), and
+ * forward/backward params wired to them and to fresh (poisoned) out, lse,
+ * delta and grad buffers. */
 struct Problem {
     ra_dtype t, acc;
     int B, Sq, Sk, H, Hk, D;
     size_t nq, nk, nl;
     std::vector<double> q, k, v, g, ro, rl, rdq, rdk, rdv;
-    Dev dq_, dk_, dv_, dg, dout, dl, ddelta, gq, gk, gv;
+    Dev dq_, dk_, dv_, dg, dout, dl, ddelta, gq, gk, gv, qids, kids;
     ra_attn_fwd_params f;
     ra_attn_bwd_params b;
     Problem(ra_dtype t_, int B_, int Sq_, int Sk_, int H_, int Hk_, int D_, bool causal,
-            std::mt19937_64 &rng, double q_scale = 1.0)
+            std::mt19937_64 &rng, double q_scale = 1.0, const Layout &lay = Layout())
         : t(t_), acc(ra_acc_dtype(t_)), B(B_), Sq(Sq_), Sk(Sk_), H(H_), Hk(Hk_), D(D_),
           nq((size_t)B_ * Sq_ * H_ * D_), nk((size_t)B_ * Sk_ * Hk_ * D_), nl((size_t)B_ * H_ * Sq_),
           // round inputs to the dtype so the reference sees what the kernel sees
@@ -118,13 +133,29 @@ struct Problem {
           v(rounded(randn(rng, nk), t_)), g(rounded(randn(rng, nq), t_)),
           dq_(nq * esize(t_)), dk_(nk * esize(t_)), dv_(nk * esize(t_)), dg(nq * esize(t_)),
           dout(nq * esize(t_)), dl(nl * esize(acc)), ddelta(nl * esize(acc)),
-          gq(nq * esize(t_)), gk(nk * esize(t_)), gv(nk * esize(t_)) {
-        const long qoff = Sk - Sq;  // bottom-right alignment
-        reference(B, Sq, Sk, H, Hk, D, causal, qoff, 0, q, k, v, g, ro, rl, rdq, rdk, rdv);
+          gq(nq * esize(t_)), gk(nk * esize(t_)), gv(nk * esize(t_)),
+          qids(lay.mask.qids.size() * sizeof(int)), kids(lay.mask.kids.size() * sizeof(int)) {
+        const long qoff = lay.qoff == LONG_MIN ? Sk - Sq : lay.qoff;  // bottom-right alignment
+        reference(B, Sq, Sk, H, Hk, D, causal, qoff, lay.koff, q, k, v, g, ro, rl, rdq, rdk, rdv,
+                  lay.qstr, lay.kstr, &lay.mask);
         up(dq_, encode(q, t)); up(dk_, encode(k, t)); up(dv_, encode(v, t)); up(dg, encode(g, t));
         // q, out (B, S_q, H, D); k, v (B, S_k, H_kv, D); lse (B, H, S_q)
         f = fwd_params(t, B, Sq, Sk, H, Hk, D, causal, qoff);
         f.q = dq_.p; f.k = dk_.p; f.v = dv_.p; f.out = dout.p; f.lse = dl.p;
+        f.k_pos_offset = lay.koff; f.q_pos_stride = lay.qstr; f.k_pos_stride = lay.kstr;
+        const RefMask &m = lay.mask;
+        if (!m.qids.empty()) {
+            // segment ids (B, S_q) and (B, S_k) int32, contiguous
+            CK(cudaMemcpy(qids.p, m.qids.data(), qids.n, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(kids.p, m.kids.data(), kids.n, cudaMemcpyHostToDevice));
+            f.mask.q_segment_ids = (const int32_t *)qids.p;
+            f.mask.kv_segment_ids = (const int32_t *)kids.p;
+            f.mask.q_seg_batch_stride = Sq; f.mask.q_seg_seq_stride = 1;
+            f.mask.kv_seg_batch_stride = Sk; f.mask.kv_seg_seq_stride = 1;
+        }
+        f.mask.has_window = m.window;
+        f.mask.window_left = m.left; f.mask.window_right = m.right;
+        f.mask.softcap = m.softcap;
         b = bwd_params(f);
         b.out = dout.p; b.dout = dg.p; b.lse = dl.p; b.delta = ddelta.p;
         b.dq = gq.p; b.dk = gk.p; b.dv = gv.p;
@@ -135,7 +166,6 @@ struct Problem {
         RK(ra_cuda_attn_bwd(&b, 0));
     }
 };
-
 
 static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bool causal,
                      bool generic) {
@@ -345,32 +375,173 @@ static bool run_strided(ra_dtype t, const StridedCase &c) {
     return ok;
 }
 
-/* ---- huge but finite scores -------------------------------------------- */
+/* ---- masks: documents, windows, soft-capping ---------------------------- */
 
-/* q scaled by `factor`: the softmax is one-hot, P recomputed in the
- * backward from lse must stay <= 1.  out, lse, dv and dq are checked
- * against the reference; dk = scale * sum dS q carries q's magnitude, so
- * its error is measured against max |q|.  finite_only: the tensor-core
- * kernels round lse and the recomputed score differently at this size, so
- * only finiteness (and the forward) is asserted. */
-static bool run_huge(ra_dtype t, int D, bool causal, double factor, bool finite_only) {
-    std::mt19937_64 rng(D * 7 + causal + (int)t);
-    Problem pr(t, 1, 70, 90, 2, 1, D, causal, rng, factor);
+struct MaskCase {
+    int B, Sq, Sk, H, Hk;
+    bool causal;
+    long qoff, koff, str;  // positions (qoff LONG_MIN: bottom-right), both strides `str`
+    int docs;              // 0 none; runs of 1..40 (1), 1..300 (3); random ids in [0, 3) (2)
+    bool window;
+    long left, right;      // < 0: unbounded side
+    double softcap, q_scale;
+    bool accumulate;       // also as two key chunks of a running state / added grads
+};
+
+/* Segment ids of the documents `kind` laid over positions pmin .. pmin + n - 1
+ * of each of B batch rows: runs (sorted, lengths from 1) or random ids. */
+static std::vector<int> doc_layout(int kind, int B, long n, std::mt19937_64 &rng) {
+    std::vector<int> ids((size_t)B * n);
+    const int longest = kind == 3 ? 300 : 40;
+    for (int b = 0; b < B; b++) {
+        int id = 0;
+        long left = 0;
+        for (long p = 0; p < n; p++) {
+            if (kind == 2) {
+                ids[(size_t)b * n + p] = (int)(rng() % 3);
+                continue;
+            }
+            if (left == 0) {
+                left = 1 + (long)(rng() % longest);
+                id++;
+            }
+            ids[(size_t)b * n + p] = id;
+            left--;
+        }
+    }
+    return ids;
+}
+
+/* The forward (out in t and, with accumulate, as a running state over two
+ * key chunks) and the backward (grads in t and, with accumulate, added
+ * into float grads over the same two chunks) under the masks of `c`,
+ * against the float64 reference. */
+static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
+    const int B = c.B, Sq = c.Sq, Sk = c.Sk, H = c.H, Hk = c.Hk;
+    std::mt19937_64 rng(Sq * 7 + Sk * 3 + D + 100 * c.docs + 10 * c.left + c.right + (int)t);
+    Layout lay;
+    lay.qoff = c.qoff == LONG_MIN ? (long)(Sk - Sq) * c.str : c.qoff;
+    lay.koff = c.koff; lay.qstr = lay.kstr = c.str;
+    RefMask &m = lay.mask;
+    if (c.docs) {
+        // one layout over every position q and k use, so kv ids differ from q ids
+        const long pmin = std::min(lay.qoff, lay.koff);
+        const long pmax = std::max(lay.qoff + (Sq - 1) * c.str, lay.koff + (Sk - 1) * c.str);
+        const long n = pmax - pmin + 1;
+        const auto ids = doc_layout(c.docs, B, n, rng);
+        m.qids.resize((size_t)B * Sq);
+        m.kids.resize((size_t)B * Sk);
+        for (int b = 0; b < B; b++) {
+            for (int i = 0; i < Sq; i++)
+                m.qids[(size_t)b * Sq + i] = ids[(size_t)b * n + lay.qoff + i * c.str - pmin];
+            for (int j = 0; j < Sk; j++)
+                m.kids[(size_t)b * Sk + j] = ids[(size_t)b * n + lay.koff + j * c.str - pmin];
+        }
+    }
+    m.window = c.window; m.left = c.left; m.right = c.right; m.softcap = c.softcap;
+    Problem pr(t, B, Sq, Sk, H, Hk, D, c.causal, rng, c.q_scale, lay);
+    const ra_dtype acc = pr.acc;
+    const size_t nq = pr.nq, nk = pr.nk, nl = pr.nl;
+    const double tol = fwd_tol(t), btol = bwd_tol(t);
+    force_generic(generic);
     pr.forward();
     pr.backward();
     CK(cudaDeviceSynchronize());
-    const auto gdq = down(pr.gq, pr.nq, t), gdk = down(pr.gk, pr.nk, t), gdv = down(pr.gv, pr.nk, t);
+    bool ok = cmp("out", down(pr.dout, nq, t), pr.ro, tol) &&
+              cmp("lse", down(pr.dl, nl, acc), pr.rl, tol) &&
+              cmp("dq", down(pr.gq, nq, t), pr.rdq, btol) &&
+              cmp("dk", down(pr.gk, nk, t), pr.rdk, btol) &&
+              cmp("dv", down(pr.gv, nk, t), pr.rdv, btol);
+
+    if (c.accumulate && Sk >= 2) {
+        // two key chunks, the second at its offsets (k, v, kv ids, positions,
+        // dk, dv): a running forward state, and grads added into zeros
+        const int split = Sk / 3 + 1;
+        const size_t kb = (size_t)split * pr.f.k_seq_stride * esize(t);
+        Dev so(nq * esize(acc)), sl(nl * esize(acc));
+        Dev aq(nq * esize(acc)), ak(nk * esize(acc)), av(nk * esize(acc));
+        CK(cudaMemset(aq.p, 0, aq.n)); CK(cudaMemset(ak.p, 0, ak.n)); CK(cudaMemset(av.p, 0, av.n));
+        RK(ra_cuda_fill_state(so.p, sl.p, acc, B, Sq, H, D, pr.f.out_batch_stride,
+                              pr.f.out_seq_stride, D, pr.f.lse_batch_stride, Sq, 1, 0));
+        ra_attn_fwd_params a = pr.f;
+        a.out = so.p; a.lse = sl.p; a.out_dtype = acc; a.accumulate = 1;
+        ra_attn_bwd_params g = pr.b;
+        g.dq = aq.p; g.dk = ak.p; g.dv = av.p; g.grad_dtype = acc; g.accumulate = 1;
+        for (int part = 0; part < 2; part++) {
+            const size_t off = part ? kb : 0, aoff = part ? kb / esize(t) * esize(acc) : 0;
+            a.k = g.k = (const unsigned char *)pr.dk_.p + off;
+            a.v = g.v = (const unsigned char *)pr.dv_.p + off;
+            g.dk = (unsigned char *)ak.p + aoff;
+            g.dv = (unsigned char *)av.p + aoff;
+            a.seqlen_k = g.seqlen_k = part ? Sk - split : split;
+            a.k_pos_offset = g.k_pos_offset = lay.koff + (part ? split * lay.kstr : 0);
+            if (c.docs)
+                a.mask.kv_segment_ids = g.mask.kv_segment_ids =
+                    (const int32_t *)pr.kids.p + (part ? split : 0);
+            RK(ra_cuda_attn_fwd(&a, 0));
+            RK(ra_cuda_attn_bwd(&g, 0));  // delta from the first backward
+        }
+        CK(cudaDeviceSynchronize());
+        ok = ok && cmp("acc out", down(so, nq, acc), pr.ro, tol) &&
+             cmp("acc lse", down(sl, nl, acc), pr.rl, tol) &&
+             cmp("acc dq", down(aq, nq, acc), pr.rdq, btol) &&
+             cmp("acc dk", down(ak, nk, acc), pr.rdk, btol) &&
+             cmp("acc dv", down(av, nk, acc), pr.rdv, btol);
+    }
+    force_generic(false);
+    printf("%-4s masked %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d pos=(%ld, %ld)*%ld "
+           "docs=%d window=%s(%ld,%ld) softcap=%g q*%g acc=%d%s\n", ok ? "ok" : "FAIL",
+           ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)c.causal, lay.qoff, lay.koff, c.str, c.docs,
+           c.window ? "" : "none", c.left, c.right, c.softcap, c.q_scale, (int)c.accumulate,
+           generic ? " generic" : "");
+    return ok;
+}
+
+/* ---- huge but finite scores -------------------------------------------- */
+
+/* q scaled by `factor`: the softmax is one-hot, P recomputed in the
+ * backward from lse must stay <= 1 and be exact (1 for a row's dominant
+ * key) although lse and the recomputed score round differently by many
+ * units.  out, lse, dv and dq are checked against the reference; dk =
+ * scale * sum dS q carries q's magnitude, so its error is measured against
+ * max |q|.  The backward runs twice: with the lse of one forward call, and
+ * with the lse of a running state merged over two key chunks (a ring's,
+ * rounded once more). */
+static bool run_huge(ra_dtype t, int D, bool causal, double factor) {
+    std::mt19937_64 rng(D * 7 + causal + (int)t);
+    Problem pr(t, 1, 70, 90, 2, 1, D, causal, rng, factor);
+    pr.forward();
+    CK(cudaDeviceSynchronize());
     double qmax = 0;
     for (double x : pr.q) qmax = std::max(qmax, std::fabs(x));
     const double tol = bwd_tol(t);
     bool ok = cmp("out", down(pr.dout, pr.nq, t), pr.ro, fwd_tol(t)) &&
-              cmp("lse", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t)) &&
-              all_finite("dq", gdq) && all_finite("dk", gdk) && all_finite("dv", gdv);
-    if (!finite_only)
-        ok = ok && cmp("dv", gdv, pr.rdv, tol) && cmp("dq", gdq, pr.rdq, tol) &&
+              cmp("lse", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t));
+    for (int merged = 0; merged < 2 && ok; merged++) {
+        if (merged) {
+            // lse of keys [0, 40) and [40, 90) merged into a running state
+            Dev so(pr.nq * esize(pr.acc));
+            RK(ra_cuda_fill_state(so.p, pr.dl.p, pr.acc, 1, pr.Sq, pr.H, D, pr.f.out_batch_stride,
+                                  pr.f.out_seq_stride, D, pr.f.lse_batch_stride, pr.Sq, 1, 0));
+            ra_attn_fwd_params a = pr.f;
+            a.out = so.p; a.out_dtype = pr.acc; a.accumulate = 1; a.seqlen_k = 40;
+            RK(ra_cuda_attn_fwd(&a, 0));
+            a.k = (const unsigned char *)pr.dk_.p + (size_t)40 * a.k_seq_stride * esize(t);
+            a.v = (const unsigned char *)pr.dv_.p + (size_t)40 * a.v_seq_stride * esize(t);
+            a.seqlen_k = 50; a.k_pos_offset = 40;
+            RK(ra_cuda_attn_fwd(&a, 0));
+        }
+        pr.backward();
+        CK(cudaDeviceSynchronize());
+        const auto gdq = down(pr.gq, pr.nq, t), gdk = down(pr.gk, pr.nk, t);
+        const auto gdv = down(pr.gv, pr.nk, t);
+        ok = all_finite("dq", gdq) && all_finite("dk", gdk) && all_finite("dv", gdv) &&
+             cmp("dv", gdv, pr.rdv, tol) && cmp("dq", gdq, pr.rdq, tol) &&
              cmp("dk", gdk, pr.rdk, tol, qmax);
-    printf("%-4s huge %-8s q*%g D=%d causal=%d%s\n", ok ? "ok" : "FAIL", ra_dtype_name(t), factor, D,
-           (int)causal, finite_only ? " (finite only)" : "");
+        if (!ok) printf("    (with the lse %s)\n", merged ? "merged over two chunks" : "of one call");
+    }
+    printf("%-4s huge %-8s q*%g D=%d causal=%d\n", ok ? "ok" : "FAIL", ra_dtype_name(t), factor, D,
+           (int)causal);
     return ok;
 }
 
@@ -506,19 +677,81 @@ int main(int argc, char **argv) {
                 c.D = D;
                 count(run_strided(t, c));
             }
-    // huge scores: exact on the generic kernels; the tensor-core ones at
-    // sizes their float32 state resolves, and finite at 1e9
+    // masks: documents (runs from length 1, random unsorted ids, long
+    // runs whose tiles lie in one document), windows ((0,0), (1,0),
+    // asymmetric, wider than n, one-sided), softcap with large scores, with
+    // causal, GQA/MQA, S_q != S_k, ring positions (offsets, strides, keys
+    // wholly in the future) and accumulate; long sequences walk the document
+    // tiles over several chunks
+    const long BR = LONG_MIN;  // bottom-right positions
+    const MaskCase mask_cases[] = {
+        // B  Sq    Sk  H Hk causal qoff koff str docs win  left right cap  q*  acc
+        {2, 150,  150, 4, 2, true,  BR,    0, 1, 1, false,   -1,  -1,  0,  1, false},
+        {2,  97,  150, 4, 1, false, BR,    0, 1, 2, false,   -1,  -1,  0,  1, false},
+        {1, 150,   97, 2, 2, true,  BR,    0, 1, 2, false,   -1,  -1,  0,  1, false},
+        {1, 130,  130, 2, 1, true,  BR,    0, 1, 0, true,     0,   0,  0,  1, false},
+        {2, 130,  130, 4, 2, true,  BR,    0, 1, 0, true,     1,   0,  0,  1, false},
+        {1,  97,  200, 2, 1, false, BR,    0, 1, 0, true,     5,  17,  0,  1, false},
+        {1, 150,  150, 2, 2, true,  BR,    0, 1, 0, true,  1000, 1000, 0,  1, false},
+        {1, 150,  150, 2, 1, false, BR,    0, 1, 0, true,    -1,   3,  0,  1, false},
+        {1, 150,  150, 2, 1, false, BR,    0, 1, 0, true,     7,  -1,  0,  1, false},
+        {1, 130,  130, 2, 1, true,  BR,    0, 1, 0, false,   -1,  -1,  5,  8, false},
+        {2,  97,  150, 4, 2, false, BR,    0, 1, 0, false,   -1,  -1, 30,  3, false},
+        {2, 150,  150, 4, 2, true,  BR,    0, 1, 1, true,    20,   0, 10,  4, false},
+        {1, 100,  160, 2, 1, true,  300, 100, 1, 3, true,   250,   0,  0,  1, false},
+        {1,  90,   70, 2, 1, true,    0, 200, 1, 1, true,    50,  50,  7,  1, false},
+        {1,  80,   90, 2, 1, true,    1,   2, 3, 1, true,    10,   0,  0,  1, false},
+        {1, 200,  260, 4, 2, true,  BR,    0, 1, 3, true,    40,   0, 20,  2, true},
+        {2,  97,  150, 2, 1, false, BR,    0, 1, 2, true,     3,   9,  0,  1, true},
+        {1,  70, 9000, 2, 1, true,  BR,    0, 1, 3, false,   -1,  -1,  0,  1, false},
+        {1, 9000,  70, 2, 1, false, BR,    0, 1, 3, false,   -1,  -1,  0,  1, false},
+    };
+    const int n_mask_cases = sizeof mask_cases / sizeof mask_cases[0];
+    // quick: each masked instantiation once (documents, window, softcap, causal,
+    // GQA, S_q != S_k), and the long document walks
+    const MaskCase quick_mask = {1, 40, 70, 2, 1, true, BR, 0, 1, 1, true, 9, 2, 6, 3, false};
+    for (ra_dtype t : dts) {
+        const bool sixteen = t == RA_FLOAT16 || t == RA_BFLOAT16;
+        for (int D : dims) {
+            const bool tc = sixteen && (D == 64 || D == 128);
+            if (quick) {
+                // the generic kernels by lane width (D 8 and 59 share one), the
+                // tensor-core ones
+                if (tc || D == 8 || D == 59 || D == 96 || D == 256)
+                    count(run_masked(t, D, quick_mask, false));
+                if (t == RA_BFLOAT16 && (D == 59 || D == 64))  // the long walks
+                    for (int ci = n_mask_cases - 2; ci < n_mask_cases; ci++)
+                        count(run_masked(t, D, mask_cases[ci], false));
+                continue;
+            }
+            // the tensor-core kernels (and the generic ones as a control on every
+            // third case); float32 at two lane widths, float64 at one; every
+            // dtype at the other lane widths (D 8 below 32 lanes, 96, 256) on a
+            // third of the cases each
+            const bool every = tc || (D == 59 && !sixteen) || (t == RA_FLOAT32 && D == 128);
+            const bool third = !tc && (D == 8 || D == 96 || D == 256);
+            if (!every && !third) continue;
+            for (int ci = 0; ci < n_mask_cases; ci++) {
+                if (!every && ci % 3 != D % 3) continue;
+                count(run_masked(t, D, mask_cases[ci], false));
+                if (tc && ci % 3 == 0) count(run_masked(t, D, mask_cases[ci], true));
+            }
+        }
+    }
+    // huge scores: right gradients on the generic kernels and the
+    // tensor-core ones (the exponent rule of cuda/mask.cuh)
     for (int c = 0; c < 2; c++) {
         if (quick && c == 0) continue;
-        count(run_huge(RA_FLOAT32, 59, c, 1e9, false));
-        count(run_huge(RA_FLOAT64, 59, c, 1e18, false));
-        count(run_huge(RA_FLOAT16, 64, c, 300.0, false));
-        count(run_huge(RA_BFLOAT16, 64, c, 1e4, false));
-        count(run_huge(RA_BFLOAT16, 64, c, 1e9, true));
+        count(run_huge(RA_FLOAT32, 59, c, 1e9));
+        count(run_huge(RA_FLOAT64, 59, c, 1e18));
+        count(run_huge(RA_FLOAT16, 64, c, 300.0));
+        count(run_huge(RA_BFLOAT16, 64, c, 1e4));
+        count(run_huge(RA_BFLOAT16, 64, c, 1e9));
         if (!quick) {
-            count(run_huge(RA_FLOAT32, 128, c, 1e9, false));
-            count(run_huge(RA_BFLOAT16, 96, c, 1e9, false));
-            count(run_huge(RA_FLOAT16, 128, c, 300.0, false));
+            count(run_huge(RA_FLOAT32, 128, c, 1e9));
+            count(run_huge(RA_BFLOAT16, 96, c, 1e9));
+            count(run_huge(RA_FLOAT16, 128, c, 300.0));
+            count(run_huge(RA_BFLOAT16, 128, c, 1e9));
         }
     }
     for (ra_dtype t : dts)

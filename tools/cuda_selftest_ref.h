@@ -5,8 +5,9 @@
  *
  * The reference works on contiguous BSHD arrays with affine positions
  * (pos_q(i) = qoff + i * qstr, pos_k(j) = koff + j * kstr) for the causal
- * rule, exactly as DESIGN.md §2 states it: a row that sees no key has out 0
- * and lse -inf.
+ * rule and the window, and optionally documents and soft-capping
+ * (RefMask), exactly as DESIGN.md §2 states them: a row that sees no key
+ * has out 0 and lse -inf.
  */
 #ifndef RA_CUDA_SELFTEST_REF_H
 #define RA_CUDA_SELFTEST_REF_H
@@ -74,29 +75,54 @@ static std::vector<double> down(const Dev &d, size_t n, ra_dtype t) {
     return decode(b.data(), n, t);
 }
 
-/* float64 reference on contiguous BSHD with affine causal positions */
+/* The masks of DESIGN.md §2 for the reference: documents (q ids (B, S_q),
+ * kv ids (B, S_k), contiguous; empty = none), a window (a side < 0 is
+ * unbounded) and a softcap (0 = none). */
+struct RefMask {
+    std::vector<int> qids, kids;
+    bool window = false;
+    long left = -1, right = -1;
+    double softcap = 0;
+};
+
+/* float64 reference on contiguous BSHD with affine positions */
 static void reference(int B, int Sq, int Sk, int H, int Hk, int D, bool causal, long qoff, long koff,
                       const std::vector<double> &q, const std::vector<double> &k,
                       const std::vector<double> &v, const std::vector<double> &dout,
                       std::vector<double> &out, std::vector<double> &lse, std::vector<double> &dq,
                       std::vector<double> &dk, std::vector<double> &dv, long qstr = 1,
-                      long kstr = 1) {
+                      long kstr = 1, const RefMask *mask = nullptr) {
     const double sc = 1.0 / std::sqrt((double)D);
+    const RefMask none;
+    const RefMask &mk = mask ? *mask : none;
     out.assign((size_t)B * Sq * H * D, 0);
     lse.assign((size_t)B * H * Sq, -INFINITY);
     dq.assign(out.size(), 0);
     dk.assign((size_t)B * Sk * Hk * D, 0);
     dv.assign(dk.size(), 0);
-    std::vector<double> s(Sk), pr(Sk);
+    std::vector<double> s(Sk), pr(Sk), dcap(Sk, 1.0);
     for (int b = 0; b < B; b++) for (int h = 0; h < H; h++) for (int i = 0; i < Sq; i++) {
         const int hk = h / (H / Hk);
         const double *qi = &q[(((size_t)b * Sq + i) * H + h) * D];
+        const long qp = qoff + i * qstr;
         double m = -INFINITY;
         for (int j = 0; j < Sk; j++) {
             const double *kj = &k[(((size_t)b * Sk + j) * Hk + hk) * D];
+            const long kp = koff + j * kstr;
+            bool vis = !causal || kp <= qp;
+            if (mk.window) vis = vis && (mk.left < 0 || qp - kp <= mk.left) &&
+                                 (mk.right < 0 || kp - qp <= mk.right);
+            if (!mk.qids.empty())
+                vis = vis && mk.qids[(size_t)b * Sq + i] == mk.kids[(size_t)b * Sk + j];
             double d = 0;
             for (int x = 0; x < D; x++) d += qi[x] * kj[x];
-            s[j] = (!causal || koff + j * kstr <= qoff + i * qstr) ? d * sc : -INFINITY;
+            d *= sc;
+            if (mk.softcap > 0) {
+                const double t = std::tanh(d / mk.softcap);
+                d = mk.softcap * t;
+                dcap[j] = 1 - t * t;
+            }
+            s[j] = vis ? d : -INFINITY;
             m = std::max(m, s[j]);
         }
         if (m == -INFINITY) continue;
@@ -117,7 +143,7 @@ static void reference(int B, int Sq, int Sk, int H, int Hk, int D, bool causal, 
             const double *vj = &v[(((size_t)b * Sk + j) * Hk + hk) * D];
             double dp = 0;
             for (int x = 0; x < D; x++) dp += gi[x] * vj[x];
-            const double ds = pr[j] * (dp - delta);
+            const double ds = pr[j] * (dp - delta) * dcap[j];
             double *dkj = &dk[(((size_t)b * Sk + j) * Hk + hk) * D];
             double *dvj = &dv[(((size_t)b * Sk + j) * Hk + hk) * D];
             double *dqi = &dq[(((size_t)b * Sq + i) * H + h) * D];

@@ -3,17 +3,17 @@
 # 10-minute call of the device tool.  Run from anywhere; it works on the
 # repository it lives in.
 #
-# The three device calls (timeout_s 600 each; about 21 minutes of commands
-# plus three machine starts, about 25 device-minutes; a machine is bare
+# The three device calls (timeout_s 600 each; about 26 minutes of commands
+# plus three machine starts, about 30 device-minutes; a machine is bare
 # again 30 s after a call, so every call builds):
 #
 #   1. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build selftest tests
-#        build ~2 min, selftest ~1.5 min, tests ~3 min            (~6.5 min)
+#        build ~2.5 min, selftest ~2 min, tests ~3.5 min          (~8 min)
 #   2. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build sanitize
-#        build ~2 min, sanitize ~5 min                             (~7 min)
+#        build ~2.5 min, sanitize ~6.5 min                         (~9 min)
 #   3. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build nccl bench ringbench
-#        build ~2 min, nccl ~2 min, bench ~2.5 min, ringbench ~1.5 min
-#                                                                  (~8 min)
+#        build ~2.5 min, nccl ~2 min, bench ~3 min, ringbench ~1.5 min
+#                                                                  (~9 min)
 #
 # Stages (any order, any subset; "all" = every stage):
 #   build      pip install --no-build-isolation --no-deps . with the CUDA
@@ -156,7 +156,7 @@ stage_build() {
         record build PASS "installed CUDA build already there (no rebuild)"
         return 0
     fi
-    note "== build: pip install --no-build-isolation (RINGATTN_CUDA=1, archs $ARCHS, $(nproc) jobs; ~2 min)"
+    note "== build: pip install --no-build-isolation (RINGATTN_CUDA=1, archs $ARCHS, $(nproc) jobs; ~2.5 min)"
     local t0=$SECONDS
     run_logged build 420 env -C "$REPO" RINGATTN_CUDA=1 RINGATTN_BUILD_JOBS="$(nproc)" \
         "$PY" -m pip install --no-build-isolation --no-deps --no-index \
@@ -241,7 +241,7 @@ build_selftest() {
 }
 
 stage_selftest() {
-    note "== selftest: every kernel variant vs float64, full grid (~1.5 min)"
+    note "== selftest: every kernel variant vs float64, full grid (~2 min)"
     local bin rc
     if ! bin="$(build_selftest)"; then
         record selftest FAIL "the selftest did not build (selftest_build.log)"
@@ -316,7 +316,7 @@ PY
 }
 
 stage_tests() {
-    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py test_jax_ffi_gpu.py (~3 min)"
+    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py test_jax_ffi_gpu.py (~3.5 min)"
     pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_interop.py" \
         "$REPO/tests/test_jax_ffi_gpu.py"
 }
@@ -332,7 +332,7 @@ stage_nccl() {
 }
 
 stage_sanitize() {
-    note "== sanitize: ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck} on selftest quick, memcheck on sanitize_case.py (~5 min)"
+    note "== sanitize: ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck} on selftest quick, memcheck on sanitize_case.py (~6.5 min)"
     local san
     san="$(command -v compute-sanitizer || true)"
     [ -n "$san" ] || san="${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"
@@ -416,7 +416,7 @@ bench_stage() {  # bench_stage NAME SUMMARY-PREFIX ARGS...
 }
 
 stage_bench() {
-    note "== bench: ringattn bench --gpu (~2.5 min)"
+    note "== bench: ringattn bench --gpu (~3 min)"
     bench_stage bench bench-gpu --gpu
 }
 

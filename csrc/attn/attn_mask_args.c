@@ -313,13 +313,6 @@ int parse_masks(const mask_kwargs *kw, const qkv_dims *d, tensor_arg ids[2],
     }
     if (parse_window(kw->window, m) < 0) return -1;
     if (parse_softcap(kw->softcap, m) < 0) return -1;
-    if (d->device_type == RA_DEV_CUDA && mask_is_set(m)) {
-        /* until the CUDA kernels read ra_attn_mask: refuse, never ignore */
-        PyErr_SetString(PyExc_NotImplementedError,
-                        "segment_ids, window, softcap: not yet on CUDA "
-                        "arrays (the CPU kernels take them)");
-        return -1;
-    }
     return 0;
 }
 

@@ -17,13 +17,24 @@ same dtype ("torch math": matmuls and softmax in that dtype, autograd);
 ringattn passes when its error is at most 2x (forward) / 3x (backward)
 that of torch math, plus a floor of 1e-4 * max(1, max |ref|).
 
+Masks: at bfloat16, D = 128, B = 1, H = 16, S = 16k (the largest S asked
+for), causal: plain (next to SDPA flash), a sliding window of S/4 = 4k and
+8 packed documents of 2k (next to SDPA given the same mask as an explicit
+boolean (S, S) matrix, whichever backend takes it), with the visible
+fraction of the S x S pairs, times in ms and TFLOP/s counted on the visible
+pairs only.  Their accuracy, by the rule above, at S = 1024 with the window,
+the documents and a softcap at once, next to torch math with the same mask.
+
 The speed bars of the GPU bring-up (forward >= 0.7x and backward >= 0.5x
-SDPA flash at D = 128, bfloat16, S >= 4k) are reported in the last line.
+SDPA flash at D = 128, bfloat16, S >= 4k) are reported in the last line,
+with the masked rows' time as a fraction of plain causal.
 
 ``run(args) -> int``: prints the tables and a summary line; 0 when every
 accuracy check passed, 1 otherwise, 2 when no GPU or PyTorch is there.
 """
 import statistics
+
+from .masks import dense_mask, visible_fraction
 
 SEQLENS = (1024, 4096, 16384)
 HEAD_DIMS = (64, 128)
@@ -32,6 +43,7 @@ TOKENS = 16384
 HIDDEN = 2048
 FWD_BAR, BWD_BAR = 0.7, 0.5
 FWD_RULE, BWD_RULE, FLOOR = 2.0, 3.0, 1e-4
+MASKED_DOCS = 8
 
 
 def _time_ms(fn, warmup, repeats):
@@ -51,21 +63,27 @@ def _time_ms(fn, warmup, repeats):
     return statistics.median(times)
 
 
-def _sdpa_fns(q, k, v, dout, causal, backend):
-    """(forward, backward) closures for SDPA with one backend (None where
-    the backend refuses the inputs)."""
+def _sdpa_fns(q, k, v, dout, causal, backend, attn_mask=None):
+    """(forward, backward) closures for SDPA with one backend ("flash",
+    "cudnn", or None for whichever takes an explicit `attn_mask`, a boolean
+    (S_q, S_k) matrix, True where visible); None where the backend refuses
+    the inputs."""
+    import contextlib
+
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+          None: None}[backend]
     # SDPA wants (B, H, S, D); transposed views of BSHD keep D contiguous
     qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v))
     dt = dout.transpose(1, 2)
     F = torch.nn.functional
 
     def fwd():
-        with sdpa_kernel([be]):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        with sdpa_kernel([be]) if be is not None else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask,
+                                                  is_causal=causal and attn_mask is None)
 
     try:
         out = fwd()
@@ -82,16 +100,22 @@ def _sdpa_fns(q, k, v, dout, causal, backend):
     return fwd, bwd
 
 
-def _torch_attention(q, k, v, dout, causal):
+def _torch_attention(q, k, v, dout, causal, visible=None, softcap=None):
     """(out, dq, dk, dv), BSHD, of plain PyTorch attention computed in the
     inputs' dtype (matmuls and softmax in that dtype, as flash-attention's
     tests build their same-precision reference; SDPA's math backend would
-    upcast 16-bit inputs to float32), gradients by autograd."""
+    upcast 16-bit inputs to float32), gradients by autograd.  visible: a
+    boolean (S_q, S_k) mask (True where a key is visible) instead of the
+    causal one; softcap: scores s -> softcap * tanh(s / softcap)."""
     import torch
 
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
     scores = (qt * q.shape[-1] ** -0.5) @ kt.transpose(-1, -2)
-    if causal:
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    elif causal:
         S_q, S_k = scores.shape[-2:]
         hidden = torch.ones(S_q, S_k, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -100,9 +124,55 @@ def _torch_attention(q, k, v, dout, causal):
     return [out.transpose(1, 2)] + [g.transpose(1, 2) for g in grads]
 
 
+MASK_CASES = ("causal", "window", "docs", "all")
+
+
+def mask_spec(name, S):
+    """(sorted ids (S,) int32 or None, window or None, softcap or None) of
+    a causal mask case over S tokens: "causal" (none), "window" (S/4, 0),
+    "docs" (8 equal packed documents), "all" (those two and softcap 30)."""
+    import numpy as np
+
+    if name not in MASK_CASES:
+        raise ValueError(f"name: expected one of {MASK_CASES}, got {name!r}")
+    ids = window = softcap = None
+    if name in ("window", "all"):
+        window = (S // 4, 0)
+    if name in ("docs", "all"):
+        ids = (np.arange(S) // max(1, S // MASKED_DOCS)).astype(np.int32)
+    if name == "all":
+        softcap = 30.0
+    return ids, window, softcap
+
+
+def mask_keywords(ids, window, softcap, B, to_device):
+    """ringattn's mask keywords of a mask_spec for B rows; to_device turns
+    the (B, S) int32 ids into an array on the GPU."""
+    import numpy as np
+
+    kw = {}
+    if window is not None:
+        kw["window"] = window
+    if ids is not None:
+        kw["segment_ids"] = to_device(np.repeat(ids[None], B, axis=0))
+    if softcap is not None:
+        kw["softcap"] = softcap
+    return kw
+
+
+def _masked_inputs(name, S, B=1):
+    """(mask keywords with the ids on the GPU, ids, window, softcap)."""
+    import torch
+
+    ids, window, softcap = mask_spec(name, S)
+    kw = mask_keywords(ids, window, softcap, B, lambda x: torch.from_numpy(x).to("cuda"))
+    return kw, ids, window, softcap
+
+
 def accuracy_rows(dtypes, dims):
-    """One row per (dtype, D, causal): errors of ringattn and torch math vs
-    float64, and whether ringattn meets the rule."""
+    """One row per (dtype, D, causal), and one masked row per dtype
+    (masked_accuracy_row): errors of ringattn and torch math vs float64,
+    and whether ringattn meets the rule."""
     import torch
 
     import ringattn as ra
@@ -121,20 +191,48 @@ def accuracy_rows(dtypes, dims):
                 out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
                 mine = [out] + list(ra.attention_backward(dout, q, k, v, out, lse,
                                                           causal=causal))
-                errs = []
-                ok = True
-                for i, name in enumerate(("out", "dq", "dk", "dv")):
-                    r = ref[i]
-                    e_ra = (mine[i].double() - r).abs().max().item()
-                    e_pt = (math[i].double() - r).abs().max().item()
-                    rule = FWD_RULE if i == 0 else BWD_RULE
-                    floor = FLOOR * max(1.0, r.abs().max().item())
-                    good = e_ra == e_ra and e_ra <= rule * e_pt + floor   # NaN fails
-                    ok = ok and good
-                    errs.append((name, e_ra, e_pt, good))
+                errs = _errors(mine, ref, math)
+                ok = all(e[3] for e in errs)
                 rows.append({"dtype": dtype, "D": D, "causal": causal, "errs": errs, "ok": ok})
                 del base, q, k, v, dout, ref, math, out, lse, mine
+        rows.append(masked_accuracy_row(dtype, B, S, H, max(dims)))
     return rows
+
+
+def _errors(mine, ref, math):
+    """[(name, ringattn error, torch math error, meets the rule)] of out,
+    dq, dk, dv against the float64 reference."""
+    errs = []
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        r = ref[i]
+        e_ra = (mine[i].double() - r).abs().max().item()
+        e_pt = (math[i].double() - r).abs().max().item()
+        rule = FWD_RULE if i == 0 else BWD_RULE
+        floor = FLOOR * max(1.0, r.abs().max().item())
+        errs.append((name, e_ra, e_pt, e_ra == e_ra and e_ra <= rule * e_pt + floor))  # NaN fails
+    return errs
+
+
+def masked_accuracy_row(dtype, B, S, H, D):
+    """The accuracy row of one dtype with a window, packed documents and a
+    softcap at once (causal), torch math given the same mask."""
+    import torch
+
+    import ringattn as ra
+
+    kw, ids, window, softcap = _masked_inputs("all", S, B)
+    visible = torch.from_numpy(dense_mask(S, ids, window)).to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(D + 7)
+    base = [torch.randn(B, S, H, D, device="cuda", generator=g) for _ in range(4)]
+    q, k, v, dout = (x.to(getattr(torch, dtype)) for x in base)
+    q = q * 3  # scores that reach the cap
+    ref = _torch_attention(*(x.double() for x in (q, k, v, dout)), True, visible, softcap)
+    math = _torch_attention(q, k, v, dout, True, visible, softcap)
+    out, lse = ra.attention(q, k, v, causal=True, return_lse=True, **kw)
+    mine = [out] + list(ra.attention_backward(dout, q, k, v, out, lse, causal=True, **kw))
+    errs = _errors(mine, ref, math)
+    return {"dtype": dtype, "D": D, "causal": True, "mask": "window+docs+softcap",
+            "errs": errs, "ok": all(e[3] for e in errs)}
 
 
 def _speed_one(dtype, D, S, causal, warmup, repeats):
@@ -203,8 +301,87 @@ def format_speed_row(r):
 
 def format_accuracy_row(r):
     parts = [f"{n} {a:.2e}/{b:.2e}{'' if g else ' FAIL'}" for n, a, b, g in r["errs"]]
+    mask = f" {r['mask']}" if r.get("mask") else ""
     return (f"{'ok  ' if r['ok'] else 'FAIL'} {r['dtype']:8} D={r['D']:<3d} "
-            f"causal={str(r['causal']):5}  " + ", ".join(parts))
+            f"causal={str(r['causal']):5}{mask}  " + ", ".join(parts))
+
+
+def masked_speed_rows(S, warmup, repeats, echo=print):
+    """One row per mask case ("causal", "window", "docs") at bfloat16,
+    D = 128, B = 1, H = 16, causal: the visible fraction, ringattn's and
+    SDPA's times (ms) and TFLOP/s on the visible pairs (SDPA: flash for
+    plain causal, the explicit boolean mask otherwise; None where it cannot
+    run, e.g. out of memory)."""
+    import torch
+
+    import ringattn as ra
+
+    D, B = 128, 1
+    H = HIDDEN // D
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16,
+                                 generator=g) for _ in range(4))
+    rows = []
+    for name in ("causal", "window", "docs"):
+        kw, ids, window, _ = _masked_inputs(name, S)
+        out, lse = ra.attention(q, k, v, causal=True, return_lse=True, **kw)
+        ms = {("fwd", "ra"): _time_ms(
+                  lambda: ra.attention(q, k, v, causal=True, return_lse=True, **kw),
+                  warmup, repeats),
+              ("bwd", "ra"): _time_ms(
+                  lambda: ra.attention_backward(dout, q, k, v, out, lse, causal=True, **kw),
+                  warmup, repeats)}
+        mask = None
+        try:
+            if kw:
+                mask = torch.from_numpy(dense_mask(S, ids, window)).to("cuda")
+            fwd, bwd = _sdpa_fns(q, k, v, dout, True, None if kw else "flash", mask)
+            if fwd is not None:
+                ms[("fwd", "sdpa")] = _time_ms(fwd, warmup, repeats)
+            if bwd is not None:
+                ms[("bwd", "sdpa")] = _time_ms(bwd, warmup, repeats)
+        except RuntimeError:   # out of memory: the SDPA cells stay empty
+            pass
+        del mask
+        torch.cuda.empty_cache()
+        visible = visible_fraction(S, True, ids, window)
+        flops = 4.0 * B * H * D * visible * S * S
+        row = {"case": name, "S": S, "visible": visible}
+        for pas, mult in (("fwd", 1.0), ("bwd", 2.5)):
+            for who in ("ra", "sdpa"):
+                t = ms.get((pas, who))
+                row[f"{pas}_{who}_ms"] = t
+                row[f"{pas}_{who}_tf"] = None if t is None else flops * mult / (t * 1e-3) / 1e12
+        rows.append(row)
+        echo(format_masked_row(row))
+    return rows
+
+
+MASKED_HEAD = (f"{'case':7} {'S':>6} {'visible':>7} {'fwd ms':>8} {'bwd ms':>8} "
+               f"{'sdpa fwd':>8} {'sdpa bwd':>8} {'fwd TF/s':>8} {'bwd TF/s':>8} "
+               f"{'sdpa fwd':>8} {'sdpa bwd':>8}")
+
+
+def format_masked_row(r):
+    def fmt(x, f):
+        return f"{x:8{f}}" if x is not None else f"{'-':>8}"
+
+    return (f"{r['case']:7} {r['S']:6d} {r['visible']:7.3f} "
+            + " ".join(fmt(r[f"{p}_{w}_ms"], ".2f") for w in ("ra", "sdpa") for p in ("fwd", "bwd"))
+            + " " + " ".join(fmt(r[f"{p}_{w}_tf"], ".1f") for w in ("ra", "sdpa")
+                             for p in ("fwd", "bwd")))
+
+
+def masked_summary(rows):
+    """ "window 0.27/0.31, docs 0.14/0.16 of causal time (fwd/bwd)" """
+    base = next((r for r in rows if r["case"] == "causal"), None)
+    parts = []
+    for r in rows:
+        if r["case"] == "causal" or base is None:
+            continue
+        ratios = [r[f"{p}_ra_ms"] / base[f"{p}_ra_ms"] for p in ("fwd", "bwd")]
+        parts.append(f"{r['case']} {ratios[0]:.2f}/{ratios[1]:.2f}")
+    return ", ".join(parts) + " of causal time (fwd/bwd)" if parts else "n/a"
 
 
 def speed_bars(rows):
@@ -271,6 +448,15 @@ def run(args=None) -> int:
     rows = speed_rows(DTYPES, HEAD_DIMS, seqlens, warmup, repeats,
                       echo=lambda line: print(line, flush=True))
     bars = speed_bars(rows)
+    S_masked = max(seqlens)
+    print()
+    print(f"masked: bfloat16, D=128, B=1, H={HIDDEN // 128}, S={S_masked}, causal; window "
+          f"({S_masked // 4}, 0) and {MASKED_DOCS} packed documents; sdpa: flash for causal, "
+          "the explicit boolean mask otherwise; TFLOP/s on the visible pairs")
+    print(MASKED_HEAD)
+    print("-" * len(MASKED_HEAD), flush=True)
+    masked = masked_speed_rows(S_masked, warmup, repeats,
+                               echo=lambda line: print(line, flush=True))
     n_ok = sum(r["ok"] for r in acc)
 
     def bar(name, got, want):
@@ -280,7 +466,8 @@ def run(args=None) -> int:
 
     print(f"bench-gpu: accuracy {'PASS' if n_ok == len(acc) else 'FAIL'} "
           f"({n_ok}/{len(acc)}); D128 bf16 S>=4k: "
-          f"{bar('fwd', bars['fwd'], FWD_BAR)}, {bar('bwd', bars['bwd'], BWD_BAR)}")
+          f"{bar('fwd', bars['fwd'], FWD_BAR)}, {bar('bwd', bars['bwd'], BWD_BAR)}; "
+          f"masked S={S_masked}: {masked_summary(masked)}")
     return 0 if n_ok == len(acc) else 1
 
 

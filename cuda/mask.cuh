@@ -1,0 +1,274 @@
+/*
+ * mask.cuh -- documents, windows and soft-capping (ra_attn_mask) as the
+ * CUDA kernels apply them, and the backward's exponent rule.
+ *
+ * Every attention kernel has two instantiations, chosen by its launcher:
+ * M = false (mask_active(p.mask) is false: causal only, the code it had
+ * before masks) and M = true, one variant that handles all three features
+ * with run-time flags.  The masked kernels
+ *  - fold causal and the window into the span of positions a row sees
+ *    (keys_seen_by for a query, queries_seeing for a key) and bound their
+ *    block loops by it (block_keys / block_queries in attn_kernels.cuh),
+ *    so a sliding window costs O(S w), not O(S^2);
+ *  - skip the streamed tiles that hold no segment id of the owning block's
+ *    id range [lo, hi] (DocTiles: 128 tiles tested at once, one warp word
+ *    of 32 each), and drop the per-element document test on a tile whose
+ *    ids all equal the block's single id;
+ *  - test elements only on tiles not known to be fully visible;
+ *  - cap the scaled score s -> c tanh(s / c) with tanhf (tanh for float64):
+ *    within 2 ulps, branch-free, and as many MUFU operations (ex2, rcp) as
+ *    any exp-based formula; tanh.approx.f32 (one MUFU) was rejected: its
+ *    2^-11 relative error is an absolute score error of up to c * 2^-11
+ *    (0.025 at c = 50), 2.5 % in P, beyond the float16 tolerance.  Forward
+ *    and backward compute the capped score with the same expression from
+ *    the same raw score, so they agree bit for bit, and the backward's dS
+ *    gains the factor 1 - tanh^2 of that very tanh.
+ */
+#ifndef RA_CUDA_MASK_CUH
+#define RA_CUDA_MASK_CUH
+
+#include "common.cuh"
+
+namespace ra {
+
+__host__ __device__ __forceinline__ bool mask_docs(const ra_attn_mask &m) {
+    return m.q_segment_ids != nullptr;
+}
+__host__ __device__ __forceinline__ bool mask_window(const ra_attn_mask &m) {
+    return m.has_window && (m.window_left >= 0 || m.window_right >= 0);
+}
+/* whether a call needs the masked instantiation */
+__host__ __device__ __forceinline__ bool mask_active(const ra_attn_mask &m) {
+    return mask_docs(m) || mask_window(m) || m.softcap > 0;
+}
+
+/* ---- positions ------------------------------------------------------------ */
+
+/* a + b and a - b for b >= 0, saturated (an unbounded side is INT64_MAX) */
+__host__ __device__ __forceinline__ int64_t pos_add(int64_t a, int64_t b) {
+    return a > INT64_MAX - b ? INT64_MAX : a + b;
+}
+__host__ __device__ __forceinline__ int64_t pos_sub(int64_t a, int64_t b) {
+    return a < INT64_MIN + b ? INT64_MIN : a - b;
+}
+
+/* count_upto / count_below (common.cuh) for any int64 pos, such as a
+ * saturated window bound: pos is first clamped to the sequence's last
+ * position (plus one). */
+__host__ __device__ __forceinline__ int64_t count_upto_sat(int64_t pos, int64_t off,
+                                                           int64_t stride, int64_t n) {
+    if (n <= 0) return 0;
+    const int64_t last = off + (n - 1) * stride;
+    return count_upto(pos < last ? pos : last, off, stride, n);
+}
+__host__ __device__ __forceinline__ int64_t count_below_sat(int64_t pos, int64_t off,
+                                                            int64_t stride, int64_t n) {
+    if (n <= 0) return 0;
+    const int64_t last = off + (n - 1) * stride;
+    return count_below(pos <= last ? pos : last + 1, off, stride, n);
+}
+
+/* A closed span of positions [lo, hi] (empty when lo > hi). */
+struct Span { int64_t lo, hi; };
+
+/* The key positions a query at qpos may see under causal and the window. */
+template <typename P>
+__host__ __device__ __forceinline__ Span keys_seen_by(const P &p, int64_t qpos) {
+    Span s{INT64_MIN, p.causal ? qpos : INT64_MAX};
+    if (p.mask.has_window) {
+        if (p.mask.window_left >= 0) s.lo = pos_sub(qpos, p.mask.window_left);
+        if (p.mask.window_right >= 0) s.hi = min(s.hi, pos_add(qpos, p.mask.window_right));
+    }
+    return s;
+}
+/* The query positions that may see a key at kpos (the same rule read the
+ * other way: qpos - left <= kpos <= qpos + right, kpos <= qpos if causal). */
+template <typename P>
+__host__ __device__ __forceinline__ Span queries_seeing(const P &p, int64_t kpos) {
+    Span s{p.causal ? kpos : INT64_MIN, INT64_MAX};
+    if (p.mask.has_window) {
+        if (p.mask.window_right >= 0) s.lo = max(s.lo, pos_sub(kpos, p.mask.window_right));
+        if (p.mask.window_left >= 0) s.hi = pos_add(kpos, p.mask.window_left);
+    }
+    return s;
+}
+__host__ __device__ __forceinline__ bool in_span(const Span &s, int64_t pos) {
+    return s.lo <= pos && pos <= s.hi;
+}
+
+/* ---- soft-capping ---------------------------------------------------------- */
+
+__device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+
+/* ---- the backward's exponent ----------------------------------------------- */
+
+/* x = s - lse is <= 0 in exact arithmetic, so x > 0 is rounding: it reads
+ * as 0 (P <= 1; huge scores would otherwise overflow).  For huge |lse| the
+ * rounding of lse itself (stored, merged over ring steps) is many units:
+ * there an x within 16 ulps of |lse| below 0 reads as 0 too, so a row's
+ * dominant key gets P = 1, not exp(-ulps), which would lose it.  The band
+ * starts where an ulp of lse reaches 2^-10 (as csrc/attn/attn_cpu_tiles.h
+ * does on the CPU; there in log2 units, where the same widths apply). */
+template <typename A> struct BandOf;
+template <> struct BandOf<float> {
+    static constexpr float kFrom = 0x1p13f, kWidth = 0x1p-19f;
+};
+template <> struct BandOf<double> {
+    static constexpr double kFrom = 0x1p42, kWidth = 0x1p-48;
+};
+/* The band below 0 for a row whose lse (either unit) is `lse`: 0 for
+ * ordinary and non-finite lse. */
+template <typename A>
+__device__ __forceinline__ A band_of(A lse) {
+    const A a = fabs(lse);
+    return a >= BandOf<A>::kFrom && a < (A)CUDART_INF ? -BandOf<A>::kWidth * a : (A)0;
+}
+/* the exponent to use: min(x, 0), and 0 inside the band */
+template <typename A>
+__device__ __forceinline__ A bwd_exponent(A x, A band) {
+    x = fmin(x, (A)0);
+    return x >= band ? (A)0 : x;
+}
+
+/* ---- documents ------------------------------------------------------------- */
+
+/* The segment ids of one batch row: id of row i = ids[i * stride]. */
+struct SegIds {
+    const int32_t *ids;
+    int64_t stride;
+    __device__ __forceinline__ int32_t at(int64_t i) const { return ids[i * stride]; }
+};
+__device__ __forceinline__ SegIds q_seg_ids(const ra_attn_mask &m, int64_t b) {
+    return SegIds{m.q_segment_ids + b * m.q_seg_batch_stride, m.q_seg_seq_stride};
+}
+__device__ __forceinline__ SegIds kv_seg_ids(const ra_attn_mask &m, int64_t b) {
+    return SegIds{m.kv_segment_ids + b * m.kv_seg_batch_stride, m.kv_seg_seq_stride};
+}
+
+/* min and max id of rows [r0, r1) (INT32_MAX, INT32_MIN when empty), the
+ * same in every lane of every warp that asks */
+__device__ __forceinline__ void id_range(SegIds ids, int64_t r0, int64_t r1, int32_t *lo,
+                                         int32_t *hi) {
+    int32_t a = INT32_MAX, z = INT32_MIN;
+    for (int64_t r = r0 + threadIdx.x % 32; r < r1; r += 32) {
+        const int32_t x = ids.at(r);
+        a = min(a, x);
+        z = max(z, x);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        a = min(a, __shfl_xor_sync(0xffffffffu, a, o));
+        z = max(z, __shfl_xor_sync(0xffffffffu, z, o));
+    }
+    *lo = a;
+    *hi = z;
+}
+
+/* The ids of a warp's RPW rows from `first` (0 past n) of one batch row. */
+template <int RPW>
+__device__ __forceinline__ void row_ids(SegIds ids, int64_t first, int64_t n, int32_t (&id)[RPW]) {
+#pragma unroll
+    for (int r = 0; r < RPW; r++) id[r] = first + r < n ? ids.at(first + r) : 0;
+}
+
+/* A streamed tile the block visits: its index and whether every id in it
+ * equals the block's single id (then no element needs the document test). */
+struct Hit {
+    int64_t tile;
+    bool same;
+};
+
+/* The tiles of R rows (tile t = rows [base + t R, base + t R + R), clipped
+ * to n) that hold a segment id in [lo, hi], the owning block's id range:
+ * the only tiles the block can see anything of.  next(t, t_end) is the
+ * first such tile at or after t (t_end when none).  Block-uniform: every
+ * thread of the block (W warps) calls next() with the same arguments; it
+ * synchronises the block when it tests a new chunk of 32 W tiles (each warp
+ * one word of 32, coalesced loads) into `words` (2 W uint32 of shared
+ * memory: W words "some id in [lo, hi]", W words "every id == lo == hi"). */
+template <int R, int W>
+struct DocTiles {
+    SegIds ids;
+    int64_t base, n;
+    int32_t lo, hi;
+    uint32_t *words;
+    int64_t chunk0;  // first tile of the tested chunk; -1: none yet
+
+    __device__ __forceinline__ void init(SegIds ids_, int64_t base_, int64_t n_, int32_t lo_,
+                                         int32_t hi_, uint32_t *words_) {
+        ids = ids_;
+        base = base_;
+        n = n_;
+        lo = lo_;
+        hi = hi_;
+        words = words_;
+        chunk0 = -1;
+    }
+
+    /* init for a block that owns rows [r0, r_end) of `own` and streams
+     * rows [base_, n_) of `other`: lo, hi the owned rows' id range */
+    __device__ __forceinline__ void init_block(SegIds own, int64_t r0, int64_t r_end,
+                                               SegIds other, int64_t base_, int64_t n_,
+                                               uint32_t *words_) {
+        int32_t lo_, hi_;
+        id_range(own, r0, r_end, &lo_, &hi_);
+        init(other, base_, n_, lo_, hi_, words_);
+    }
+
+    __device__ void test_chunk(int64_t t0, int64_t t_end) {
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        __syncthreads();  // every thread is done reading the previous words
+        uint32_t meet = 0, same = 0;
+#pragma unroll 4
+        for (int k = 0; k < 32; k++) {
+            const int64_t t = t0 + 32 * warp + k;
+            bool any = false, all = true;
+            if (t < t_end) {
+#pragma unroll
+                for (int rr = 0; rr < R; rr += 32) {
+                    const int64_t row = base + t * R + rr + lane;
+                    if (row < n) {
+                        const int32_t x = ids.at(row);
+                        any |= lo <= x && x <= hi;
+                        all &= x == lo;
+                    }
+                }
+            }
+            any = __any_sync(0xffffffffu, any);
+            all = __all_sync(0xffffffffu, all);
+            meet |= (uint32_t)any << k;
+            same |= (uint32_t)(any && all && lo == hi) << k;
+        }
+        if (lane == 0) {
+            words[warp] = meet;
+            words[W + warp] = same;
+        }
+        __syncthreads();
+        chunk0 = t0;
+    }
+
+    __device__ Hit next(int64_t t, int64_t t_end) {
+        while (t < t_end) {
+            if (chunk0 < 0 || t < chunk0 || t >= chunk0 + 32 * W) test_chunk(t, t_end);
+            const int64_t off = t - chunk0;
+            int w = (int)(off >> 5);
+            uint32_t m = words[w] & (0xffffffffu << (off & 31));
+            for (;;) {
+                if (m) {
+                    const int bit = __ffs(m) - 1;
+                    const int64_t tile = chunk0 + 32 * w + bit;
+                    if (tile >= t_end) return Hit{t_end, false};
+                    return Hit{tile, ((words[W + w] >> bit) & 1u) != 0};
+                }
+                if (++w == W) break;
+                m = words[w];
+            }
+            t = chunk0 + 32 * W;
+        }
+        return Hit{t_end, false};
+    }
+};
+
+}  // namespace ra
+
+#endif /* RA_CUDA_MASK_CUH */

@@ -1,0 +1,89 @@
+"""The parts of ``ringattn bench --gpu`` that need no GPU: the masked rows'
+mask cases (the same problem for ringattn and for SDPA's explicit mask),
+their visible fraction, and the formatting of the masked table and its
+summary.  The GPU runs themselves are in tools/gpu_check.sh's bench stage;
+``bench --gpu`` without a GPU is tests/test_cli.py's."""
+import numpy as np
+import pytest
+
+import ringattn as ra
+from ringattn import testing as rt
+from ringattn.bench.gpu import (MASK_CASES, format_accuracy_row, format_masked_row,
+                                mask_keywords, mask_spec, masked_summary)
+from ringattn.bench.masks import dense_mask, visible_fraction
+
+
+@pytest.mark.parametrize("S", [1, 7, 64, 100])
+@pytest.mark.parametrize("name", MASK_CASES)
+def test_sdpa_mask_is_the_mask_ringattn_applies(name, S):
+    # the boolean matrix SDPA is given is the reference's visibility of
+    # ringattn's keywords (causal), and its visible fraction is the one the
+    # TFLOP/s count
+    ids, window, softcap = mask_spec(name, S)
+    kw = mask_keywords(ids, window, softcap, 2, lambda x: x)
+    dense = dense_mask(S, ids, window)
+    ref = rt.ref_visible(S, S, causal=True, segment_ids=kw.get("segment_ids"),
+                         window=kw.get("window"))
+    assert ref.shape[0] in (1, 2) and all(np.array_equal(r[0], dense) for r in ref)
+    assert visible_fraction(S, True, ids, window) == pytest.approx(dense.mean())
+    assert (softcap is not None) == (name == "all") == ("softcap" in kw)
+
+
+def test_masked_keywords_give_the_masked_problem_on_the_cpu():
+    # ringattn with the keywords equals the reference given the dense mask
+    # as a bias (what torch math and SDPA compute with it)
+    S, H, D = 96, 2, 16
+    rng = np.random.default_rng(3)
+    q, k, v = rt.random_qkv(rng, 1, S, S, H, 1, D, "float64", scale=3.0)
+    ids, window, softcap = mask_spec("all", S)
+    kw = mask_keywords(ids, window, softcap, 1, lambda x: x)
+    out = ra.attention(q, k, v, causal=True, **kw)
+    with np.errstate(divide="ignore"):
+        bias = np.log(dense_mask(S, ids, window).astype(np.float64))[None]
+    ref, _ = rt.ref_attention(q, k, v, bias=bias, softcap=softcap)
+    rt.assert_close(out, ref, "float64")
+
+
+def test_mask_spec_shapes_and_bad_name():
+    ids, window, softcap = mask_spec("all", 16384)
+    assert window == (4096, 0) and softcap == 30.0
+    assert ids.dtype == np.int32 and ids.shape == (16384,)
+    assert np.bincount(ids).tolist() == [2048] * 8
+    assert mask_spec("causal", 10) == (None, None, None)
+    with pytest.raises(ValueError, match="name: expected one of"):
+        mask_spec("sliding", 10)
+
+
+def row(case, fwd, bwd, sfwd=None, sbwd=None, S=1024, visible=0.5):
+    r = {"case": case, "S": S, "visible": visible}
+    for key, t in (("fwd_ra", fwd), ("bwd_ra", bwd), ("fwd_sdpa", sfwd), ("bwd_sdpa", sbwd)):
+        r[key + "_ms"] = t
+        r[key + "_tf"] = None if t is None else 100.0 / t
+    return r
+
+
+def test_masked_summary_is_each_case_over_plain_causal():
+    rows = [row("causal", 10.0, 20.0, 9.0, 18.0), row("window", 2.5, 6.0),
+            row("docs", 1.0, 4.0, 30.0, None)]
+    assert masked_summary(rows) == "window 0.25/0.30, docs 0.10/0.20 of causal time (fwd/bwd)"
+    assert masked_summary(rows[1:]) == "n/a"      # no causal row to divide by
+    assert masked_summary(rows[:1]) == "n/a"
+
+
+def test_masked_row_shows_dashes_where_sdpa_could_not_run():
+    line = format_masked_row(row("docs", 1.0, 4.0, 30.0, None, S=16384, visible=0.0625))
+    cells = line.split()
+    assert cells[:3] == ["docs", "16384", "0.062"] or cells[:3] == ["docs", "16384", "0.063"]
+    assert cells[3:7] == ["1.00", "4.00", "30.00", "-"]
+    assert cells[7:] == ["100.0", "25.0", "3.3", "-"]
+
+
+def test_accuracy_row_names_its_mask():
+    errs = [("out", 1e-3, 1e-3, True), ("dq", 5e-2, 1e-3, False)]
+    plain = format_accuracy_row({"dtype": "bfloat16", "D": 128, "causal": True,
+                                 "errs": errs, "ok": False})
+    masked = format_accuracy_row({"dtype": "bfloat16", "D": 128, "causal": True,
+                                  "mask": "window+docs+softcap", "errs": errs, "ok": False})
+    assert plain.startswith("FAIL bfloat16 D=128") and "dq 5.00e-02/1.00e-03 FAIL" in plain
+    assert " window+docs+softcap  out" in masked
+    assert masked.replace(" window+docs+softcap", "", 1) == plain
