@@ -154,6 +154,16 @@ typedef struct copy_job {
     ra_req *from, *to;
 } copy_job;
 
+/* Record a copy and pin both requests at once: a mismatch found later in
+ * the same start (the other direction of a two-rank exchange) then only
+ * dooms them, and they finish after the copy, not while it still runs
+ * into their buffers.  Group lock held. */
+static void add_job(copy_job *jobs, int *njobs, ra_req *from, ra_req *to) {
+    from->copying++;
+    to->copying++;
+    jobs[(*njobs)++] = (copy_job){from, to};
+}
+
 /* Check a meeting sender/receiver pair; on mismatch fail both with a
  * message from each side's point of view and kill both ranks. */
 static int check_pair(ra_tgroup *g, ra_req *s, ra_req *r) {
@@ -224,7 +234,7 @@ static ra_status threads_start(ra_comm *c, ra_req *q) {
         if (r == NULL) {
             push_send(g, me, dst, q);
         } else if (check_pair(g, q, r)) {
-            jobs[njobs++] = (copy_job){q, r};
+            add_job(jobs, &njobs, q, r);
         }
     }
     if (src >= 0 && !q->doomed) {
@@ -232,12 +242,8 @@ static ra_status threads_start(ra_comm *c, ra_req *q) {
         if (s == NULL) {
             push_recv(g, src, me, q);
         } else if (check_pair(g, s, q)) {
-            jobs[njobs++] = (copy_job){s, q};
+            add_job(jobs, &njobs, s, q);
         }
-    }
-    for (int i = 0; i < njobs; i++) {
-        jobs[i].from->copying++;
-        jobs[i].to->copying++;
     }
     pthread_mutex_unlock(&g->mu);
 
