@@ -88,9 +88,9 @@ static inline ra_status ra_check_attn_geometry(const char *what, const P &p) {
         ra_set_error(RA_ERR_VALUE, "%s: q and kv segment ids must be given together", what);
         return RA_ERR_VALUE;
     }
-    if (!(p.mask.softcap >= 0 && p.mask.softcap < HUGE_VAL)) {
-        ra_set_error(RA_ERR_VALUE, "%s: softcap must be finite and >= 0 (0: none), got %g",
-                     what, p.mask.softcap);
+    if (!RA_SOFTCAP_OK(p.mask.softcap)) {
+        ra_set_error(RA_ERR_VALUE, "%s: softcap must be in [%g, %g] (0: none), got %g",
+                     what, RA_SOFTCAP_MIN, RA_SOFTCAP_MAX, p.mask.softcap);
         return RA_ERR_VALUE;
     }
     return RA_OK;

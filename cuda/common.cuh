@@ -224,6 +224,7 @@ class RaDeviceGuard {
         if (prev_ >= 0 && prev_ != dev_) (void)cudaSetDevice(prev_);
     }
     ra_status enter_for(const void *ptr) {
+        if (ptr == nullptr) return RA_OK;  // an empty tensor: no device to find
         cudaPointerAttributes attr;
         RA_CUDA_CHECK(cudaPointerGetAttributes(&attr, ptr));
         if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)

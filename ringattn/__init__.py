@@ -72,7 +72,7 @@ from .dilated import (DilatedAttention, dilated_attention,
 from .ring import ring_attention, ring_attention_backward
 from .ring_dilated import (ring_dilated_attention,
                            ring_dilated_attention_backward)
-from .interop import empty, from_dlpack, zeros
+from .interop import empty, from_dlpack, to_device, zeros
 from .layout import shard_indices
 from .sharding import shard, unshard
 from ._version import __version__
@@ -120,7 +120,7 @@ __all__ = [
     "segment_ids",
     "shard_indices", "shard", "unshard", "memory_stats",
     "reset_peak_memory_stats", "cuda_available", "cuda_info", "cpu_info",
-    "from_dlpack", "empty", "zeros", "ring_attention",
+    "from_dlpack", "empty", "zeros", "to_device", "ring_attention",
     "ring_attention_backward", "dilated_attention",
     "dilated_attention_backward", "DilatedAttention", "ring_dilated_attention",
     "ring_dilated_attention_backward", "init", "launch", "LaunchError", "ThreadsGroup",

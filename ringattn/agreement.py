@@ -187,7 +187,7 @@ def _decode_masks(record):
         raise ValueError("window sides set without a window")
     if masks & _SOFTCAP:
         softcap = _float(softcap_bits)
-        if not 0 < softcap < float("inf"):
+        if not 1e-30 <= softcap <= 1e30:      # the kernels' range
             raise ValueError(f"softcap {softcap!r} out of range")
     elif softcap_bits:
         raise ValueError("softcap bits set without a softcap")

@@ -118,10 +118,12 @@ def _demo_parser(sub):
                    choices=["contiguous", "zigzag", "striped"],
                    help="how the sequence is sharded")
     d.add_argument("--backend", default="auto",
-                   choices=["auto", "host", "threads"],
+                   choices=["auto", "host", "threads", "nccl"],
                    help="host: one process per rank over loopback TCP; "
                         "threads: ranks are threads of one process; "
-                        "auto: host")
+                        "nccl: one process per rank on the GPUs (ranks "
+                        "share a GPU with NCCL >= 2.30); auto: nccl where "
+                        "it can run, else host")
     d.add_argument("--batch", type=positive_int, default=1, help="batch size")
     d.add_argument("--heads", type=positive_int, default=8,
                    help="query heads")
@@ -159,6 +161,12 @@ def _check_demo(parser, args):
     if args.docs is not None and args.docs > args.seq_len:
         parser.error(f"argument --docs: at most --seq-len {args.seq_len} "
                      f"documents of one token or more, got {args.docs}")
+    if args.backend == "nccl":
+        from .demo import nccl_plan
+
+        ok, why, _ = nccl_plan(args.ranks)
+        if not ok:
+            parser.error(f"argument --backend: nccl cannot run here: {why}")
     if args.dtype == "bfloat16":
         try:
             import ml_dtypes  # noqa: F401

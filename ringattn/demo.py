@@ -11,6 +11,12 @@ the whole sequence) and reports the largest difference at the sampled rows.
 Masks: ``--window LEFT[,RIGHT]`` and ``--docs N`` (N packed documents of
 random lengths, the same on every rank from the seed) go to both runs; the
 demo prints how much of the score matrix they leave visible.
+
+Backends: ``host`` and ``threads`` run CPU ranks; ``nccl`` runs one process
+per rank on the GPUs (ranks share a GPU where there are fewer GPUs than
+ranks, which NCCL allows from 2.30 on), uploads each rank's rows with
+``ra.to_device`` and runs the single-rank check on the first GPU.
+``auto`` is ``nccl`` where that can run, else ``host``.
 """
 
 import math
@@ -96,50 +102,89 @@ def _masks(cfg, positions):
     return kw
 
 
+def _on(device, arrays):
+    """`arrays` (NumPy) as ringattn Buffers on `device`; as they are on the
+    host."""
+    import ringattn as ra
+
+    if device[0] == "cpu":
+        return arrays
+    return [ra.to_device(a, device) for a in arrays]
+
+
+def _on_device_masks(kw, device):
+    if "segment_ids" in kw:
+        kw = dict(kw, segment_ids=_on(device, [kw["segment_ids"]])[0])
+    return kw
+
+
+def _finish(device):
+    """Wait for the kernels queued on `device` (nothing to wait for on the
+    host: the CPU kernels return when done)."""
+    if device[0] == "cuda":
+        from . import _C
+
+        _C.cuda_synchronize(device[1])
+
+
 def _rank_main(comm, cfg):
     import ringattn as ra
 
+    from .interop import to_numpy
     from .layout import shard_positions
 
     p, r = comm.size, comm.rank
     n, B, H, Hkv, D = cfg["n"], cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     pos = shard_positions(n, p, cfg["layout"], r)
-    q, k, v, dout = demo_rows(cfg["seed"], (B, H, D), Hkv, pos, cfg["dtype"])
-    threads = cfg["threads"]
+    device = comm.device
+    mem = device[0]
+    q, k, v, dout = _on(device, demo_rows(cfg["seed"], (B, H, D), Hkv, pos,
+                                          cfg["dtype"]))
+    masks = _on_device_masks(_masks(cfg, pos), device)
+    kw = {"causal": cfg["causal"], **masks}
+    if mem == "cpu":
+        kw["num_threads"] = cfg["threads"]
+    else:
+        # load the kernels this run uses before the clock starts: the
+        # rank's own block, local attention, forward and backward
+        o, lse = ra.attention(q, k, v, return_lse=True, **kw)
+        ra.attention_backward(dout, q, k, v, o, lse, **kw)
+        del o, lse
+        _finish(device)
     own_memory = cfg["per_rank_memory"]
     comm.barrier()
     if own_memory:
         ra.reset_peak_memory_stats()
-        base = ra.memory_stats()["cpu"]["current"]
+        base = ra.memory_stats()[mem]["current"]
     show = r == 0 and cfg["progress"]
-    masks = _masks(cfg, pos)
     fwd, bwd = {}, {}
     t0 = time.perf_counter()
-    out, lse = ra.ring_attention(q, k, v, comm, causal=cfg["causal"],
-                                 layout=cfg["layout"], seq_len=n,
-                                 return_lse=True, num_threads=threads,
+    out, lse = ra.ring_attention(q, k, v, comm, layout=cfg["layout"],
+                                 seq_len=n, return_lse=True,
                                  progress=_Bar("forward") if show else None,
-                                 profile=fwd, **masks)
+                                 profile=fwd, **kw)
+    _finish(device)
     t1 = time.perf_counter()
     comm.barrier()
     t2 = time.perf_counter()
     dq, dk, dv = ra.ring_attention_backward(
-        dout, q, k, v, out, lse, comm, causal=cfg["causal"],
-        layout=cfg["layout"], seq_len=n, num_threads=threads,
-        progress=_Bar("backward") if show else None, profile=bwd, **masks)
+        dout, q, k, v, out, lse, comm, layout=cfg["layout"], seq_len=n,
+        progress=_Bar("backward") if show else None, profile=bwd, **kw)
+    _finish(device)
     t3 = time.perf_counter()
     comm.barrier()
-    peak = ra.memory_stats()["cpu"]["peak"] - base if own_memory else None
+    peak = ra.memory_stats()[mem]["peak"] - base if own_memory else None
     samples = np.asarray(cfg["samples"], dtype=np.int64)
     mine = np.nonzero(np.isin(pos, samples))[0]
-    to64 = lambda a: np.asarray(a, dtype=np.float64)
+    out, lse, dq, dk, dv = (np.asarray(to_numpy(a), dtype=np.float64)
+                            for a in (out, lse, dq, dk, dv))
     return {
         "rank": r, "tokens": len(pos), "fwd_s": t1 - t0, "bwd_s": t3 - t2,
         "peak_bytes": peak, "sent": fwd["bytes_sent"] + bwd["bytes_sent"],
-        "steps": fwd["steps"],
+        "steps": fwd["steps"], "device": f"{device[0]}:{device[1]}",
         "positions": pos[mine],
-        "out": to64(out[:, mine]), "lse": to64(lse[:, :, mine]),
-        "dq": to64(dq[:, mine]), "dk": to64(dk[:, mine]), "dv": to64(dv[:, mine]),
+        "out": out[:, mine], "lse": lse[:, :, mine],
+        "dq": dq[:, mine], "dk": dk[:, mine], "dv": dv[:, mine],
     }
 
 
@@ -206,6 +251,44 @@ def _compare(results, ref):
                                 np.concatenate(want[key])) for key in ref}
 
 
+def nccl_plan(ranks):
+    """Can `ranks` NCCL ranks run on this machine's GPUs?  (ok, why not,
+    whether the ranks must share GPUs: NCCL_MULTI_RANK_GPU_ENABLE=1)."""
+    import ringattn as ra
+
+    info = ra.cuda_info()
+    if not info["available"]:
+        return False, f"no usable CUDA device ({info['reason']})", False
+    version = ra.nccl_version()
+    if version is None:
+        return False, ("NCCL cannot be loaded (pip install nvidia-nccl-cu13 "
+                       "or nvidia-nccl-cu12, or set RINGATTN_NCCL_LIBRARY)"), \
+            False
+    if ranks <= info["devices"]:
+        return True, "", False
+    if version >= (2, 30, 0):
+        return True, "", True
+    return False, (f"{ranks} ranks on {info['devices']} GPU(s) need NCCL >= "
+                   f"2.30 to share a GPU, found "
+                   f"{'.'.join(map(str, version))}"), False
+
+
+def choose_backend(backend, ranks):
+    """(backend to run, note for the header or None): ``auto`` is ``nccl``
+    where nccl_plan says it can run, else ``host`` (with the reason when
+    a GPU is there but cannot be used)."""
+    if backend != "auto":
+        return backend, None
+    import ringattn as ra
+
+    ok, why, _ = nccl_plan(ranks)
+    if ok:
+        return "nccl", None
+    if ra.cuda_info()["available"]:
+        return "host", f"auto picked host: {why}"
+    return "host", None
+
+
 def run(args):
     """The demo for parsed ``ringattn demo`` arguments (checked by the
     CLI); returns the exit status: 0 PASS, 1 FAIL."""
@@ -215,13 +298,15 @@ def run(args):
     causal = not args.no_causal
     rng = np.random.default_rng(args.seed + 1)
     samples = np.sort(rng.choice(n, size=min(args.samples, n), replace=False))
-    backend = args.backend
-    if backend == "auto":
-        backend = "host"
+    backend, note = choose_backend(args.backend, p)
+    gpu = backend == "nccl"
     threads = args.threads or max(1, (os.cpu_count() or 1) // p)
     # the threads backend's ranks share one process and so one allocator:
     # ringattn's memory statistics cannot tell them apart
     per_rank_memory = backend != "threads"
+    mem = "cuda" if gpu else "cpu"
+    if gpu and nccl_plan(p)[2]:
+        os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
     cfg = {"n": n, "batch": args.batch, "heads": args.heads,
            "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
            "layout": args.layout, "causal": causal, "seed": args.seed,
@@ -231,10 +316,17 @@ def run(args):
            "docs": None if args.docs is None else
            demo_documents(args.seed, n, args.docs)}
     B, H, Hkv, D = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    print(f"ringattn demo: {p} ranks ({backend} backend, {threads} kernel "
-          f"thread(s) each), {n} tokens, batch {B}, {H} heads "
-          f"({Hkv} kv), head_dim {D}, {args.dtype}, "
+    if gpu:
+        count = ra.cuda_info()["devices"]
+        where = (f"nccl backend, {min(p, count)} GPU(s)"
+                 f"{', shared by the ranks' if p > count else ''}")
+    else:
+        where = f"{backend} backend, {threads} kernel thread(s) each"
+    print(f"ringattn demo: {p} ranks ({where}), {n} tokens, batch {B}, "
+          f"{H} heads ({Hkv} kv), head_dim {D}, {args.dtype}, "
           f"{'causal' if causal else 'full'}, {args.layout} layout", flush=True)
+    if note is not None:
+        print(note, flush=True)
     mask_line, visible = _describe_masks(cfg, causal)
     if mask_line is not None:
         print(mask_line, flush=True)
@@ -246,37 +338,58 @@ def run(args):
     process_peak = ra.memory_stats()["cpu"]["peak"] - base
     results.sort(key=lambda x: x["rank"])
 
-    print("checking against a single-rank run of the whole sequence ...",
-          flush=True)
+    device = ("cuda", 0) if gpu else ("cpu", 0)
+    print(f"checking against a single-rank run of the whole sequence on "
+          f"{device[0]}:{device[1]} ...", flush=True)
     full = demo_rows(args.seed, (B, H, D), Hkv, np.arange(n), args.dtype)
+    full = _on(device, full)
+    masks = _on_device_masks(_masks(cfg, np.arange(n)), device)
     ra.reset_peak_memory_stats()
-    base = ra.memory_stats()["cpu"]["current"]
+    base = ra.memory_stats()[mem]["current"]
+    if gpu:     # load the kernels before the clock starts, as the ranks did
+        ra.attention_backward(full[3], full[0], full[1], full[2],
+                              *ra.attention(full[0], full[1], full[2],
+                                            causal=causal, return_lse=True,
+                                            **masks),
+                              causal=causal, **masks)
+        _finish(device)
     s0 = time.perf_counter()
-    masks = _masks(cfg, np.arange(n))
     out, lse = ra.attention(full[0], full[1], full[2], causal=causal,
                             return_lse=True, **masks)
+    _finish(device)
     s1 = time.perf_counter()
     grads = ra.attention_backward(full[3], full[0], full[1], full[2], out, lse,
                                   causal=causal, **masks)
+    _finish(device)
     s2 = time.perf_counter()
-    single_peak = ra.memory_stats()["cpu"]["peak"] - base
-    err = _compare(results, {"out": out, "lse": lse, "dq": grads[0],
-                             "dk": grads[1], "dv": grads[2]})
+    single_peak = ra.memory_stats()[mem]["peak"] - base
+    from .interop import to_numpy
+
+    err = _compare(results, {"out": to_numpy(out), "lse": to_numpy(lse),
+                             "dq": to_numpy(grads[0]), "dk": to_numpy(grads[1]),
+                             "dv": to_numpy(grads[2])})
 
     flops = _flops(B, H, n, D, causal, visible)
     fwd_ring = max(x["fwd_s"] for x in results)
     bwd_ring = max(x["bwd_s"] for x in results)
     mib = lambda nbytes: f"{nbytes / 2**20:>9.1f}"
     print()
-    print(f"{'rank':>4} {'tokens':>7} {'peak MiB':>9} {'fwd s':>7} {'bwd s':>7} "
-          f"{'sent MiB':>9} {'steps':>5}")
+    where = f" {'device':>7}" if gpu else ""
+    print(f"{'rank':>4} {'tokens':>7}{where} {'peak MiB':>9} {'fwd s':>7} "
+          f"{'bwd s':>7} {'sent MiB':>9} {'steps':>5}")
     for x in results:
         peak = mib(x["peak_bytes"]) if per_rank_memory else f"{'-':>9}"
-        print(f"{x['rank']:>4} {x['tokens']:>7} {peak} "
-              f"{x['fwd_s']:>7.2f} {x['bwd_s']:>7.2f} {mib(x['sent'])} "
+        where = f" {x['device']:>7}" if gpu else ""
+        print(f"{x['rank']:>4} {x['tokens']:>7}{where} {peak} "
+              f"{x['fwd_s']:>7.3f} {x['bwd_s']:>7.3f} {mib(x['sent'])} "
               f"{x['steps']:>5}")
-    print(f"{'1':>4} {n:>7} {mib(single_peak)} {s1 - s0:>7.2f} "
-          f"{s2 - s1:>7.2f}   <- single rank, whole sequence")
+    where = f" {'cuda:0':>7}" if gpu else ""
+    print(f"{'1':>4} {n:>7}{where} {mib(single_peak)} {s1 - s0:>7.3f} "
+          f"{s2 - s1:>7.3f}   <- single rank, whole sequence")
+    if gpu:
+        print(f"peak MiB: ringattn's own CUDA memory (memory_stats()['cuda']);"
+              f" times are synchronised wall times of one call after a "
+              f"warm-up")
     if not per_rank_memory:
         print(f"peak MiB per rank: not measurable with the threads backend "
               f"(one process, one allocator); all {p} ranks together peaked "

@@ -105,7 +105,8 @@ def from_dlpack(x):
 
 
 def to_numpy(x):
-    """A NumPy view (host arrays) of any array kind; copies device arrays."""
+    """A NumPy view (host arrays) of any array kind; copies device arrays
+    (ringattn Buffers on a CUDA device through ``to_device``)."""
     import numpy as np
 
     kind = kind_of(x)
@@ -119,8 +120,7 @@ def to_numpy(x):
         return np.asarray(x)
     buf = to_buffer(x)
     if buf.device[0] != "cpu":
-        raise TypeError("to_numpy: device buffers must be copied by their "
-                        "framework first")
+        buf = to_device(buf, "cpu")
     return buf.numpy()
 
 
@@ -129,16 +129,44 @@ _DEVICE_CODES = {"cpu": 1, "cuda": 2}
 
 def parse_device(device):
     """'cpu' | 'cuda' | 'cuda:N' | ('cuda', N) -> (dlpack_type, index)."""
+    expected = "device: expected 'cpu', 'cuda', 'cuda:N' or ('cuda', N)"
     if isinstance(device, tuple) and len(device) == 2:
         kind, index = device
     elif isinstance(device, str):
-        kind, _, idx = device.partition(":")
-        index = int(idx) if idx else 0
+        kind, colon, idx = device.partition(":")
+        index = idx if colon else 0
+        if colon and not (idx.isascii() and idx.isdigit()):
+            raise ValueError(f"{expected}, got {device!r}")
     else:
-        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if kind not in _DEVICE_CODES:
-        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    return _DEVICE_CODES[kind], int(index)
+        raise ValueError(f"{expected}, got {device!r}")
+    if kind not in _DEVICE_CODES or isinstance(index, bool):
+        raise ValueError(f"{expected}, got {device!r}")
+    try:
+        index = int(index)
+    except (TypeError, ValueError):
+        raise ValueError(f"{expected}, got {device!r}") from None
+    if index < 0 or (kind == "cpu" and index != 0):
+        raise ValueError(f"{expected}, got {device!r}")
+    return _DEVICE_CODES[kind], index
+
+
+def to_device(x, device="cuda", dtype=None):
+    """A copy of any array on `device` ('cpu', 'cuda', 'cuda:N'), as a
+    contiguous ``Buffer`` owned by ringattn; `dtype` converts float types
+    on the way (default: x's dtype).
+
+    Host <-> GPU without a framework: ``ra.to_device(np_array, "cuda")``
+    uploads, ``ra.to_device(buf, "cpu").numpy()`` downloads (finished on
+    return).  A CUDA source is read after the work its producer queued
+    (DLPack stream handshake); an upload is ordered on ringattn's CUDA
+    stream, which every ringattn kernel and DLPack export waits for.
+    """
+    src = to_buffer(x, "x")
+    t, i = parse_device(device)
+    out = _C.empty(tuple(src.shape), src.dtype if dtype is None else dtype,
+                   t, i)
+    out.copy_(src)
+    return out
 
 
 def empty(shape, dtype="float32", device="cpu"):

@@ -38,7 +38,7 @@ import numpy as np
 from . import _C, checks
 from .agreement import EMPTY_RANGE, MAX_SEQ_LEN, agree, describe, id_chunks
 from .hops import HopPlan, layout_hops
-from .interop import kind_of, from_buffer, to_buffer, to_numpy
+from .interop import kind_of, from_buffer, to_buffer, to_device, to_numpy
 from .layout import check_layout
 from .lse_cotangent import check_dlse, fold_into_delta
 from .masks import mask_kwargs
@@ -151,16 +151,7 @@ def _int32_ids(ids, host):
         return buf
     if buf.device[0] == "cpu":
         return to_buffer(np.ascontiguousarray(host), "segment_ids")
-    kind = kind_of(ids)
-    if kind == "torch":
-        import torch
-
-        return to_buffer(ids.to(torch.int32), "segment_ids")
-    if kind == "cupy":
-        return to_buffer(ids.astype("int32"), "segment_ids")
-    raise TypeError(f"segment_ids: a ring on a {buf.device[0]} device takes "
-                    f"int32 ids (or a torch / CuPy array of integers), got "
-                    f"{buf.dtype}")
+    return to_device(np.ascontiguousarray(host), buf.device)
 
 
 def _id_range(ids, rows):

@@ -254,3 +254,63 @@ def test_bench_plot_without_matplotlib_says_so():
     ok = (proc.returncode == 2 and len(lines) == 1
           and "pip install matplotlib" in lines[0])
     assert ok, describe(proc)
+
+
+# ---- the demo's backend choice: nccl where it can run, else host ------------
+
+def _fake_machine(monkeypatch, devices, nccl):
+    import ringattn as ra
+
+    info = {"built": True, "available": devices > 0,
+            "reason": "" if devices else "no CUDA device", "devices": devices}
+    monkeypatch.setattr(ra, "cuda_info", lambda: dict(info))
+    monkeypatch.setattr(ra, "nccl_version", lambda: nccl)
+
+
+@pytest.mark.parametrize("devices, nccl, ranks, expected", [
+    (0, None, 4, (False, "no usable CUDA device", False)),
+    (0, (2, 30, 0), 1, (False, "no usable CUDA device", False)),
+    (1, None, 1, (False, "NCCL cannot be loaded", False)),
+    (1, (2, 28, 3), 1, (True, "", False)),
+    (1, (2, 28, 3), 2, (False, "need NCCL >= 2.30", False)),
+    (1, (2, 30, 0), 4, (True, "", True)),
+    (4, (2, 21, 5), 4, (True, "", False)),
+    (2, (2, 30, 1), 3, (True, "", True)),
+])
+def test_nccl_plan(monkeypatch, devices, nccl, ranks, expected):
+    from ringattn.demo import nccl_plan
+
+    _fake_machine(monkeypatch, devices, nccl)
+    ok, why, share = nccl_plan(ranks)
+    assert (ok, share) == (expected[0], expected[2])
+    assert expected[1] in why and (why == "") == ok
+
+
+@pytest.mark.parametrize("devices, nccl, asked, expected, note", [
+    (0, None, "auto", "host", None),
+    (1, (2, 30, 0), "auto", "nccl", None),
+    (1, (2, 28, 0), "auto", "host", "need NCCL >= 2.30"),
+    (1, None, "auto", "host", "NCCL cannot be loaded"),
+    (1, (2, 30, 0), "threads", "threads", None),
+    (0, None, "nccl", "nccl", None),
+])
+def test_demo_auto_backend(monkeypatch, devices, nccl, asked, expected, note):
+    from ringattn.demo import choose_backend
+
+    _fake_machine(monkeypatch, devices, nccl)
+    backend, said = choose_backend(asked, 4)
+    assert backend == expected
+    assert (said is None) if note is None else (note in said)
+
+
+@pytest.mark.timeout(60)
+def test_demo_nccl_that_cannot_run_is_one_line_exit_2():
+    from ringattn.demo import nccl_plan
+
+    ok, why, _ = nccl_plan(4)
+    if ok:
+        pytest.skip("NCCL can run 4 ranks here (tests/test_nccl.py runs it)")
+    proc = run_cli("demo", "--backend", "nccl")
+    lines = proc.stderr.strip().splitlines()
+    assert (proc.returncode == 2 and len(lines) == 1 and "--backend" in lines[0]
+            and why in lines[0] and not proc.stdout.strip()), describe(proc)

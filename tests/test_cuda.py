@@ -536,3 +536,45 @@ def test_masked_ids_on_the_host_with_device_arrays_are_refused():
         ra.attention(q, k, v, window=(-1, 0))
     with pytest.raises(ValueError, match="softcap"):
         ra.attention(q, k, v, softcap=0.0)
+
+
+def test_dilated_branches_are_refused_on_the_device():
+    """The private branch rows of the dilated ring have no CUDA kernel: the
+    CUDA backward says so instead of ignoring them."""
+    from ringattn import _C
+
+    backend = mask_backend("float32")
+    rng = np.random.default_rng(6)
+    q, k, v = make_qkv(rng, 1, 16, 16, 2, 2, 64, "float32", backend)
+    out, lse = ra.attention(q, k, v, return_lse=True)
+    with pytest.raises(NotImplementedError, match="dilated branches"):
+        _C.attn_bwd(out, q, k, v, out, lse, branches=((8,), (2,)), branch_head=0)
+
+
+@pytest.mark.parametrize("S_q, S_k", [(0, 9), (9, 0), (0, 0)])
+def test_empty_sequences_on_the_device(S_q, S_k):
+    """Zero-length q or k (a device pointer that may be NULL): forward and
+    backward return the right shapes, dk/dv zero, no error."""
+    backend = mask_backend("float32")
+    rng = np.random.default_rng(7)
+    q, k, v = make_qkv(rng, 2, S_q, S_k, 2, 1, 64, "float32", backend)
+    out, lse = ra.attention(q, k, v, return_lse=True)
+    assert tuple(out.shape) == (2, S_q, 2, 64) and tuple(lse.shape) == (2, 2, S_q)
+    dq, dk, dv = ra.attention_backward(out, q, k, v, out, lse)
+    assert tuple(dq.shape) == (2, S_q, 2, 64) and tuple(dk.shape) == (2, S_k, 1, 64)
+    assert not to_host(dk).any() and not to_host(dv).any()
+    if S_k == 0 and S_q:
+        assert np.isneginf(to_host(lse)).all() and not to_host(out).any()
+
+
+def test_softcap_outside_the_float_range_is_refused_on_the_device():
+    backend = mask_backend("float16")
+    rng = np.random.default_rng(8)
+    q, k, v = make_qkv(rng, 1, 20, 20, 2, 1, 64, "float16", backend)
+    for cap in (1e39, 1e-46):
+        with pytest.raises(ValueError, match="softcap"):
+            ra.attention(q, k, v, softcap=cap)
+    for cap in (1e30, 1e-30):           # the ends of the range: right answers
+        out = ra.attention(q, k, v, softcap=cap)
+        ref, _ = testing.ref_attention(to_host(q), to_host(k), to_host(v), softcap=cap)
+        close(out, ref, "float16")

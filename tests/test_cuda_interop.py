@@ -248,3 +248,75 @@ def test_jax_producer_still_running():
     # the reference from q's final values (read after the computation ended)
     ref, _ = testing.ref_attention(np.asarray(q, np.float64), kh, vh, causal=True)
     assert_close(np.asarray(out), ref, "float32")
+
+
+# ---- ringattn alone: ra.to_device, Buffer.copy_ across host and GPU --------
+
+def _bf16():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    return ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_to_device_round_trip_is_exact(dtype):
+    np_dtype = _bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    x = np.random.default_rng(3).standard_normal((3, 7, 5)).astype(np_dtype)
+    dev = ra.to_device(x, "cuda")
+    assert dev.device == ("cuda", 0) and dev.dtype == dtype and dev.is_contiguous
+    back = ra.to_device(dev, "cpu")
+    assert back.device == ("cpu", 0)
+    np.testing.assert_array_equal(back.numpy().astype(np.float64), x.astype(np.float64))
+    with pytest.raises(Exception, match="CUDA device"):
+        dev.numpy()
+
+
+def test_to_device_converts_and_follows_strides_both_ways():
+    x = np.random.default_rng(4).standard_normal((4, 9, 6))
+    up = ra.to_device(x[:, ::2, 1:], "cuda:0", dtype="float32")   # strided f64 -> f32
+    np.testing.assert_array_equal(ra.to_device(up, "cpu").numpy(),
+                                  x[:, ::2, 1:].astype(np.float32))
+    down = np.zeros((4, 10, 6), np.float64)                       # f32 -> strided f64
+    ra.from_dlpack(down).narrow(1, 1, 5, 2).copy_(
+        ra.to_device(x[:, ::2].astype(np.float32), "cuda"))
+    np.testing.assert_array_equal(down[:, 1::2], x[:, ::2].astype(np.float32))
+    assert not down[:, ::2].any()
+    dst = ra.zeros((4, 10, 6), "float16", "cuda")                 # strided device dst
+    dst.narrow(1, 0, 5, 2).copy_(x[:, ::2])
+    got = ra.to_device(dst, "cpu").numpy()
+    np.testing.assert_array_equal(got[:, ::2], x[:, ::2].astype(np.float16))
+    assert not got[:, 1::2].any()
+
+
+def test_to_device_integer_ids_and_empty_arrays():
+    ids = np.arange(35, dtype=np.int64).reshape(5, 7) % 4
+    back = ra.to_device(ra.to_device(ids, "cuda"), "cpu").numpy()
+    assert back.dtype == np.int64
+    np.testing.assert_array_equal(back, ids)
+    with pytest.raises(NotImplementedError, match="contiguous"):
+        ra.to_device(ids[:, ::2], "cuda")
+    empty = ra.to_device(np.zeros((0, 3), np.float32), "cuda")
+    assert empty.shape == (0, 3)
+    assert ra.to_device(empty, "cpu").numpy().shape == (0, 3)
+
+
+def test_uploaded_inputs_give_the_reference_answer():
+    """Upload with ra.to_device, run the kernels, download: no framework."""
+    q, k, v = qkv_host(9, S=77, D=64)
+    qd, kd, vd = (ra.to_device(a, "cuda") for a in (q, k, v))
+    out, lse = ra.attention(qd, kd, vd, causal=True, return_lse=True)
+    assert out.device == ("cuda", 0)
+    ref_out, _ = testing.ref_attention(q, k, v, causal=True)
+    assert_close(ra.to_device(out, "cpu").numpy(), ref_out, "float32")
+    ra.attention(qd, kd, vd)                      # more work queued on the stream
+    del qd, kd, vd, out, lse
+    gc.collect()
+
+
+def test_bad_device_is_named_before_any_work():
+    x = np.ones(3, np.float32)
+    count = ra.cuda_info()["devices"]
+    with pytest.raises(ValueError, match=f"0..{count - 1}"):
+        ra.to_device(x, f"cuda:{count}")
+    if count >= 2:
+        with pytest.raises(ValueError, match="different devices"):
+            ra.empty((3,), "float32", "cuda:1").copy_(ra.to_device(x, "cuda:0"))

@@ -201,3 +201,51 @@ def test_jax_round_trip_through_buffer(rng, jax_module):
     buf = ra.from_dlpack(x)
     back = jnp.from_dlpack(buf)
     assert buf.shape == (3, 4) and np.array_equal(np.asarray(back), np.asarray(x))
+
+
+# ------------------------------------------------------------ ra.to_device
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_to_device_cpu_copies(dtype):
+    x = np.random.default_rng(5).standard_normal((3, 8, 5)).astype(dtype)
+    buf = ra.to_device(x[:, ::3], "cpu")
+    assert isinstance(buf, ra.Buffer) and buf.owns_memory and buf.is_contiguous
+    assert (buf.device, buf.dtype, buf.shape) == (("cpu", 0), dtype, (3, 3, 5))
+    got = buf.numpy()
+    np.testing.assert_array_equal(got, x[:, ::3])
+    x[:] = 0                                   # a copy, not a view
+    assert got.any()
+
+
+def test_to_device_converts_dtype_and_keeps_integers():
+    x = np.linspace(-2, 2, 12).reshape(3, 4)
+    np.testing.assert_array_equal(ra.to_device(x, "cpu", dtype="float16").numpy(),
+                                  x.astype(np.float16))
+    ids = np.arange(10, dtype=np.int64).reshape(2, 5)
+    back = ra.to_device(ids, ("cpu", 0)).numpy()
+    assert back.dtype == np.int64
+    np.testing.assert_array_equal(back, ids)
+    from ringattn.interop import to_numpy
+
+    assert to_numpy(ra.to_device(ids, "cpu")).dtype == np.int64
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:-1", "cpu:1", ("cuda", -2),
+                                    ("cuda", True), ("cuda", "a"), 3, None])
+def test_to_device_names_a_bad_device(device):
+    with pytest.raises(ValueError, match=r"device: expected 'cpu', 'cuda'"):
+        ra.to_device(np.ones(3), device)
+
+
+def test_cuda_buffer_without_a_gpu_says_why():
+    if ra.cuda_available():
+        pytest.skip("a GPU is available (tests/test_cuda_interop.py covers it)")
+    with pytest.raises(RuntimeError, match="no CUDA device is usable"):
+        ra.to_device(np.ones(3), "cuda")
+    with pytest.raises(RuntimeError, match="no CUDA device is usable"):
+        ra.zeros((3,), device="cuda:0")
+
+
+def test_empty_checks_the_device_index():
+    with pytest.raises(ValueError, match="index 0 for the cpu"):
+        ra._C.empty((3,), "float32", 1, 2)

@@ -182,6 +182,16 @@ def test_softcap_with_large_scores(rng, causal, q_factor, dtype):
         assert err <= bound, f"{name}: error {err:.3e} at {where} > {bound:.3e}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [1e-30, 1e30])
+def test_softcap_at_the_ends_of_its_range(rng, softcap, dtype):
+    """The smallest cap flattens every row to the mean of v (scores ~0),
+    the largest is no cap: both right, in every dtype (outside the range a
+    float32 cap rounds to 0 or infinity; the argument checks refuse it)."""
+    q, k, v = rt.random_qkv(rng, 2, 37, 41, 4, 2, 16, dtype)
+    check(q, k, v, dtype, True, {"softcap": softcap}, rng)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", ["docs", "window-asym", "window-left-none",

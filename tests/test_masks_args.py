@@ -57,7 +57,12 @@ BAD = [
     ({"window": 4}, TypeError, ["window", "(left, right)"]),
     ({"window": (1, 2, 3)}, TypeError, ["window", "(left, right)"]),
     ({"window": "ab"}, TypeError, ["window", "(left, right)"]),
-    ({"softcap": 0.0}, ValueError, ["softcap", "> 0"]),
+    ({"softcap": 0.0}, ValueError, ["softcap", "[1e-30, 1e+30]", "0.0"]),
+    # outside the range the float32 kernels hold (a cap that rounds to
+    # infinity or 0 in float32 gave NaN or no cap)
+    ({"softcap": 1e39}, ValueError, ["softcap", "[1e-30, 1e+30]", "1e+39"]),
+    ({"softcap": 2e30}, ValueError, ["softcap", "2e+30"]),
+    ({"softcap": 1e-46}, ValueError, ["softcap", "1e-46"]),
     ({"softcap": -2.0}, ValueError, ["softcap", "-2.0"]),
     ({"softcap": float("nan")}, ValueError, ["softcap", "nan"]),
     ({"softcap": float("inf")}, ValueError, ["softcap", "inf"]),

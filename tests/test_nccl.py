@@ -9,6 +9,9 @@ CUDA or CuPy is importable (to move arrays between host and device).
 * 2-4 ranks run as processes (``ra.launch(..., backend="nccl")``), one per
   GPU, or several on one GPU where NCCL allows it (NCCL >= 2.30 with
   NCCL_MULTI_RANK_GPU_ENABLE=1);
+* masks (windows, softcap, packed documents whose int64 ids are uploaded
+  with ``ra.to_device``) at world size 1 and on 3 ranks;
+* ``ringattn demo --backend nccl`` (what ``demo`` picks on a GPU machine);
 * failures: a peer that never answers becomes CommError naming rank, peer,
   op and step within the timeout; a killed rank ends ``launch`` with
   LaunchError naming it, the other ranks fail with CommError within their
@@ -159,6 +162,64 @@ def ring_rank(comm, q, k, v, dout, layout, causal, timeout=None):
     res = tuple(to_host(x) for x in (out, lse, dq, dk, dv))
     comm.barrier()          # raises if the communicator failed meanwhile
     return res
+
+
+MASKS = (dict(window=(17, 0)), dict(window=(9, 5), softcap=3.0),
+         dict(docs=True), dict(docs=True, window=(30, 30)))
+
+
+def documents(n, seed):
+    """(1, n) int64 segment ids: 5 packed documents of random lengths."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=4, replace=False))
+    return ra.segment_ids([0, *map(int, cuts), n], n).astype(np.int64)
+
+
+def masked_kwargs(mask, n):
+    kw = {key: val for key, val in mask.items() if key != "docs"}
+    if mask.get("docs"):
+        kw["segment_ids"] = np.repeat(documents(n, 8), 2, axis=0)
+    return kw
+
+
+def masked_ring_rank(comm, q, k, v, dout, layout, causal, mask):
+    """ring_rank with masks; this rank's int64 segment ids are uploaded
+    with ra.to_device (the ring converts them to int32 on the GPU)."""
+    r, p = comm.rank, comm.size
+    dev = comm.device
+    kw = masked_kwargs(mask, q.shape[1])
+    if "segment_ids" in kw:
+        kw["segment_ids"] = ra.to_device(
+            ra.shard(kw["segment_ids"], r, p, layout), dev)
+    qs, ks, vs, ds = (ra.to_device(ra.shard(x, r, p, layout), dev)
+                      for x in (q, k, v, dout))
+    out, lse = ra.ring_attention(qs, ks, vs, comm, causal=causal,
+                                 layout=layout, return_lse=True, **kw)
+    grads = ra.ring_attention_backward(ds, qs, ks, vs, out, lse, comm,
+                                       causal=causal, layout=layout, **kw)
+    res = tuple(ra.to_device(x, "cpu").numpy()
+                for x in (out, lse) + tuple(grads))
+    comm.barrier()
+    return res
+
+
+def every_masked_ring_rank(comm, q, k, v, dout):
+    return {(layout, causal, i): masked_ring_rank(comm, q, k, v, dout, layout,
+                                                  causal, mask)
+            for layout in LAYOUTS for causal in (False, True)
+            for i, mask in enumerate(MASKS)}
+
+
+def masked_reference(q, k, v, dout, causal, mask):
+    n = q.shape[1]
+    pos = np.arange(n)
+    kw = masked_kwargs(mask, n)
+    if "segment_ids" in kw:
+        kw["kv_segment_ids"] = kw["segment_ids"]
+    out, lse = ref_attention(q, k, v, causal=causal, q_pos=pos, k_pos=pos, **kw)
+    grads = ref_attention_backward(dout, q, k, v, causal=causal, q_pos=pos,
+                                   k_pos=pos, **kw)
+    return (out, lse) + tuple(grads)
 
 
 def every_ring_rank(comm, q, k, v, dout):
@@ -338,6 +399,17 @@ def test_world_size_1_ring_bfloat16_on_tensor_cores(comm1, causal):
         assert_gpu_close(name, g, e, "bfloat16")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask", range(len(MASKS)))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_world_size_1_ring_with_masks(comm1, layout, mask, causal):
+    q, k, v, dout = problem(12, 113, "float32")
+    got = masked_ring_rank(comm1, q, k, v, dout, layout, causal, MASKS[mask])
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got,
+                          masked_reference(q, k, v, dout, causal, MASKS[mask])):
+        assert_gpu_close(f"{name} {MASKS[mask]}", g, e, "float32")
+
+
 # ---- several ranks: processes ----------------------------------------------
 
 @pytest.mark.parametrize("p", [2, 3, 4])
@@ -356,6 +428,52 @@ def test_ring_matches_reference(p, monkeypatch):
                                   reference(q, k, v, dout, causal)):
                 assert_gpu_close(f"{name} [{layout}, causal={causal}]", g, e,
                                  "float32")
+
+
+@pytest.mark.parametrize("p", [3])
+def test_ring_with_masks_matches_reference(p, monkeypatch):
+    """Windows, softcap and packed documents (ids travel with k/v, the hop
+    plan skips ranks that cannot see a block) on the NCCL ring."""
+    if not _multi_rank_ok(p, monkeypatch):
+        pytest.skip(f"{p} ranks need {p} GPUs or NCCL >= 2.30")
+    q, k, v, dout = problem(p + 20, 127, "float32")
+    results = ra.launch(every_masked_ring_rank, p, args=(q, k, v, dout),
+                        backend="nccl", timeout=LAUNCH_TIMEOUT)
+    for layout in LAYOUTS:
+        for causal in (False, True):
+            for i, mask in enumerate(MASKS):
+                got = gather([res[(layout, causal, i)] for res in results],
+                             layout)
+                ref = masked_reference(q, k, v, dout, causal, mask)
+                for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got,
+                                      ref):
+                    assert_gpu_close(f"{name} [{layout}, causal={causal}, "
+                                     f"{mask}]", g, e, "float32")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks, extra", [
+    (1, ["--dtype", "bfloat16", "--head-dim", "128", "--docs", "3"]),
+    (4, ["--window", "300", "--layout", "contiguous"]),
+])
+def test_demo_on_nccl(ranks, extra, monkeypatch):
+    """``ringattn demo --backend nccl`` (what ``auto`` picks on a GPU
+    machine) passes its own check against a single-GPU run."""
+    import subprocess
+    import sys
+
+    from ringattn.demo import nccl_plan
+
+    ok, why, _ = nccl_plan(ranks)
+    if not ok:
+        pytest.skip(why)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringattn", "demo", "-n", "3000", "-p",
+         str(ranks), "--backend", "nccl", "--quiet", *extra],
+        capture_output=True, text=True, timeout=280)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "PASS" in proc.stdout, out
+    assert "nccl backend" in proc.stdout and "cuda:0" in proc.stdout, out
 
 
 def test_explicit_unique_id_and_staged_collectives(monkeypatch):

@@ -31,7 +31,8 @@
 #              limited to ringattn's kernels; first a canary
 #              (tools/sanitizer_canary.cu) the filtered memcheck must catch
 #   nccl       pytest -m gpu tests/test_nccl.py (world size 1; 2-4 ranks on
-#              one GPU where NCCL >= 2.30; a silent and a killed peer)
+#              one GPU where NCCL >= 2.30; masks; ringattn demo --backend
+#              nccl; a silent and a killed peer)
 #   bench      ringattn bench --gpu (TFLOP/s next to SDPA flash/cuDNN, and
 #              accuracy by flash-attention's rule)
 #   ringbench  ringattn bench --ring --gpu (the NCCL ring, p = 1..4)

@@ -60,11 +60,11 @@ static ra_status check_mask(const ra_attn_mask *m) {
                      "together (got one of them)");
         return RA_ERR_VALUE;
     }
-    if (!(m->softcap >= 0.0) || isinf(m->softcap)) {
+    if (!RA_SOFTCAP_OK(m->softcap)) {
         ra_set_error(RA_ERR_VALUE,
-                     "attention: softcap must be finite and > 0 (or 0 for "
+                     "attention: softcap must be in [%g, %g] (or 0 for "
                      "none), got %g",
-                     m->softcap);
+                     RA_SOFTCAP_MIN, RA_SOFTCAP_MAX, m->softcap);
         return RA_ERR_VALUE;
     }
     return RA_OK;

@@ -262,9 +262,10 @@ static int parse_softcap(PyObject *obj, ra_attn_mask *m) {
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (!(c > 0.0) || !isfinite(c)) {
+    if (!(c > 0.0) || !RA_SOFTCAP_OK(c)) {
         PyErr_Format(PyExc_ValueError,
-                     "softcap: expected a finite float > 0 or None, got %R",
+                     "softcap: expected a float in [1e-30, 1e+30] or None, "
+                     "got %R",
                      obj);
         return -1;
     }

@@ -68,6 +68,15 @@ typedef struct ra_attn_mask {
     double softcap;
 } ra_attn_mask;
 
+/* The softcaps every kernel takes: 0 (none) or RA_SOFTCAP_MIN..MAX, a range
+ * the float32 arithmetic of the CPU and CUDA kernels holds without
+ * overflow or a cap rounding to 0 or infinity (a cap of 1e30 is no cap at
+ * any score a float can hold; one of 1e-30 flattens every row). */
+#define RA_SOFTCAP_MIN 1e-30 /* attn_mask_args.c writes both in its message */
+#define RA_SOFTCAP_MAX 1e30
+#define RA_SOFTCAP_OK(c) \
+    ((c) == 0.0 || ((c) >= RA_SOFTCAP_MIN && (c) <= RA_SOFTCAP_MAX))
+
 typedef struct ra_attn_fwd_params {
     const void *q, *k, *v;
     void *out;                 /* out_dtype */

@@ -347,11 +347,8 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
     for (int i = 0; i < dst->ndim; i++)
         if (dst->shape[i] != src->shape[i]) goto shape_mismatch;
     if (dst->device_type != src->device_type ||
-        dst->device_id != src->device_id) {
-        ra_set_error(RA_ERR_VALUE,
-                     "copy: source and destination live on different devices");
-        return RA_ERR_VALUE;
-    }
+        dst->device_id != src->device_id)
+        return ra_buffer_copy_across(dst, src, raw);
     ra_copy_params p;
     memset(&p, 0, sizeof p);
     p.ndim = dst->ndim;
@@ -725,8 +722,10 @@ static PyMethodDef buffer_methods[] = {
      "... (length of them) on axis"},
     {"reshape", buffer_reshape, METH_O, "reshape(shape) of a contiguous buffer"},
     {"copy_", buffer_copy_, METH_O,
-     "copy_(src): copy src (same shape, same device) into self: float "
-     "dtypes are converted; other dtypes (integer ids) must match"},
+     "copy_(src): copy src (same shape) into self: float dtypes are "
+     "converted; other dtypes (integer ids) must match.  Within one device, "
+     "or between the host and a CUDA device (finished on return when the "
+     "destination is on the host)"},
     {"astype", buffer_astype, METH_O,
      "astype(dtype) -> new contiguous buffer with converted elements"},
     {"zero_", buffer_zero_, METH_NOARGS, "fill a contiguous buffer with zeros"},

@@ -78,11 +78,21 @@ ra_buffer *ra_buffer_view(ra_buffer *base, void *data, int ndim,
 ra_buffer *ra_buffer_from_object(PyObject *obj, const char *name,
                                  intptr_t stream);
 
-/* dst[...] = src[...] converted to dst's dtype: same shape, same device,
- * float dtypes (or one integer dtype on both sides, copied as it is; on a
- * CUDA device only between contiguous buffers), dst writable; on the buffers' device (the GIL released
- * around the host copy).  RA_OK, or a status with ra_set_error's message. */
+/* dst[...] = src[...] converted to dst's dtype: same shape, float dtypes
+ * (or one integer dtype on both sides, copied as it is; on or to a CUDA
+ * device only between contiguous buffers), dst writable.  Same device: on
+ * that device (the GIL released around the host copy).  Host <-> one CUDA
+ * device: ra_buffer_copy_across.  RA_OK, or a status with ra_set_error's
+ * message.  Holds the GIL (staging buffers are Buffer objects). */
 ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
+/* The host <-> CUDA part of ra_buffer_copy_into (buffer_xfer.c): one
+ * synchronised cudaMemcpy of contiguous bytes on the compute stream, with
+ * same-device copies into or out of contiguous staging buffers where a
+ * side is strided or the dtypes differ; a strided CUDA destination is
+ * written by a copy queued on the compute stream.  raw: the elements are
+ * one non-float dtype on both sides.  Any other pair of devices (two CUDA
+ * devices) is a ValueError. */
+ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw);
 
 /* DLPack, both ways (dlpack.c): Buffer.__dlpack__(*, stream=None,
  * max_version=None, dl_device=None, copy=None), Buffer.__dlpack_device__(),

@@ -4,6 +4,7 @@
  * array), and the allocation statistics behind ra.memory_stats().
  */
 #include "core/buffer.h"
+#include "core/cuda_rt.h"
 #include "core/module.h"
 
 /* ---- module functions -------------------------------------------------- */
@@ -78,6 +79,28 @@ static PyObject *make_buffer(PyObject *args, PyObject *kwds, int zero) {
                      "device: expected cpu (1) or cuda (2), got device type %d",
                      device_type);
         return NULL;
+    }
+    if (device_type == RA_DEV_CPU && device_id != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "device: expected index 0 for the cpu, got %d", device_id);
+        return NULL;
+    }
+    if (device_type == RA_DEV_CUDA) {
+        const char *why = NULL;
+        if (!ra_cuda_available(&why)) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "device: a CUDA buffer, but no CUDA device is "
+                         "usable: %s",
+                         why ? why : "unknown reason");
+            return NULL;
+        }
+        const int count = ra_cuda_device_count();
+        if (device_id < 0 || device_id >= count) {
+            PyErr_Format(PyExc_ValueError,
+                         "device: expected a CUDA device index 0..%d, got %d",
+                         count - 1, device_id);
+            return NULL;
+        }
     }
     return (PyObject *)ra_buffer_empty_dl(ndim, shape, t, device_type,
                                           device_id, zero);

@@ -262,22 +262,53 @@ static size_t size_class(size_t n, int *index) {
     return rounded * quarter;
 }
 
-/* Give every cached block of `device` (or all devices when < 0) back to the
- * driver.  Called with pool_lock held. */
-static void release_cached_locked(int device) {
+/* Take every cached block of `device` (or of all devices when < 0) out of
+ * the pool into lists[d], one list per device.  Called with pool_lock
+ * held; release_detached() gives them to the driver after the unlock. */
+static void detach_cached_locked(int device, free_block *lists[]) {
     for (int d = 0; d < RA_MAX_DEVICES; d++) {
+        lists[d] = NULL;
         if (device >= 0 && d != device) continue;
         for (int c = 0; c < RA_N_CLASSES; c++) {
             free_block *b = pool_free[d][c];
             pool_free[d][c] = NULL;
             while (b != NULL) {
                 free_block *next = b->next;
-                (void)cudaFree(b->ptr);
-                free(b);
+                b->next = lists[d];
+                lists[d] = b;
                 b = next;
             }
         }
     }
+}
+
+/* cudaFree the detached blocks, each with its own device current (freeing
+ * with another device current would create a context there), without
+ * pool_lock and with the GIL released (cudaFree waits for the device's
+ * queued work, which may wait on a host callback that needs the GIL).
+ * The caller's current device is kept. */
+static void release_detached(free_block *lists[]) {
+    int any = 0;
+    for (int d = 0; d < RA_MAX_DEVICES; d++) any |= lists[d] != NULL;
+    if (!any) return;
+    PyThreadState *ts = PyGILState_Check() ? PyEval_SaveThread() : NULL;
+    int prev = -1;
+    if (cudaGetDevice(&prev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        prev = -1;
+    }
+    for (int d = 0; d < RA_MAX_DEVICES; d++) {
+        if (lists[d] == NULL) continue;
+        if (d != prev && cudaSetDevice(d) != cudaSuccess)
+            (void)cudaGetLastError();
+        for (free_block *b = lists[d], *next; b != NULL; b = next) {
+            next = b->next;
+            if (cudaFree(b->ptr) != cudaSuccess) (void)cudaGetLastError();
+            free(b);
+        }
+    }
+    if (prev >= 0) (void)cudaSetDevice(prev);
+    if (ts != NULL) PyEval_RestoreThread(ts);
 }
 
 ra_status ra_cuda_malloc(int device, size_t nbytes, void **ptr) {
@@ -310,10 +341,12 @@ ra_status ra_cuda_malloc(int device, size_t nbytes, void **ptr) {
     cudaError_t e = cudaMalloc(ptr, want);
     if (e == cudaErrorMemoryAllocation) {
         /* Out of memory: hand the cache back to the driver and retry once. */
+        free_block *lists[RA_MAX_DEVICES];
         (void)cudaGetLastError();
         pthread_mutex_lock(&pool_lock);
-        release_cached_locked(device);
+        detach_cached_locked(device, lists);
         pthread_mutex_unlock(&pool_lock);
+        release_detached(lists);
         e = cudaMalloc(ptr, want);
     }
     if (e != cudaSuccess) {
@@ -355,6 +388,9 @@ static cudaError_t wait_for_legacy_stream(cudaStream_t s) {
 
 ra_status ra_cuda_free(int device, void *ptr, size_t nbytes) {
     if (ptr == NULL) return RA_OK;
+    int prev = 0;
+    /* first the device: a failure here leaves the export record in place */
+    RA_CHECK(enter_device(device, &prev));
     intptr_t consumer = 0;
     pthread_mutex_lock(&pool_lock);
     const int shared = shared_take_locked(ptr, &consumer);
@@ -364,8 +400,6 @@ ra_status ra_cuda_free(int device, void *ptr, size_t nbytes) {
     if (shared && caching && consumer != RA_STREAM_UNKNOWN &&
         ra_cuda_compute_stream(device, &compute) != RA_OK)
         consumer = RA_STREAM_UNKNOWN;
-    int prev = 0;
-    RA_CHECK(enter_device(device, &prev));
     ra_status st = RA_OK;
     if (shared && caching && consumer != RA_STREAM_UNKNOWN &&
         wait_for_legacy_stream((cudaStream_t)compute) != cudaSuccess) {
@@ -392,8 +426,10 @@ ra_status ra_cuda_free(int device, void *ptr, size_t nbytes) {
     } else {
         CUDA_CHECKGOTO(cudaFree(ptr), st, exit);
     }
-    ra_memstats_add(RA_MEMKIND_CUDA, -(int64_t)nbytes);
 exit:
+    /* counted as given back even when cudaFree failed: ringattn no longer
+     * holds the block either way */
+    ra_memstats_add(RA_MEMKIND_CUDA, -(int64_t)nbytes);
     restore_device(device, prev);
     return st;
 }
@@ -412,9 +448,11 @@ void ra_cuda_empty_cache(void) {
      * context, and memory, on every GPU of the machine). */
     for (int d = 0; d < avail_count; d++)
         if (compute_stream_exists(d)) (void)ra_cuda_synchronize(d);
+    free_block *lists[RA_MAX_DEVICES];
     pthread_mutex_lock(&pool_lock);
-    release_cached_locked(-1);
+    detach_cached_locked(-1, lists);
     pthread_mutex_unlock(&pool_lock);
+    release_detached(lists);
     (void)cudaSetDevice(prev);
 }
 

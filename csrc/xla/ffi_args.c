@@ -111,10 +111,10 @@ static ra_status read_mask(const ra_xla_call *c, ra_xla_opts *o) {
         o->mask.window_right = right >= WINDOW_UNBOUNDED_FROM ? -1 : right;
     }
     RA_CHECK(ra_xla_attr_f64(c, "softcap", &o->mask.softcap, &present));
-    if (present && !(o->mask.softcap > 0 && isfinite(o->mask.softcap))) {
-        ra_set_error(RA_ERR_VALUE, "softcap: expected a finite number > 0, "
+    if (present && !(o->mask.softcap > 0 && RA_SOFTCAP_OK(o->mask.softcap))) {
+        ra_set_error(RA_ERR_VALUE, "softcap: expected a number in [%g, %g], "
                                    "got %g",
-                     o->mask.softcap);
+                     RA_SOFTCAP_MIN, RA_SOFTCAP_MAX, o->mask.softcap);
         return RA_ERR_VALUE;
     }
     RA_CHECK(ra_xla_attr_int(c, "segment_ids", &ids, &present));

@@ -1,0 +1,96 @@
+/*
+ * buffer_xfer.c -- Buffer copies between the host and a CUDA device.
+ *
+ * One cudaMemcpy moves contiguous bytes of one dtype; everything else
+ * (strides, dtype conversion) is done by the same-device copies on either
+ * side, through a contiguous staging buffer where needed:
+ *
+ *   src --(same-device copy, if src is strided or of another dtype)--> a
+ *   a   --(cudaMemcpy on the compute stream, synchronised)-------------> b
+ *   b   --(same-device copy, if dst is strided)------------------------> dst
+ *
+ * The copy is ordered after work on ringattn's compute stream (and, through
+ * DLPack import, after the producer's stream) and finished on return.
+ */
+#include "core/buffer.h"
+#include "core/cuda_rt.h"
+
+#include <string.h>
+
+/* A contiguous buffer shaped like `like`, of element type `dl`, on the
+ * given device; NULL with ra_set_error's message (never a Python error). */
+static ra_buffer *staging(const ra_buffer *like, DLDataType dl,
+                          int device_type, int device_id) {
+    ra_buffer *t = ra_buffer_empty_dl(like->ndim, like->shape, dl,
+                                      device_type, device_id, 0);
+    if (t == NULL) {
+        PyErr_Clear();
+        ra_set_error(RA_ERR_NOMEM,
+                     "copy: no memory for a %s staging buffer of the "
+                     "host<->device copy",
+                     device_type == RA_DEV_CUDA ? "device" : "host");
+    }
+    return t;
+}
+
+ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw) {
+    const int to_device = dst->device_type == RA_DEV_CUDA;
+    if (!(to_device ? src->device_type == RA_DEV_CPU
+                    : (src->device_type == RA_DEV_CUDA &&
+                       dst->device_type == RA_DEV_CPU))) {
+        ra_set_error(RA_ERR_VALUE,
+                     "copy: source and destination live on different devices "
+                     "(%s:%d and %s:%d); ringattn copies within one device "
+                     "and between the host and one CUDA device",
+                     src->device_type == RA_DEV_CUDA ? "cuda" : "cpu",
+                     src->device_id,
+                     dst->device_type == RA_DEV_CUDA ? "cuda" : "cpu",
+                     dst->device_id);
+        return RA_ERR_VALUE;
+    }
+    if (!ra_cuda_built()) {
+        ra_set_error(RA_ERR_UNSUPPORTED,
+                     "copy: a CUDA buffer, but ringattn was built without "
+                     "CUDA");
+        return RA_ERR_UNSUPPORTED;
+    }
+    const int device = to_device ? dst->device_id : src->device_id;
+    if (raw && (!ra_buffer_is_contiguous(src) ||
+                !ra_buffer_is_contiguous(dst))) {
+        /* non-float elements have no strided CUDA copy to stage through */
+        ra_set_error(RA_ERR_UNSUPPORTED,
+                     "copy: a host<->device copy of a non-float dtype needs "
+                     "contiguous source and destination");
+        return RA_ERR_UNSUPPORTED;
+    }
+    const size_t nbytes =
+        (size_t)ra_buffer_numel(dst) * ra_buffer_elsize(dst);
+    if (nbytes == 0) return RA_OK;
+
+    ra_status st = RA_OK;
+    ra_buffer *a = src, *b = dst;
+    const int src_ready = ra_buffer_is_contiguous(src) &&
+                          (raw || src->dtype == dst->dtype);
+    if (!src_ready) {
+        a = staging(src, dst->dl_dtype, src->device_type, src->device_id);
+        if (a == NULL) return RA_ERR_NOMEM;
+        st = ra_buffer_copy_into(a, src);
+        if (st != RA_OK) goto done;
+    }
+    if (!ra_buffer_is_contiguous(dst)) {
+        b = staging(dst, dst->dl_dtype, dst->device_type, dst->device_id);
+        if (b == NULL) {
+            st = RA_ERR_NOMEM;
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    st = ra_cuda_memcpy(device, b->data, to_device, a->data, !to_device,
+                        nbytes, 1);
+    Py_END_ALLOW_THREADS
+    if (st == RA_OK && b != dst) st = ra_buffer_copy_into(dst, b);
+done:
+    if (a != src) Py_DECREF(a);
+    if (b != dst) Py_XDECREF(b);
+    return st;
+}
