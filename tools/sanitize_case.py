@@ -55,6 +55,19 @@ def main():
                                 causal=causal, dq=dq, dk=dk.narrow(1, lo, n),
                                 dv=dv.narrow(1, lo, n), delta=delta, accumulate=True,
                                 q_pos_offset=23, k_pos_offset=lo)
+    # host <-> device copies: strided sources, dtype conversion, a strided
+    # device destination (the copy kernel on staging buffers)
+    import numpy as np
+
+    host = np.zeros((3, 40, 6), np.float64)
+    for dtype in ("bfloat16", "float16", "float32", "float64"):
+        up = ra.to_device(host[:, ::3, 1:], "cuda", dtype=dtype)
+        ra.to_device(up, "cpu")
+        np_dst = np.zeros((3, 14, 5))
+        ra.from_dlpack(np_dst).narrow(1, 0, 7, 2).copy_(up.narrow(1, 0, 7))
+        dst = zeros((3, 30, 5), dtype)
+        dst.narrow(1, 1, 14, 2).copy_(host[:, ::3, 1:])
+    ra.to_device(ra.to_device(np.zeros((5, 7), np.int64), "cuda"), "cpu")
     _C.cuda_synchronize(0)
     print("sanitize case done")
 
