@@ -141,14 +141,15 @@ def _rank_main(comm, cfg):
     q, k, v, dout = _on(device, demo_rows(cfg["seed"], (B, H, D), Hkv, pos,
                                           cfg["dtype"]))
     masks = _on_device_masks(_masks(cfg, pos), device)
-    kw = {"causal": cfg["causal"], **masks}
+    kw = {"causal": cfg["causal"], "layout": cfg["layout"], "seq_len": n,
+          **masks}
     if mem == "cpu":
         kw["num_threads"] = cfg["threads"]
     else:
-        # load the kernels this run uses before the clock starts: the
-        # rank's own block, local attention, forward and backward
-        o, lse = ra.attention(q, k, v, return_lse=True, **kw)
-        ra.attention_backward(dout, q, k, v, o, lse, **kw)
+        # one untimed ring, forward and backward: NCCL connects its peers
+        # and CUDA loads the kernels on first use
+        o, lse = ra.ring_attention(q, k, v, comm, return_lse=True, **kw)
+        ra.ring_attention_backward(dout, q, k, v, o, lse, comm, **kw)
         del o, lse
         _finish(device)
     own_memory = cfg["per_rank_memory"]
@@ -159,8 +160,7 @@ def _rank_main(comm, cfg):
     show = r == 0 and cfg["progress"]
     fwd, bwd = {}, {}
     t0 = time.perf_counter()
-    out, lse = ra.ring_attention(q, k, v, comm, layout=cfg["layout"],
-                                 seq_len=n, return_lse=True,
+    out, lse = ra.ring_attention(q, k, v, comm, return_lse=True,
                                  progress=_Bar("forward") if show else None,
                                  profile=fwd, **kw)
     _finish(device)
@@ -168,7 +168,7 @@ def _rank_main(comm, cfg):
     comm.barrier()
     t2 = time.perf_counter()
     dq, dk, dv = ra.ring_attention_backward(
-        dout, q, k, v, out, lse, comm, layout=cfg["layout"], seq_len=n,
+        dout, q, k, v, out, lse, comm,
         progress=_Bar("backward") if show else None, profile=bwd, **kw)
     _finish(device)
     t3 = time.perf_counter()
@@ -289,6 +289,25 @@ def choose_backend(backend, ranks):
     return "host", None
 
 
+def _launch(cfg, ranks, backend):
+    """ra.launch of the ranks; for nccl with more ranks than GPUs, with
+    NCCL_MULTI_RANK_GPU_ENABLE=1 in the ranks' environment (restored after)."""
+    import ringattn as ra
+
+    share = backend == "nccl" and nccl_plan(ranks)[2]
+    old = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE")
+    if share:
+        os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    try:
+        return ra.launch(_rank_main, ranks, args=(cfg,), backend=backend)
+    finally:
+        if share:
+            if old is None:
+                os.environ.pop("NCCL_MULTI_RANK_GPU_ENABLE", None)
+            else:
+                os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = old
+
+
 def run(args):
     """The demo for parsed ``ringattn demo`` arguments (checked by the
     CLI); returns the exit status: 0 PASS, 1 FAIL."""
@@ -304,9 +323,6 @@ def run(args):
     # the threads backend's ranks share one process and so one allocator:
     # ringattn's memory statistics cannot tell them apart
     per_rank_memory = backend != "threads"
-    mem = "cuda" if gpu else "cpu"
-    if gpu and nccl_plan(p)[2]:
-        os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
     cfg = {"n": n, "batch": args.batch, "heads": args.heads,
            "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
            "layout": args.layout, "causal": causal, "seed": args.seed,
@@ -333,10 +349,23 @@ def run(args):
     ra.reset_peak_memory_stats()
     base = ra.memory_stats()["cpu"]["current"]
     t0 = time.perf_counter()
-    results = ra.launch(_rank_main, p, args=(cfg,), backend=backend)
+    try:
+        results = _launch(cfg, p, backend)
+    except Exception as e:      # noqa: BLE001 - auto says so and goes on
+        if not (gpu and args.backend == "auto"):
+            raise
+        first = (str(e).splitlines() or [""])[0]
+        print(f"auto: the nccl run failed ({type(e).__name__}: {first}); "
+              f"running the ranks on the host backend instead "
+              f"(--backend nccl shows the whole error)", flush=True)
+        backend, gpu = "host", False
+        cfg["per_rank_memory"] = per_rank_memory = True
+        t0 = time.perf_counter()
+        results = _launch(cfg, p, backend)
     wall = time.perf_counter() - t0
     process_peak = ra.memory_stats()["cpu"]["peak"] - base
     results.sort(key=lambda x: x["rank"])
+    mem = "cuda" if gpu else "cpu"
 
     device = ("cuda", 0) if gpu else ("cpu", 0)
     print(f"checking against a single-rank run of the whole sequence on "
@@ -388,8 +417,8 @@ def run(args):
           f"{s2 - s1:>7.3f}   <- single rank, whole sequence")
     if gpu:
         print(f"peak MiB: ringattn's own CUDA memory (memory_stats()['cuda']);"
-              f" times are synchronised wall times of one call after a "
-              f"warm-up")
+              f" times are synchronised wall times of one call after an "
+              f"untimed one")
     if not per_rank_memory:
         print(f"peak MiB per rank: not measurable with the threads backend "
               f"(one process, one allocator); all {p} ranks together peaked "

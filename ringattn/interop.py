@@ -6,6 +6,7 @@ ml_dtypes bfloat16).  Results are ``Buffer`` objects turned back into the
 kind of the first input: NumPy in gives NumPy out, JAX gives JAX, ...
 """
 
+import operator
 import warnings
 
 from . import _C
@@ -119,7 +120,7 @@ def to_numpy(x):
     if kind == "jax":
         return np.asarray(x)
     buf = to_buffer(x)
-    if buf.device[0] != "cpu":
+    if buf.device[0] not in ("cpu", "cuda_host"):      # host memory as it is
         buf = to_device(buf, "cpu")
     return buf.numpy()
 
@@ -128,26 +129,29 @@ _DEVICE_CODES = {"cpu": 1, "cuda": 2}
 
 
 def parse_device(device):
-    """'cpu' | 'cuda' | 'cuda:N' | ('cuda', N) -> (dlpack_type, index)."""
+    """'cpu' | 'cuda' | 'cuda:N' | ('cuda', N) -> (dlpack_type, index);
+    ('cpu', N) and 'cpu:N' are the host (index 0)."""
     expected = "device: expected 'cpu', 'cuda', 'cuda:N' or ('cuda', N)"
     if isinstance(device, tuple) and len(device) == 2:
         kind, index = device
     elif isinstance(device, str):
         kind, colon, idx = device.partition(":")
-        index = idx if colon else 0
         if colon and not (idx.isascii() and idx.isdigit()):
             raise ValueError(f"{expected}, got {device!r}")
+        index = int(idx) if colon else 0
     else:
         raise ValueError(f"{expected}, got {device!r}")
     if kind not in _DEVICE_CODES or isinstance(index, bool):
         raise ValueError(f"{expected}, got {device!r}")
     try:
-        index = int(index)
+        index = operator.index(index)
     except (TypeError, ValueError):
         raise ValueError(f"{expected}, got {device!r}") from None
-    if index < 0 or (kind == "cpu" and index != 0):
+    if index < 0:
         raise ValueError(f"{expected}, got {device!r}")
-    return _DEVICE_CODES[kind], index
+    # host memory is one memory, whatever a framework numbers its host
+    # devices (JAX: cpu:0, cpu:1, ...)
+    return _DEVICE_CODES[kind], 0 if kind == "cpu" else index
 
 
 def to_device(x, device="cuda", dtype=None):
@@ -156,10 +160,9 @@ def to_device(x, device="cuda", dtype=None):
     on the way (default: x's dtype).
 
     Host <-> GPU without a framework: ``ra.to_device(np_array, "cuda")``
-    uploads, ``ra.to_device(buf, "cpu").numpy()`` downloads (finished on
-    return).  A CUDA source is read after the work its producer queued
-    (DLPack stream handshake); an upload is ordered on ringattn's CUDA
-    stream, which every ringattn kernel and DLPack export waits for.
+    uploads, ``ra.to_device(buf, "cpu").numpy()`` downloads; either is
+    finished on return.  A CUDA source is read after the work its producer
+    queued (DLPack stream handshake).
     """
     src = to_buffer(x, "x")
     t, i = parse_device(device)

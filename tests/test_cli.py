@@ -314,3 +314,31 @@ def test_demo_nccl_that_cannot_run_is_one_line_exit_2():
     lines = proc.stderr.strip().splitlines()
     assert (proc.returncode == 2 and len(lines) == 1 and "--backend" in lines[0]
             and why in lines[0] and not proc.stdout.strip()), describe(proc)
+
+
+def test_demo_auto_falls_back_to_host_when_nccl_fails(monkeypatch, capsys):
+    """auto picked nccl and the run failed: the demo says so and runs the
+    ranks on the host backend; an explicit --backend nccl would raise."""
+    from ringattn import demo
+    from ringattn.cli import build_parser
+
+    _fake_machine(monkeypatch, 1, (2, 30, 0))
+    real_launch, tried = demo._launch, []
+
+    def launch(cfg, ranks, backend):
+        tried.append(backend)
+        if backend == "nccl":
+            raise RuntimeError("ncclCommInitRank failed: unhandled cuda error\nmore")
+        return real_launch(cfg, ranks, backend)
+
+    monkeypatch.setattr(demo, "_launch", launch)
+    args = build_parser()[0].parse_args(["demo", "-n", "96", "-p", "2", "--heads", "2",
+                                         "--head-dim", "8", "--quiet"])
+    assert demo.run(args) == 0
+    out = capsys.readouterr().out
+    assert tried == ["nccl", "host"]
+    assert "auto: the nccl run failed (RuntimeError: ncclCommInitRank failed: " \
+           "unhandled cuda error)" in out and "PASS" in out
+    args.backend = "nccl"
+    with pytest.raises(RuntimeError, match="ncclCommInitRank"):
+        demo.run(args)

@@ -230,8 +230,9 @@ def test_to_device_converts_dtype_and_keeps_integers():
     assert to_numpy(ra.to_device(ids, "cpu")).dtype == np.int64
 
 
-@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:-1", "cpu:1", ("cuda", -2),
-                                    ("cuda", True), ("cuda", "a"), 3, None])
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:-1", "cpu:-1", ("cuda", -2),
+                                    ("cuda", True), ("cuda", "a"), ("cuda", 1.7),
+                                    ("cuda", "1"), 3, None])
 def test_to_device_names_a_bad_device(device):
     with pytest.raises(ValueError, match=r"device: expected 'cpu', 'cuda'"):
         ra.to_device(np.ones(3), device)
@@ -246,6 +247,21 @@ def test_cuda_buffer_without_a_gpu_says_why():
         ra.zeros((3,), device="cuda:0")
 
 
-def test_empty_checks_the_device_index():
-    with pytest.raises(ValueError, match="index 0 for the cpu"):
-        ra._C.empty((3,), "float32", 1, 2)
+def test_host_arrays_of_any_cpu_device_index_are_one_memory():
+    """JAX numbers its host devices (cpu:0, cpu:1, ...): all are host
+    memory to ringattn, for copies and for the ring's own buffers."""
+    from dlpack_producer import HandMadeProducer
+
+    x = HandMadeProducer((1, 4, 2, 8), device=(1, 2))   # 64 floats on "cpu:2"
+    x.storage[:] = np.arange(64, dtype=np.float32) / 64
+    buf = ra.from_dlpack(x)
+    assert buf.device == ("cpu", 2)
+    np.testing.assert_array_equal(ra.to_device(buf, "cpu").numpy().ravel(), x.storage)
+    assert ra.to_device(buf, buf.device).device == ("cpu", 0)
+    out = np.zeros((1, 4, 2, 8), np.float32)
+    ra.from_dlpack(out).copy_(buf)
+    np.testing.assert_array_equal(out.ravel(), x.storage)
+    ref = ra.attention(out, out, out, causal=True)
+    got = ra.ring_attention(buf, buf, buf, ra.ThreadsGroup(1).comm(0), causal=True)
+    np.testing.assert_allclose(np.asarray(ra.to_device(got, "cpu").numpy()), ref,
+                               rtol=1e-6, atol=1e-7)

@@ -184,7 +184,7 @@ def masked_kwargs(mask, n):
 
 def masked_ring_rank(comm, q, k, v, dout, layout, causal, mask):
     """ring_rank with masks; this rank's int64 segment ids are uploaded
-    with ra.to_device (the ring converts them to int32 on the GPU)."""
+    with ra.to_device (the ring reads them back, and uploads int32 ids)."""
     r, p = comm.rank, comm.size
     dev = comm.device
     kw = masked_kwargs(mask, q.shape[1])

@@ -346,9 +346,11 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
     if (dst->ndim != src->ndim) goto shape_mismatch;
     for (int i = 0; i < dst->ndim; i++)
         if (dst->shape[i] != src->shape[i]) goto shape_mismatch;
-    if (dst->device_type != src->device_type ||
-        dst->device_id != src->device_id)
-        return ra_buffer_copy_across(dst, src, raw);
+    const int same_memory =
+        (ra_buffer_on_host(dst) && ra_buffer_on_host(src)) ||
+        (dst->device_type == src->device_type &&
+         dst->device_id == src->device_id);
+    if (!same_memory) return ra_buffer_copy_across(dst, src, raw);
     ra_copy_params p;
     memset(&p, 0, sizeof p);
     p.ndim = dst->ndim;

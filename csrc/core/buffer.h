@@ -89,10 +89,14 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
  * synchronised cudaMemcpy of contiguous bytes on the compute stream, with
  * same-device copies into or out of contiguous staging buffers where a
  * side is strided or the dtypes differ; a strided CUDA destination is
- * written by a copy queued on the compute stream.  raw: the elements are
+ * written by a copy on the compute stream, then synchronised: the copy is
+ * finished on return in both directions.  raw: the elements are
  * one non-float dtype on both sides.  Any other pair of devices (two CUDA
  * devices) is a ValueError. */
 ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw);
+/* 1 for host memory: a CPU buffer (any device index) or CUDA pinned host
+ * memory (buffer_xfer.c). */
+int ra_buffer_on_host(const ra_buffer *b);
 
 /* DLPack, both ways (dlpack.c): Buffer.__dlpack__(*, stream=None,
  * max_version=None, dl_device=None, copy=None), Buffer.__dlpack_device__(),

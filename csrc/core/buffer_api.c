@@ -80,14 +80,13 @@ static PyObject *make_buffer(PyObject *args, PyObject *kwds, int zero) {
                      device_type);
         return NULL;
     }
-    if (device_type == RA_DEV_CPU && device_id != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "device: expected index 0 for the cpu, got %d", device_id);
-        return NULL;
-    }
     if (device_type == RA_DEV_CUDA) {
         const char *why = NULL;
-        if (!ra_cuda_available(&why)) {
+        int available;
+        Py_BEGIN_ALLOW_THREADS     /* the first probe initialises the driver */
+        available = ra_cuda_available(&why);
+        Py_END_ALLOW_THREADS
+        if (!available) {
             PyErr_Format(PyExc_RuntimeError,
                          "device: a CUDA buffer, but no CUDA device is "
                          "usable: %s",

@@ -11,11 +11,27 @@
  *
  * The copy is ordered after work on ringattn's compute stream (and, through
  * DLPack import, after the producer's stream) and finished on return.
+ * Host memory is any CPU buffer (whatever its device index: JAX numbers its
+ * host devices) or CUDA pinned host memory.
  */
 #include "core/buffer.h"
 #include "core/cuda_rt.h"
 
 #include <string.h>
+
+int ra_buffer_on_host(const ra_buffer *b) {
+    return b->device_type == RA_DEV_CPU || b->device_type == RA_DEV_CUDA_HOST;
+}
+
+static const char *kind_name(int device_type) {
+    switch (device_type) {
+    case RA_DEV_CPU: return "cpu";
+    case RA_DEV_CUDA: return "cuda";
+    case RA_DEV_CUDA_HOST: return "cuda_host";
+    case RA_DEV_CUDA_MANAGED: return "cuda_managed";
+    default: return "other";
+    }
+}
 
 /* A contiguous buffer shaped like `like`, of element type `dl`, on the
  * given device; NULL with ra_set_error's message (never a Python error). */
@@ -24,28 +40,36 @@ static ra_buffer *staging(const ra_buffer *like, DLDataType dl,
     ra_buffer *t = ra_buffer_empty_dl(like->ndim, like->shape, dl,
                                       device_type, device_id, 0);
     if (t == NULL) {
-        PyErr_Clear();
+        /* keep what the allocation said (a CUDA error, say) */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *text = value != NULL ? PyObject_Str(value) : NULL;
+        const char *msg = text != NULL ? PyUnicode_AsUTF8(text) : NULL;
+        if (msg == NULL) PyErr_Clear();
         ra_set_error(RA_ERR_NOMEM,
-                     "copy: no memory for a %s staging buffer of the "
-                     "host<->device copy",
-                     device_type == RA_DEV_CUDA ? "device" : "host");
+                     "copy: a %s staging buffer of the host<->device copy "
+                     "could not be allocated: %s",
+                     device_type == RA_DEV_CUDA ? "device" : "host",
+                     msg != NULL ? msg : "out of memory");
+        Py_XDECREF(text);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
     }
     return t;
 }
 
 ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw) {
     const int to_device = dst->device_type == RA_DEV_CUDA;
-    if (!(to_device ? src->device_type == RA_DEV_CPU
+    if (!(to_device ? ra_buffer_on_host(src)
                     : (src->device_type == RA_DEV_CUDA &&
-                       dst->device_type == RA_DEV_CPU))) {
+                       ra_buffer_on_host(dst)))) {
         ra_set_error(RA_ERR_VALUE,
                      "copy: source and destination live on different devices "
                      "(%s:%d and %s:%d); ringattn copies within one device "
                      "and between the host and one CUDA device",
-                     src->device_type == RA_DEV_CUDA ? "cuda" : "cpu",
-                     src->device_id,
-                     dst->device_type == RA_DEV_CUDA ? "cuda" : "cpu",
-                     dst->device_id);
+                     kind_name(src->device_type), src->device_id,
+                     kind_name(dst->device_type), dst->device_id);
         return RA_ERR_VALUE;
     }
     if (!ra_cuda_built()) {
@@ -88,7 +112,16 @@ ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw) {
     st = ra_cuda_memcpy(device, b->data, to_device, a->data, !to_device,
                         nbytes, 1);
     Py_END_ALLOW_THREADS
-    if (st == RA_OK && b != dst) st = ra_buffer_copy_into(dst, b);
+    if (st == RA_OK && b != dst) {
+        st = ra_buffer_copy_into(dst, b);
+        /* finished on return in every direction: dst may belong to a
+         * framework whose stream knows nothing of ringattn's */
+        if (st == RA_OK && to_device) {
+            Py_BEGIN_ALLOW_THREADS
+            st = ra_cuda_synchronize(device);
+            Py_END_ALLOW_THREADS
+        }
+    }
 done:
     if (a != src) Py_DECREF(a);
     if (b != dst) Py_XDECREF(b);

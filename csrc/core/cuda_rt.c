@@ -297,17 +297,20 @@ static void release_detached(free_block *lists[]) {
         (void)cudaGetLastError();
         prev = -1;
     }
+    int cur = prev;
     for (int d = 0; d < RA_MAX_DEVICES; d++) {
         if (lists[d] == NULL) continue;
-        if (d != prev && cudaSetDevice(d) != cudaSuccess)
-            (void)cudaGetLastError();
+        if (d != cur) {
+            if (cudaSetDevice(d) == cudaSuccess) cur = d;
+            else (void)cudaGetLastError();
+        }
         for (free_block *b = lists[d], *next; b != NULL; b = next) {
             next = b->next;
             if (cudaFree(b->ptr) != cudaSuccess) (void)cudaGetLastError();
             free(b);
         }
     }
-    if (prev >= 0) (void)cudaSetDevice(prev);
+    if (prev >= 0 && cur != prev) (void)cudaSetDevice(prev);
     if (ts != NULL) PyEval_RestoreThread(ts);
 }
 
