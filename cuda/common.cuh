@@ -58,11 +58,18 @@ template <> __device__ __forceinline__ float from_acc<float>(double x) {
 template <> __device__ __forceinline__ double from_acc<double>(double x) {
     return x;
 }
+/* double -> float rounded to odd (truncate, set the lowest bit if anything
+ * was cut off), so that rounding it to 16 bits rounds the double once */
+__device__ __forceinline__ float round_to_odd(double x) {
+    const float t = __double2float_rz(x);
+    if (!((double)t != x) || x != x || isinf(t)) return t;
+    return __uint_as_float(__float_as_uint(t) | 1u);
+}
 template <> __device__ __forceinline__ half_t from_acc<half_t>(double x) {
-    return __float2half_rn((float)x);
+    return __float2half_rn(round_to_odd(x));
 }
 template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(double x) {
-    return __float2bfloat16_rn((float)x);
+    return __float2bfloat16_rn(round_to_odd(x));
 }
 template <typename T> __device__ __forceinline__ T from_accf(float x);
 template <> __device__ __forceinline__ float from_accf<float>(float x) {

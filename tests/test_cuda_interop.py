@@ -320,3 +320,18 @@ def test_bad_device_is_named_before_any_work():
     if count >= 2:
         with pytest.raises(ValueError, match="different devices"):
             ra.empty((3,), "float32", "cuda:1").copy_(ra.to_device(x, "cuda:0"))
+
+
+def test_device_float64_to_float16_rounds_once():
+    """The CUDA copy kernel's float64 -> float16 conversion rounds once
+    (through a float32 rounded to odd), as NumPy's does."""
+    rng = np.random.default_rng(13)
+    h = rng.integers(0, 0x7bff, 50000).astype(np.uint16).view(np.float16)
+    mid = (h.astype(np.float64) + np.nextafter(h, np.float16(np.inf)).astype(np.float64)) / 2
+    x = np.concatenate([mid * (1 + 2.0**-40), mid * (1 - 2.0**-40), mid, [1e300, 0.0, -0.0]])
+    dev64 = ra.to_device(x, "cuda")
+    dev16 = ra.empty(x.shape, "float16", "cuda").copy_(dev64)     # the device kernel
+    got = ra.to_device(dev16, "cpu").numpy()
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))

@@ -265,3 +265,53 @@ def test_host_arrays_of_any_cpu_device_index_are_one_memory():
     got = ra.ring_attention(buf, buf, buf, ra.ThreadsGroup(1).comm(0), causal=True)
     np.testing.assert_allclose(np.asarray(ra.to_device(got, "cpu").numpy()), ref,
                                rtol=1e-6, atol=1e-7)
+
+
+def _halfway_doubles(rng, lo_bits, hi_bits, n):
+    """Doubles at, and 2^-40 relatively above and below, the midpoints of
+    adjacent 16-bit floats (lo_bits, hi_bits: the bit patterns of the two
+    neighbours as float64), with random signs: rounding such a double
+    through a nearest-even float32 first would round it twice."""
+    mid = (lo_bits + hi_bits) / 2
+    x = np.concatenate([mid * (1 + 2.0**-40), mid * (1 - 2.0**-40), mid])
+    return x * np.where(rng.random(x.size) < 0.5, -1.0, 1.0)
+
+
+def test_float64_to_float16_rounds_once():
+    rng = np.random.default_rng(11)
+    h = rng.integers(0, 0x7bff, 20000).astype(np.uint16).view(np.float16)
+    x = _halfway_doubles(rng, h.astype(np.float64),
+                         np.nextafter(h, np.float16(np.inf)).astype(np.float64), 20000)
+    x = np.concatenate([x, [1e300, -1e300, 65519.99, 65520.0, 5.960464477539063e-08 / 2,
+                            1e-300, 0.0, -0.0, np.inf, -np.inf]])
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)        # NumPy rounds float64 -> float16 once
+    got = ra.to_device(x, "cpu", dtype="float16").numpy()
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    nan = ra.to_device(np.array([np.nan]), "cpu", dtype="float16").numpy()
+    assert np.isnan(nan).all()
+
+
+def _bf16_round_once(x):
+    """float64 -> bfloat16 bits, correctly rounded (nearest, ties to even),
+    from the two bfloat16 neighbours of each value (exact in float64)."""
+    t = np.abs(x).astype(np.float32)
+    bits = t.view(np.uint32) >> 16
+    lo = bits - (((bits << 16).view(np.float32).astype(np.float64) > np.abs(x)) & (bits > 0))
+    lo_v = (lo << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+    hi_v = ((lo + 1) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+    d_lo, d_hi = np.abs(x) - lo_v, hi_v - np.abs(x)
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (lo & 1 == 1))
+    out = np.where(pick_hi, lo + 1, lo).astype(np.uint16)
+    return out | np.where(np.signbit(x), 0x8000, 0).astype(np.uint16)
+
+
+def test_float64_to_bfloat16_rounds_once():
+    ml_dtypes = pytest.importorskip("ml_dtypes")   # noqa: F841 - bfloat16 numpy()
+    rng = np.random.default_rng(12)
+    b = (rng.integers(1, 0x7f7e, 20000).astype(np.uint32) << 16).view(np.float32)
+    nb = ((b.view(np.uint32) >> 16) + 1 << 16).astype(np.uint32).view(np.float32)
+    x = _halfway_doubles(rng, b.astype(np.float64), nb.astype(np.float64), 20000)
+    x = np.concatenate([x, rng.standard_normal(1000) * 1e-3])
+    got = ra.to_device(x, "cpu", dtype="bfloat16").numpy().view(np.uint16)
+    np.testing.assert_array_equal(got, _bf16_round_once(x))

@@ -198,8 +198,8 @@ static inline void ra_cpu_st(void *base, int64_t idx, ra_dtype dt, double v) {
     switch (dt) {
     case RA_FLOAT32: ((float *)base)[idx] = (float)v; break;
     case RA_FLOAT64: ((double *)base)[idx] = v; break;
-    case RA_FLOAT16: ((uint16_t *)base)[idx] = ra_cpu_f2h((float)v); break;
-    case RA_BFLOAT16: ((uint16_t *)base)[idx] = ra_cpu_f2b((float)v); break;
+    case RA_FLOAT16: ((uint16_t *)base)[idx] = ra_cpu_d2h(v); break;
+    case RA_BFLOAT16: ((uint16_t *)base)[idx] = ra_cpu_d2b(v); break;
     default: break;
     }
 }

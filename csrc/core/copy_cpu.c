@@ -32,8 +32,8 @@ static inline void store_elem(char *p, ra_dtype t, double x) {
     switch (t) {
     case RA_FLOAT32: { float v = (float)x; memcpy(p, &v, 4); break; }
     case RA_FLOAT64: memcpy(p, &x, 8); break;
-    case RA_FLOAT16: { uint16_t v = ra_float_to_half((float)x); memcpy(p, &v, 2); break; }
-    case RA_BFLOAT16: { uint16_t v = ra_float_to_bf16((float)x); memcpy(p, &v, 2); break; }
+    case RA_FLOAT16: { uint16_t v = ra_cpu_d2h(x); memcpy(p, &v, 2); break; }
+    case RA_BFLOAT16: { uint16_t v = ra_cpu_d2b(x); memcpy(p, &v, 2); break; }
     default: break;
     }
 }

@@ -6,6 +6,7 @@
 #ifndef RA_HALF_H
 #define RA_HALF_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -66,5 +67,25 @@ static inline uint16_t ra_cpu_f2b(float f) {
     x += 0x7fffu + ((x >> 16) & 1u);
     return (uint16_t)(x >> 16);
 }
+
+/* double -> float rounded to odd: truncated toward zero, with the lowest
+ * bit set when anything was cut off.  Rounding that float to nearest even
+ * at 16 or fewer bits then gives the correctly rounded result of the
+ * double (rounding through a nearest-even float would round twice: a
+ * double just above a half-way point lands on it and goes to even). */
+static inline float ra_cpu_d2f_odd(double x) {
+    float t = (float)x;
+    if (!((double)t != x) || x != x) return t;       /* exact, or NaN */
+    if (fabs((double)t) > fabs(x)) t = nextafterf(t, 0.0f);  /* toward zero */
+    uint32_t bits;
+    memcpy(&bits, &t, 4);
+    if ((bits & 0x7f800000u) != 0x7f800000u) bits |= 1u;
+    memcpy(&t, &bits, 4);
+    return t;
+}
+
+/* double -> float16 / bfloat16, rounded once, to nearest even */
+static inline uint16_t ra_cpu_d2h(double x) { return ra_cpu_f2h(ra_cpu_d2f_odd(x)); }
+static inline uint16_t ra_cpu_d2b(double x) { return ra_cpu_f2b(ra_cpu_d2f_odd(x)); }
 
 #endif /* RA_HALF_H */
