@@ -21,10 +21,6 @@ void release_args(tensor_arg *a, int n) {
     for (int i = 0; i < n; i++) Py_CLEAR(a[i].buf);
 }
 
-const char *ra_device_name(int t) {
-    return t == RA_DEV_CPU ? "cpu" : t == RA_DEV_CUDA ? "cuda" : "other";
-}
-
 int dtype_error_expecting(const char *name, ra_buffer *b,
                           const char *expected) {
     char dt[32];

@@ -26,7 +26,6 @@ extern const char *BSHD; /* "(batch, seq, heads, head_dim)" */
 extern const char *BHS;  /* "(batch, heads, seq_q)" */
 
 void release_args(tensor_arg *a, int n);
-const char *ra_device_name(int device_type);
 int dtype_error(const char *name, ra_buffer *b);   /* not a float dtype */
 /* TypeError "name: expected <expected>, got <b's dtype>"; -1 */
 int dtype_error_expecting(const char *name, ra_buffer *b,

@@ -322,6 +322,17 @@ static ra_status copy_on_stream(const void *params, void *stream) {
 #define copy_on_stream NULL /* ra_cuda_launch refuses without CUDA */
 #endif
 
+ra_status ra_buffer_raw_contiguous(const ra_buffer *dst, const ra_buffer *src,
+                                   const char *kind) {
+    if (ra_buffer_is_contiguous(dst) && ra_buffer_is_contiguous(src))
+        return RA_OK;
+    ra_set_error(RA_ERR_UNSUPPORTED,
+                 "copy: a %s copy of a non-float dtype needs contiguous "
+                 "source and destination",
+                 kind);
+    return RA_ERR_UNSUPPORTED;
+}
+
 ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
     if (dst->readonly) {
         ra_set_error(RA_ERR_VALUE, "copy: the destination is read-only");
@@ -367,13 +378,8 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
     ra_status st;
     if (raw && dst->device_type == RA_DEV_CUDA) {
         /* the CUDA copy kernel converts floats; other elements move as
-         * bytes, which needs one contiguous run on both sides */
-        if (!ra_buffer_is_contiguous(dst) || !ra_buffer_is_contiguous(src)) {
-            ra_set_error(RA_ERR_UNSUPPORTED,
-                         "copy: a CUDA copy of a non-float dtype needs "
-                         "contiguous source and destination");
-            return RA_ERR_UNSUPPORTED;
-        }
+         * bytes */
+        RA_CHECK(ra_buffer_raw_contiguous(dst, src, "CUDA"));
         const size_t nbytes =
             (size_t)ra_buffer_numel(dst) * ra_buffer_elsize(dst);
         if (nbytes == 0) return RA_OK;
@@ -458,18 +464,20 @@ static PyObject *buffer_get_dtype(PyObject *self, void *c) {
     return PyUnicode_FromString(name);
 }
 
+const char *ra_device_name(int device_type) {
+    switch (device_type) {
+    case RA_DEV_CPU: return "cpu";
+    case RA_DEV_CUDA: return "cuda";
+    case RA_DEV_CUDA_HOST: return "cuda_host";
+    case RA_DEV_CUDA_MANAGED: return "cuda_managed";
+    default: return "other";
+    }
+}
+
 static PyObject *buffer_get_device(PyObject *self, void *c) {
     ra_buffer *b = (ra_buffer *)self;
     (void)c;
-    const char *kind;
-    switch (b->device_type) {
-    case RA_DEV_CPU: kind = "cpu"; break;
-    case RA_DEV_CUDA: kind = "cuda"; break;
-    case RA_DEV_CUDA_HOST: kind = "cuda_host"; break;
-    case RA_DEV_CUDA_MANAGED: kind = "cuda_managed"; break;
-    default: kind = "other"; break;
-    }
-    return Py_BuildValue("(si)", kind, b->device_id);
+    return Py_BuildValue("(si)", ra_device_name(b->device_type), b->device_id);
 }
 
 static PyObject *buffer_get_ndim(PyObject *self, void *c) {
@@ -726,8 +734,7 @@ static PyMethodDef buffer_methods[] = {
     {"copy_", buffer_copy_, METH_O,
      "copy_(src): copy src (same shape) into self: float dtypes are "
      "converted; other dtypes (integer ids) must match.  Within one device, "
-     "or between the host and a CUDA device (finished on return when the "
-     "destination is on the host)"},
+     "or between the host and a CUDA device (then finished on return)"},
     {"astype", buffer_astype, METH_O,
      "astype(dtype) -> new contiguous buffer with converted elements"},
     {"zero_", buffer_zero_, METH_NOARGS, "fill a contiguous buffer with zeros"},

@@ -97,6 +97,14 @@ ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw);
 /* 1 for host memory: a CPU buffer (any device index) or CUDA pinned host
  * memory (buffer_xfer.c). */
 int ra_buffer_on_host(const ra_buffer *b);
+/* RA_OK when a raw (non-float) copy between dst and src can move the
+ * elements as one contiguous run; else RA_ERR_UNSUPPORTED naming `kind`
+ * of copy ("CUDA", "host<->device"), which has no strided path. */
+ra_status ra_buffer_raw_contiguous(const ra_buffer *dst, const ra_buffer *src,
+                                   const char *kind);
+/* The name of a DLPack device type as Buffer.device gives it: "cpu",
+ * "cuda", "cuda_host", "cuda_managed", else "other". */
+const char *ra_device_name(int device_type);
 
 /* DLPack, both ways (dlpack.c): Buffer.__dlpack__(*, stream=None,
  * max_version=None, dl_device=None, copy=None), Buffer.__dlpack_device__(),

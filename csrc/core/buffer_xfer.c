@@ -23,16 +23,6 @@ int ra_buffer_on_host(const ra_buffer *b) {
     return b->device_type == RA_DEV_CPU || b->device_type == RA_DEV_CUDA_HOST;
 }
 
-static const char *kind_name(int device_type) {
-    switch (device_type) {
-    case RA_DEV_CPU: return "cpu";
-    case RA_DEV_CUDA: return "cuda";
-    case RA_DEV_CUDA_HOST: return "cuda_host";
-    case RA_DEV_CUDA_MANAGED: return "cuda_managed";
-    default: return "other";
-    }
-}
-
 /* A contiguous buffer shaped like `like`, of element type `dl`, on the
  * given device; NULL with ra_set_error's message (never a Python error). */
 static ra_buffer *staging(const ra_buffer *like, DLDataType dl,
@@ -68,8 +58,8 @@ ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw) {
                      "copy: source and destination live on different devices "
                      "(%s:%d and %s:%d); ringattn copies within one device "
                      "and between the host and one CUDA device",
-                     kind_name(src->device_type), src->device_id,
-                     kind_name(dst->device_type), dst->device_id);
+                     ra_device_name(src->device_type), src->device_id,
+                     ra_device_name(dst->device_type), dst->device_id);
         return RA_ERR_VALUE;
     }
     if (!ra_cuda_built()) {
@@ -79,14 +69,8 @@ ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw) {
         return RA_ERR_UNSUPPORTED;
     }
     const int device = to_device ? dst->device_id : src->device_id;
-    if (raw && (!ra_buffer_is_contiguous(src) ||
-                !ra_buffer_is_contiguous(dst))) {
-        /* non-float elements have no strided CUDA copy to stage through */
-        ra_set_error(RA_ERR_UNSUPPORTED,
-                     "copy: a host<->device copy of a non-float dtype needs "
-                     "contiguous source and destination");
-        return RA_ERR_UNSUPPORTED;
-    }
+    /* non-float elements have no strided CUDA copy to stage through */
+    if (raw) RA_CHECK(ra_buffer_raw_contiguous(dst, src, "host<->device"));
     const size_t nbytes =
         (size_t)ra_buffer_numel(dst) * ra_buffer_elsize(dst);
     if (nbytes == 0) return RA_OK;
