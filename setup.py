@@ -4,6 +4,12 @@ Environment:
   RINGATTN_CUDA=0|1         force the CUDA part off / on (1 fails loudly if
                             no CUDA toolkit is found); default: on when nvcc
                             is found (CUDA_HOME, nvcc on PATH, /usr/local/cuda)
+  RINGATTN_CUDA=emulate     build the GPU half against ringattn's emulated GPU
+                            (csrc/emu): cuda/'s kernels compiled by the host
+                            C++ compiler, run as blocks of threads on the CPU,
+                            with an emulated CUDA runtime and a stand-in NCCL;
+                            no CUDA toolkit needed (nccl.h is, for the nccl
+                            backend)
   RINGATTN_CUDA_ARCHS="80;90"  SM targets (default sm_80 and sm_90, plus PTX
                             for the newest so later GPUs can JIT it)
   RINGATTN_BUILD_JOBS=N     parallel compile jobs (default: CPU count)
@@ -41,17 +47,20 @@ def find_cuda_home():
 
 
 def cuda_wanted():
-    """(enabled, cuda_home) following RINGATTN_CUDA."""
+    """(enabled, cuda_home) following RINGATTN_CUDA; enabled is True,
+    False or "emulate"."""
     flag = os.environ.get("RINGATTN_CUDA", "").strip()
     home = find_cuda_home()
     if flag == "0":
         return False, None
+    if flag == "emulate":
+        return "emulate", home
     if flag == "1" and home is None:
         raise RuntimeError(
             "RINGATTN_CUDA=1 but no CUDA toolkit was found: set CUDA_HOME or put "
             "nvcc on PATH")
     if flag not in ("", "0", "1"):
-        raise RuntimeError(f"RINGATTN_CUDA: expected 0 or 1, got {flag!r}")
+        raise RuntimeError(f"RINGATTN_CUDA: expected 0, 1 or emulate, got {flag!r}")
     return home is not None, home
 
 
@@ -114,6 +123,7 @@ class BuildExt(build_ext):
         # other archs or flags, NCCL header or not) must not keep objects or
         # a library made for the old one: rebuild everything when it changed
         config = repr((enabled, home, os.environ.get("RINGATTN_CUDA_ARCHS"),
+                       os.environ.get("CFLAGS") if enabled == "emulate" else None,
                        os.environ.get("RINGATTN_NVCC_FLAGS"), nccl_inc))
         marker = os.path.join(self.build_temp, "ringattn-build-config")
         os.makedirs(self.build_temp, exist_ok=True)
@@ -122,15 +132,22 @@ class BuildExt(build_ext):
             self.force = True
             shutil.rmtree(os.path.join(self.build_temp, "cuda"),
                           ignore_errors=True)
+        emulate = enabled == "emulate"
         for ext in self.extensions:
-            if enabled:
+            if ext.name == EMU_NCCL:
+                continue
+            if emulate:
+                self.add_emulated(ext, jobs)
+            elif enabled:
                 self.add_cuda(ext, home, jobs)
+            if enabled:
                 if nccl_inc is None:
                     ext.define_macros.append(("RA_NO_NCCL_HEADERS", "1"))
                 else:
                     ext.include_dirs.append(nccl_inc)
-        print(f"ringattn: CUDA part {'ON (' + home + ')' if enabled else 'OFF'}",
-              file=sys.stderr)
+        print("ringattn: CUDA part " +
+              ("EMULATED (csrc/emu)" if emulate else
+               f"ON ({home})" if enabled else "OFF"), file=sys.stderr)
         if enabled:
             print("ringattn: nccl backend " +
                   (f"ON (nccl.h in {nccl_inc})" if nccl_inc else
@@ -139,6 +156,67 @@ class BuildExt(build_ext):
         super().build_extensions()
         with open(marker, "w") as f:
             f.write(config)
+
+    def compile_objects(self, items, jobs):
+        """Run the (cmd, src, obj) compiles of `items` whose object is older
+        than its source or any header, in parallel; return every obj."""
+        headers = [os.path.join(ROOT, f)
+                   for f in tree_files("cuda", ".cuh", ".h") +
+                   tree_files("csrc", ".h")]
+        newest_header = max((os.path.getmtime(h) for h in headers), default=0)
+        todo = [(cmd, src, obj) for cmd, src, obj in items
+                if not os.path.exists(obj) or
+                os.path.getmtime(obj) < max(os.path.getmtime(src), newest_header)]
+
+        def compile_one(item):
+            cmd = item[0]
+            print(" ".join(cmd), file=sys.stderr)
+            subprocess.run(cmd, check=True)
+
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            list(pool.map(compile_one, todo))
+        return [obj for _, _, obj in items]
+
+    def add_emulated(self, ext, jobs):
+        """The GPU half on ringattn's emulated GPU: the emulator (csrc/emu,
+        C++) and cuda/'s kernels compiled by the host C++ compiler, the
+        kernels with the thread sanitizer's instrumentation whose hooks are
+        the emulator's memory checker (csrc/emu/check.cpp).  A build with
+        AddressSanitizer in CFLAGS leaves that instrumentation out (the two
+        cannot be combined; ASan checks the kernels' memory instead)."""
+        cxx = os.environ.get("CXX", "g++")
+        cflags = os.environ.get("CFLAGS", "").split()
+        asan = any(f.startswith("-fsanitize=") and "address" in f for f in cflags)
+        base = [cxx, "-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden",
+                "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas",
+                "-DRA_WITH_CUDA", "-DRA_CUDA_EMULATED",
+                "-I" + os.path.join(ROOT, "csrc", "emu", "include"),
+                "-I" + os.path.join(ROOT, "csrc"),
+                "-I" + os.path.join(ROOT, "cuda")] + cflags
+        checked = [] if asan else ["-fsanitize=thread",
+                                   "--param=tsan-instrument-func-entry-exit=0"]
+        objdir = os.path.join(self.build_temp, "cuda")
+        os.makedirs(objdir, exist_ok=True)
+        items = []
+        for rel in tree_files("csrc/emu", ".cpp"):
+            if rel.startswith(os.path.join("csrc", "emu", "nccl") + os.sep):
+                continue
+            obj = os.path.join(objdir, "emu__" + os.path.basename(rel) + ".o")
+            src = os.path.join(ROOT, rel)
+            items.append((base + ["-c", src, "-o", obj], src, obj))
+        for rel in tree_files("cuda", ".cu"):
+            src = os.path.join(ROOT, rel)
+            name = os.path.relpath(src, os.path.join(ROOT, "cuda"))
+            obj = os.path.join(objdir, name.replace(os.sep, "__") + ".o")
+            items.append((base + checked + ["-x", "c++", "-c", src, "-o", obj],
+                          src, obj))
+        ext.extra_objects += self.compile_objects(items, jobs)
+        ext.define_macros += [("RA_WITH_CUDA", "1"), ("RA_CUDA_EMULATED", "1")]
+        # the emulated CUDA headers come before any toolkit's (nccl.h's
+        # #include <cuda_runtime.h> must find them too)
+        ext.include_dirs[:0] = [os.path.join(ROOT, "csrc", "emu", "include"),
+                                os.path.join(ROOT, "cuda")]
+        ext.libraries += ["dl", "pthread", "stdc++"]
 
     def add_cuda(self, ext, home, jobs):
         nvcc = os.path.join(home, "bin", "nvcc")
@@ -202,9 +280,28 @@ def numpy_include():
     return numpy.get_include()
 
 
+EMU_NCCL = "ringattn._emu_nccl"
+
+
+def emu_nccl_extension(nccl_inc):
+    """The stand-in NCCL of the emulated GPU (csrc/emu/nccl): a shared
+    library that csrc/comm/nccl_loader.c opens with dlopen, as it opens a
+    real libnccl."""
+    sources = [f for f in tree_files("csrc/emu/nccl", ".c", ".cpp")]
+    inc = [os.path.join(ROOT, "csrc", "emu", "include"),
+           os.path.join(ROOT, "csrc"), nccl_inc]
+    return Extension(
+        EMU_NCCL, sources=sources, include_dirs=inc,
+        define_macros=[("RA_CUDA_EMULATED", "1")],
+        extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall"],
+        libraries=["pthread"])
+
+
 ext = Extension(
     "ringattn._C",
-    sources=tree_files("csrc", ".c"),
+    # csrc/emu/nccl is the emulated GPU's stand-in NCCL, a library of its own
+    sources=[f for f in tree_files("csrc", ".c")
+             if not f.startswith(os.path.join("csrc", "emu") + os.sep)],
     include_dirs=["csrc", numpy_include()],
     extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno",
                         "-fno-trapping-math", "-fvisibility=hidden", "-Wall",
@@ -214,4 +311,16 @@ ext = Extension(
     depends=tree_files("csrc", ".h"),
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+
+def extensions():
+    """The C core, and with RINGATTN_CUDA=emulate the stand-in NCCL (when
+    nccl.h is found: without it the nccl backend is left out anyway)."""
+    exts = [ext]
+    if os.environ.get("RINGATTN_CUDA", "").strip() == "emulate":
+        nccl_inc = find_nccl_include(find_cuda_home())
+        if nccl_inc is not None:
+            exts.append(emu_nccl_extension(nccl_inc))
+    return exts
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

@@ -45,7 +45,7 @@ ra_status launch_delta(const ra_attn_bwd_params &p, cudaStream_t s) {
     int64_t blocks = (rows + 7) / 8;
     if (blocks > 65536) blocks = 65536;
     // one warp per (b, s, h) row; 8 rows per 256-thread block
-    delta_kernel<T><<<(unsigned)blocks, 256, 0, s>>>(p);
+    RA_LAUNCH((delta_kernel<T>), (unsigned)blocks, 256, 0, s)(p);
     RA_CUDA_CHECK_LAUNCH("delta_kernel");
     return RA_OK;
 }

@@ -48,7 +48,7 @@ template <typename T, int DPL, bool M>
 __global__ void __launch_bounds__(kWarps * 32)
 dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
     typedef typename ra::Acc<T>::type A;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char *smem_raw = ra::dynamic_smem();
     const int D = (int)p.head_dim;
     const int ldq = D | 1;
     A *sk = reinterpret_cast<A *>(smem_raw);  // 16 x D, owned keys
@@ -239,7 +239,7 @@ struct Launch {
             const int64_t n_kblocks = (p.seqlen_k + kBlockRows - 1) / kBlockRows;
             int64_t blocks = 0;
             RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
-            dkdv_simt_kernel<T, DPL, M><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_kblocks);
+            RA_LAUNCH((dkdv_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_kblocks);
             RA_CUDA_CHECK_LAUNCH("dkdv_simt_kernel");
         }
         return RA_OK;

@@ -16,7 +16,7 @@ template <typename T, int DPL, bool M>
 __global__ void __launch_bounds__(kWarps * 32)
 dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     typedef typename ra::Acc<T>::type A;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char *smem_raw = ra::dynamic_smem();
     const int D = (int)p.head_dim;
     const int ldk = D | 1;
     A *sq = reinterpret_cast<A *>(smem_raw);  // 16 x D, owned queries
@@ -186,7 +186,7 @@ struct Launch {
             const int64_t n_qblocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
             int64_t blocks = 0;
             RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
-            dq_simt_kernel<T, DPL, M><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_qblocks);
+            RA_LAUNCH((dq_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_qblocks);
             RA_CUDA_CHECK_LAUNCH("dq_simt_kernel");
         }
         return RA_OK;

@@ -70,7 +70,7 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
     constexpr int BM = Tile<D, M>::BM;
     constexpr int kMT = BM / 8;  // n-tiles of S^T, dP^T (queries)
     constexpr int kDT = D / 8;   // n-tiles of dK, dV
-    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char *smem_raw = ra::dynamic_smem();
     T *sk = reinterpret_cast<T *>(smem_raw);  // kBlockN x D, owned keys
     T *sv = sk + kBlockN * D;                 // kBlockN x D
     T *sq = sv + kBlockN * D;                 // 2 x BM x D, streamed queries
@@ -396,7 +396,7 @@ struct Launch {
         RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
         // grid: B * H_kv * ceil(S_k / 64) blocks of 128 threads;
         // k, v, dk, dv (B, S_k, H_kv, D), q, dout (B, S_q, H, D)
-        dkdv_tc_kernel<T, D, M><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_kblocks);
+        RA_LAUNCH((dkdv_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_kblocks);
         RA_CUDA_CHECK_LAUNCH("dkdv_tc_kernel");
         return RA_OK;
     }

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
 dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
     constexpr int kNT = kBlockN / 8;  // n-tiles of S, dP (keys)
     constexpr int kDT = D / 8;        // n-tiles of dQ
-    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char *smem_raw = ra::dynamic_smem();
     T *sq = reinterpret_cast<T *>(smem_raw);  // kBlockM x D, owned queries
     T *sdo = sq + kBlockM * D;                // kBlockM x D
     T *sk = sdo + kBlockM * D;                // 2 x kBlockN x D, streamed keys
@@ -304,7 +304,7 @@ struct Launch {
         RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
         // grid: B * H * ceil(S_q / 64) blocks of 128 threads;
         // q, dout, dq (B, S_q, H, D), k, v (B, S_k, H_kv, D)
-        dq_tc_kernel<T, D, M><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
+        RA_LAUNCH((dq_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_qblocks);
         RA_CUDA_CHECK_LAUNCH("dq_tc_kernel");
         return RA_OK;
     }

@@ -37,7 +37,7 @@ template <typename T, int DPL, bool M>
 __global__ void __launch_bounds__(kWarps * 32)
 fwd_simt_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     typedef typename ra::Acc<T>::type A;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char *smem_raw = ra::dynamic_smem();
     A *sq = reinterpret_cast<A *>(smem_raw);
     const int D = (int)p.head_dim;
     const int ldk = D | 1;  // odd row stride: lanes reading one column hit distinct banks
@@ -216,7 +216,7 @@ struct Launch {
         int64_t blocks = 0;
         RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
         // grid: (B * H * ceil(S_q / 16)) blocks of 128 threads
-        fwd_simt_kernel<T, DPL, M><<<(unsigned)blocks, kWarps * 32, smem, s>>>(p, n_qblocks);
+        RA_LAUNCH((fwd_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_qblocks);
         RA_CUDA_CHECK_LAUNCH("fwd_simt_kernel");
         return RA_OK;
     }

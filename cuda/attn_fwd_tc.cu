@@ -46,7 +46,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 template <typename T, int D, bool M>
 __global__ void __launch_bounds__(kThreads)
 fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
-    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char *smem_raw = ra::dynamic_smem();
     T *sq = reinterpret_cast<T *>(smem_raw);      // 64 x D
     T *sk = sq + kBlockQ * D;                      // 2 x 64 x D
     T *sv = sk + 2 * kBlockK * D;                  // 2 x 64 x D
@@ -362,7 +362,7 @@ struct Launch {
         int64_t blocks = 0;
         RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
         // grid: B * H * ceil(S_q / 64) blocks of 128 threads
-        fwd_tc_kernel<T, D, M><<<(unsigned)blocks, kThreads, smem, s>>>(p, n_qblocks);
+        RA_LAUNCH((fwd_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_qblocks);
         RA_CUDA_CHECK_LAUNCH("fwd_tc_kernel");
         return RA_OK;
     }

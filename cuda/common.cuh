@@ -23,8 +23,19 @@
             return ra_cuda_status((int)ra_cu_e_, #call, __FILE__, __LINE__);  \
     } while (0)
 
-/* After a <<<...>>> launch: report a bad configuration or a missing kernel
- * image (asynchronous faults surface at the next synchronising call). */
+/* Launch `kernel` (a __global__ function; parenthesise a template id):
+ *   RA_LAUNCH((my_kernel<T, D>), grid, block, smem, stream)(args...);
+ * is kernel<<<grid, block, smem, stream>>>(args...) on nvcc, and on the
+ * emulated GPU (RINGATTN_CUDA=emulate, csrc/emu) the launch template that
+ * queues the same kernel on the emulated stream. */
+#ifdef RA_CUDA_EMULATED
+#define RA_LAUNCH(kernel, grid, block, smem, stream) RA_EMU_LAUNCH(kernel, grid, block, smem, stream)
+#else
+#define RA_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+
+/* After a launch: report a bad configuration or a missing kernel image
+ * (asynchronous faults surface at the next synchronising call). */
 #define RA_CUDA_CHECK_LAUNCH(name)                                            \
     do {                                                                      \
         cudaError_t ra_cu_e_ = cudaGetLastError();                            \
@@ -37,6 +48,15 @@ namespace ra {
 
 typedef __half half_t;
 typedef __nv_bfloat16 bf16_t;
+
+/* The block's dynamic shared memory (the launch's smem bytes), aligned to
+ * 128 bytes: what an `extern __shared__` array names inside a kernel. */
+#ifdef RA_CUDA_EMULATED
+__device__ __forceinline__ unsigned char *dynamic_smem() { return ra_emu_dynamic_smem(); }
+#else
+extern __shared__ __align__(128) unsigned char dynamic_smem_[];
+__device__ __forceinline__ unsigned char *dynamic_smem() { return dynamic_smem_; }
+#endif
 
 /* accumulator type */
 template <typename T> struct Acc { typedef float type; };

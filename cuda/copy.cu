@@ -37,10 +37,10 @@ ra_status launch_to(const ra_copy_params *p, int64_t total, cudaStream_t s) {
     int64_t blocks = (total + 255) / 256;
     if (blocks > 65536) blocks = 65536;
     switch (p->dst_dtype) {
-    case RA_FLOAT32: copy_kernel<S, float><<<(unsigned)blocks, 256, 0, s>>>(*p, total); break;
-    case RA_FLOAT64: copy_kernel<S, double><<<(unsigned)blocks, 256, 0, s>>>(*p, total); break;
-    case RA_FLOAT16: copy_kernel<S, ra::half_t><<<(unsigned)blocks, 256, 0, s>>>(*p, total); break;
-    case RA_BFLOAT16: copy_kernel<S, ra::bf16_t><<<(unsigned)blocks, 256, 0, s>>>(*p, total); break;
+    case RA_FLOAT32: RA_LAUNCH((copy_kernel<S, float>), (unsigned)blocks, 256, 0, s)(*p, total); break;
+    case RA_FLOAT64: RA_LAUNCH((copy_kernel<S, double>), (unsigned)blocks, 256, 0, s)(*p, total); break;
+    case RA_FLOAT16: RA_LAUNCH((copy_kernel<S, ra::half_t>), (unsigned)blocks, 256, 0, s)(*p, total); break;
+    case RA_BFLOAT16: RA_LAUNCH((copy_kernel<S, ra::bf16_t>), (unsigned)blocks, 256, 0, s)(*p, total); break;
     default:
         ra_set_error(RA_ERR_TYPE, "copy: unsupported destination dtype %s",
                      ra_dtype_name(p->dst_dtype));

@@ -89,10 +89,10 @@ extern "C" ra_status ra_cuda_merge(const ra_merge_params *p, void *stream) {
     RA_CHECK(guard.enter_for(p->out));
     // one warp per (b, s, h) row of D elements
     if (p->lse_dtype == RA_FLOAT64) {
-        merge_kernel<double><<<row_blocks(rows), 256, 0, s>>>(*p);
+        RA_LAUNCH((merge_kernel<double>), row_blocks(rows), 256, 0, s)(*p);
         RA_CUDA_CHECK_LAUNCH("merge_kernel<double>");
     } else {
-        merge_kernel<float><<<row_blocks(rows), 256, 0, s>>>(*p);
+        RA_LAUNCH((merge_kernel<float>), row_blocks(rows), 256, 0, s)(*p);
         RA_CUDA_CHECK_LAUNCH("merge_kernel<float>");
     }
     return RA_OK;
@@ -110,13 +110,13 @@ extern "C" ra_status ra_cuda_fill_state(
     RA_CHECK(guard.enter_for(out));
     // out: (B, S, H, D) acc dtype; lse: (B, H, S) acc dtype
     if (acc_dtype == RA_FLOAT64) {
-        fill_state_kernel<double><<<row_blocks(rows), 256, 0, s>>>(
+        RA_LAUNCH((fill_state_kernel<double>), row_blocks(rows), 256, 0, s)(
             (double *)out, (double *)lse, batch, seqlen, heads, head_dim,
             out_batch_stride, out_seq_stride, out_head_stride,
             lse_batch_stride, lse_head_stride, lse_seq_stride);
         RA_CUDA_CHECK_LAUNCH("fill_state_kernel<double>");
     } else if (acc_dtype == RA_FLOAT32) {
-        fill_state_kernel<float><<<row_blocks(rows), 256, 0, s>>>(
+        RA_LAUNCH((fill_state_kernel<float>), row_blocks(rows), 256, 0, s)(
             (float *)out, (float *)lse, batch, seqlen, heads, head_dim,
             out_batch_stride, out_seq_stride, out_head_stride,
             lse_batch_stride, lse_head_stride, lse_seq_stride);

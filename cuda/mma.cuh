@@ -20,32 +20,56 @@
 
 #include "common.cuh"
 
+#ifdef RA_CUDA_EMULATED
+#include "emu/ptx.h"   /* the same operations on the emulated GPU (csrc/emu) */
+#endif
+
 namespace ra {
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+#ifdef RA_CUDA_EMULATED
+    ra_emu_cp_async(smem, gmem, 16, valid ? 16 : 0);
+#else
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     const int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() {
+#ifdef RA_CUDA_EMULATED
+    ra_emu_cp_async_commit();
+#else
     asm volatile("cp.async.commit_group;\n" ::);
+#endif
 }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
+#ifdef RA_CUDA_EMULATED
+    ra_emu_cp_async_wait(N);
+#else
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *smem) {
+#ifdef RA_CUDA_EMULATED
+    ra_emu_ldmatrix(r, smem, 4, 0);
+#else
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(s));
+#endif
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *smem) {
+#ifdef RA_CUDA_EMULATED
+    ra_emu_ldmatrix(r, smem, 4, 1);
+#else
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(s));
+#endif
 }
 
 template <typename T>
@@ -54,20 +78,28 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 template <>
 __device__ __forceinline__ void mma_16816<half_t>(float (&c)[4], const uint32_t (&a)[4],
                                                   uint32_t b0, uint32_t b1) {
+#ifdef RA_CUDA_EMULATED
+    ra_emu_mma_m16n8k16(c, a, b0, b1, 0);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 template <>
 __device__ __forceinline__ void mma_16816<bf16_t>(float (&c)[4], const uint32_t (&a)[4],
                                                   uint32_t b0, uint32_t b1) {
+#ifdef RA_CUDA_EMULATED
+    ra_emu_mma_m16n8k16(c, a, b0, b1, 1);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 /* two floats -> one register of two 16-bit values, x in the low half */

@@ -94,11 +94,23 @@ def reset_peak_memory_stats():
 
 
 def cuda_info():
-    """{'built': bool, 'available': bool, 'reason': str, 'devices': int}."""
+    """{'built': bool, 'available': bool, 'reason': str, 'devices': int,
+    'emulated': bool, 'device_name': str}.
+
+    ``emulated`` is True when ringattn was built with
+    ``RINGATTN_CUDA=emulate``: its CUDA part then runs on the CPU on
+    ringattn's emulated GPU (``device_name`` says so; '' otherwise), which
+    proves logic and ordering, never speed.
+    """
     available, reason = _C.cuda_available()
-    return {"built": bool(_C.cuda_built()), "available": bool(available),
+    emulated = bool(_C.cuda_emulated())
+    info = {"built": bool(_C.cuda_built()), "available": bool(available),
             "reason": "" if available else reason,
-            "devices": _C.cuda_device_count() if available else 0}
+            "devices": _C.cuda_device_count() if available else 0,
+            "emulated": emulated,
+            "device_name": "ringattn emulated GPU (sm_90, on the CPU)"
+            if emulated else ""}
+    return info
 
 
 def cuda_available():

@@ -82,6 +82,7 @@ static ra_attn_bwd_params bwd_params(const ra_attn_fwd_params &f) {
     ra_attn_bwd_params b;
     memset(&b, 0, sizeof b);
     b.dtype = b.out_dtype = b.grad_dtype = f.dtype;
+    b.q = f.q; b.k = f.k; b.v = f.v;  // the backward reads the forward's inputs
     b.batch = f.batch; b.seqlen_q = f.seqlen_q; b.seqlen_k = f.seqlen_k;
     b.heads = f.heads; b.heads_kv = f.heads_kv; b.head_dim = f.head_dim;
     b.q_batch_stride = f.q_batch_stride; b.q_seq_stride = f.q_seq_stride; b.q_head_stride = f.q_head_stride;

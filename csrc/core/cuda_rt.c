@@ -741,5 +741,6 @@ static PyMethodDef cuda_methods[] = {
 
 int ra_cuda_exec(PyObject *m, ra_module_state *st) {
     (void)st;
-    return PyModule_AddFunctions(m, cuda_methods);
+    if (PyModule_AddFunctions(m, cuda_methods) < 0) return -1;
+    return ra_cuda_emu_exec(m);
 }

@@ -23,6 +23,8 @@ extern "C" {
 int ra_cuda_available(const char **why);
 int ra_cuda_built(void);                 /* compiled with CUDA at all */
 int ra_cuda_device_count(void);          /* 0 when unavailable */
+/* 1 when the CUDA part runs on the emulated GPU (csrc/emu, cuda_emu.c) */
+int ra_cuda_emulated(void);
 
 /* Device memory.  Counted in memory_stats()["cuda"].  The caching pool is on
  * unless RINGATTN_CUDA_CACHING=0 (for compute-sanitizer runs). */

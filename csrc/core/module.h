@@ -47,6 +47,7 @@ PyObject *ra_raise_msg(ra_status st, const char *msg);
  * (cuda_rt.c; cuda_rt.h itself stays free of Python for nvcc). */
 int ra_buffer_exec(PyObject *m, ra_module_state *st);
 int ra_cuda_exec(PyObject *m, ra_module_state *st);
+int ra_cuda_emu_exec(PyObject *m);       /* cuda_emu.c, called by ra_cuda_exec */
 
 #ifdef __cplusplus
 }

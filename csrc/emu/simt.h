@@ -1,0 +1,173 @@
+/*
+ * simt.h -- the emulated GPU's execution state, shared by simt.cpp (fibers,
+ * blocks, barriers, warp collectives), ptx.cpp (cp.async, ldmatrix, mma)
+ * and check.cpp (the memory checker).  Internal; C++.
+ *
+ * A grid's blocks run on a pool of worker threads.  A worker runs one block
+ * at a time: blockDim fibers (Thread), each with its own stack, switched
+ * cooperatively at sync points.  The worker owns the block's shared memory
+ * window and its shadow (one Cell per 2 bytes), which is never cleared: a
+ * Cell belongs to the current block only when its serial is the block's.
+ */
+#ifndef RA_EMU_SIMT_H
+#define RA_EMU_SIMT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "emu/emu.h"
+
+namespace ra_emu {
+
+struct Block;
+struct Job;
+struct Worker;
+
+enum ThreadState : uint8_t {
+    T_READY = 0,   /* runnable */
+    T_BARRIER,     /* waiting at __syncthreads */
+    T_WARP,        /* waiting in a warp collective */
+    T_DONE         /* returned, or stopped after a report */
+};
+
+enum CollKind : uint8_t {
+    C_NONE = 0,
+    C_SYNCWARP,
+    C_SHFL,
+    C_VOTE,
+    C_LDMATRIX,
+    C_MMA
+};
+
+/* One asynchronous copy into shared memory (cp.async), pending until the
+ * wait of its group. */
+struct CpAsync {
+    unsigned char *dst;
+    const unsigned char *src;
+    uint8_t cp_size, src_size;
+};
+
+enum { kMaxCpAsync = 256, kMaxCpGroups = 16 };
+
+struct Thread {
+    void *sp;                 /* saved stack pointer while switched out */
+    unsigned char *stack_lo;  /* the fiber's stack [stack_lo, stack_lo + stack_size) */
+    size_t stack_size;
+    Block *blk;
+    unsigned tid, lane, warp; /* linear index in the block, lane, warp */
+    unsigned ix, iy, iz;      /* threadIdx */
+    ThreadState state;
+
+    /* the warp collective this lane waits in: kind, mode, mask, arguments,
+     * payload in[] and, once complete, the result out[] */
+    CollKind coll;
+    uint8_t coll_mode;
+    unsigned coll_mask;
+    int coll_arg, coll_width;
+    uint64_t in[12];
+    uint64_t out[4];
+
+    /* cp.async: copies in issue order; group g ends at cp index
+     * group_end[g] (committed groups, oldest first); copies past the last
+     * group end are not committed yet */
+    CpAsync cp[kMaxCpAsync];
+    int n_cp;
+    int group_end[kMaxCpGroups];
+    int n_groups;
+
+    void *asan_fake_stack;    /* AddressSanitizer's fiber bookkeeping */
+};
+
+/* Shared memory shadow: one per 2 bytes of the shared window.  wtid: the
+ * thread that last wrote (kNone: never; kPending bit: a cp.async of that
+ * thread is pending); rtid: the thread that last read (kNone, kMany); the
+ * barrier and warp-sync generations each access happened in. */
+struct Cell {
+    uint32_t serial;
+    uint16_t wtid, rtid;
+    uint32_t wbar, wwarp, rbar, rwarp;
+};
+enum : uint16_t { kNone = 0xffff, kMany = 0xfffe, kPending = 0x8000 };
+
+struct Warp {
+    uint32_t gen;             /* __syncwarp generation (memory sync of the warp) */
+    unsigned waiting;         /* lanes waiting in a collective */
+};
+
+struct Block {
+    Job *job;
+    const ra_emu_grid *g;
+    Worker *w;
+    unsigned bx, by, bz;
+    unsigned nthreads, nwarps;
+    Thread *threads;
+    unsigned char *smem;      /* the dynamic shared memory of this block */
+    size_t smem_size;
+    uint32_t serial;
+    uint32_t bar_gen;         /* __syncthreads generation */
+    unsigned bar_arrived, live;
+    int bar_count, bar_result;
+    Warp warps[RA_EMU_MAX_THREADS / RA_EMU_WARP];
+    bool stop;                /* a report stopped this block */
+};
+
+/* The worker a block runs on: its scheduler context, fibers, shared window
+ * ([lo, lo + window) with the block's memory at smem_base) and shadow. */
+struct Worker {
+    Thread *report_thread;    /* the thread a scheduler-side report is about */
+    unsigned order[RA_EMU_MAX_THREADS];  /* the schedule of the current pass */
+    void *sched_sp;
+    void *sched_fake_stack;
+    const void *sched_stack_bottom;
+    size_t sched_stack_size;
+    Thread *threads;
+    unsigned char *stacks;
+    unsigned char *window_lo;
+    size_t window;
+    unsigned char *smem_base;
+    Cell *cells;              /* RA_EMU_SMEM_OPTIN / 2 of them, for smem_base.. */
+    uint32_t serial;
+    Block block;
+};
+
+/* Every worker's fiber stacks lie in one reserved range: worker w's in
+ * [g_stacks_lo + w * kWorkerSpan, ...), its thread i's at i * kStackStride
+ * in it (the lowest page a guard).  So the fiber that runs kernel code is
+ * found from the stack pointer alone, with no thread-local storage (which
+ * a library opened by dlopen cannot use cheaply). */
+enum : uintptr_t {
+    kStackStride = (uintptr_t)128 << 10,
+    kWorkerSpan = kStackStride * RA_EMU_MAX_THREADS
+};
+extern uintptr_t g_stacks_lo, g_stacks_span;
+extern Worker *g_workers[256];
+
+/* The thread running kernel code on this OS thread (NULL off a kernel). */
+static inline Thread *current_thread(void);
+
+/* Wait in a warp collective (the payload is in the calling thread's in[],
+ * the result lands in its out[]); returns when every lane of `mask` has joined and the
+ * collective is computed.  A lane outside `mask`, an exited lane, lanes in
+ * different collectives: reported. */
+void collective(CollKind kind, uint8_t mode, unsigned mask, int arg, int width);
+
+/* The checker (check.cpp): an access of n bytes at a by thread t; returns
+ * only if it is allowed (a report stops the thread). */
+void check_access(Thread *t, uintptr_t a, size_t n, bool write);
+void check_shared(Thread *t, uintptr_t a, size_t n, bool write);
+/* cp.async bookkeeping of the shared shadow: destination pending / landed */
+void shadow_cp_pending(Thread *t, unsigned char *dst, size_t n);
+void shadow_cp_landed(Thread *t, unsigned char *dst, size_t n);
+/* the address range of the library's own image (read-only data) */
+void check_init_image(void);
+
+static inline Thread *current_thread(void) {
+    const uintptr_t off = (uintptr_t)__builtin_frame_address(0) - g_stacks_lo;
+    if (off >= g_stacks_span) return nullptr;
+    Worker *w = g_workers[off / kWorkerSpan];
+    return &w->threads[(off % kWorkerSpan) / kStackStride];
+}
+
+}  // namespace ra_emu
+
+#endif
