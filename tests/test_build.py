@@ -10,8 +10,18 @@ import ringattn as ra
 
 def test_import_reports_cuda_state_without_raising():
     info = ra.cuda_info()
-    assert set(info) == {"built", "available", "reason", "devices"} and (
-        info["available"] or info["reason"]), info
+    assert set(info) == {"built", "available", "reason", "devices", "emulated",
+                         "device_name"} and (info["available"] or info["reason"]), info
+
+
+@pytest.mark.emulated
+@pytest.mark.skipif(os.environ.get("RINGATTN_EXPECT_EMULATED") != "1",
+                    reason="set RINGATTN_EXPECT_EMULATED=1 where ringattn was built "
+                           "with RINGATTN_CUDA=emulate")
+def test_the_emulated_gpu_was_built_and_is_usable():
+    info = ra.cuda_info()
+    assert info["built"] and info["available"] and info["emulated"], info
+    assert info["devices"] >= 2 and "emulated" in info["device_name"], info
 
 
 @pytest.mark.skipif(os.environ.get("RINGATTN_EXPECT_CUDA_BUILD") != "1",

@@ -8,7 +8,12 @@ csrc/ is cut into concept folders whose dependencies point one way:
     xla/    core/, xla/, attn/attn_params.h and attn/attn_cpu.h (the CPU
             kernels), and cuda/attn_cuda.h (the CUDA launchers)
     csrc/   (module.c, the module's init) any of core/, attn/, comm/, xla/
-    cuda/   cuda/, core/, and attn/attn_params.h (the kernels' params)
+    cuda/   cuda/, core/, attn/attn_params.h (the kernels' params) and
+            emu/ptx.h (mma.cuh's PTX wrappers on the emulated GPU)
+    emu/    emu/ only (the emulated GPU: below everything, it is "the
+            device"); core/ and comm/ reach it only through emu/emu.h
+    emu/nccl/  (the stand-in NCCL, a library of its own) emu/, emu/nccl/;
+            it defines the functions the system's <nccl.h> declares
 
 Every function shared between files is declared in a header: no .c or .cu
 file declares a non-static function (or extern data) defined elsewhere, and
@@ -29,12 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # folder -> folders its files may include ("csrc" is csrc/ itself)
 ALLOWED = {
-    "core": {"core"},
+    "core": {"core", "emu"},
     "attn": {"core", "attn", "cuda"},
-    "comm": {"core", "comm"},
+    "comm": {"core", "comm", "emu"},
     "xla": {"core", "attn", "cuda", "xla"},
     "csrc": {"core", "attn", "comm", "xla"},
-    "cuda": {"cuda", "core", "attn"},
+    "cuda": {"cuda", "core", "attn", "emu"},
+    "emu": {"emu"},
+    "emu_nccl": {"emu", "emu_nccl"},
 }
 # where a folder may reach into another only through one header
 ONLY_THROUGH = {
@@ -42,6 +49,10 @@ ONLY_THROUGH = {
     ("cuda", "attn"): {"csrc/attn/attn_params.h"},
     ("xla", "cuda"): {"cuda/attn_cuda.h"},
     ("xla", "attn"): {"csrc/attn/attn_params.h", "csrc/attn/attn_cpu.h"},
+    ("cuda", "emu"): {"csrc/emu/ptx.h"},
+    ("core", "emu"): {"csrc/emu/emu.h"},
+    ("comm", "emu"): {"csrc/emu/emu.h"},
+    ("emu_nccl", "emu"): {"csrc/emu/emu.h"},
 }
 SOURCE_SUFFIXES = (".c", ".cu")
 HEADER_SUFFIXES = (".h", ".cuh")
@@ -132,9 +143,12 @@ def function_name(statement):
 
 
 def folder_of(path, root):
-    """'core', 'attn', 'comm', 'csrc' (csrc/ itself), 'cuda', or None."""
+    """'core', 'attn', 'comm', 'emu', 'emu_nccl' (csrc/emu/nccl), 'csrc'
+    (csrc/ itself), 'cuda', or None."""
     parts = path.relative_to(root).parts
     if parts[0] == "csrc":
+        if parts[1] == "emu" and len(parts) > 3 and parts[2] == "nccl":
+            return "emu_nccl"
         return parts[1] if len(parts) > 2 else "csrc"
     if parts[0] == "cuda":
         return "cuda"
@@ -216,13 +230,15 @@ def declaration_violations(root):
             fn = function_name(head)
             if fn is None or fn[1] or fn[0].startswith("PyInit_"):
                 continue
+            if owner == "emu_nccl" and fn[0].startswith("nccl"):
+                continue   # the stand-in NCCL implements <nccl.h>
             where = declared.get(fn[0], set())
             if not where:
                 found.append(f"{rel}: defines {fn[0]}() that no header "
                              "declares; declare it in its header or make "
                              "it static")
             elif owner not in where and not (
-                    owner == "cuda" and where & ALLOWED["cuda"]):
+                    owner in ("cuda", "emu_nccl") and where & ALLOWED[owner]):
                 found.append(f"{rel}: defines {fn[0]}(), declared only in "
                              f"{', '.join(sorted(where))}/; declare it in a "
                              f"header of {owner}/")

@@ -9,6 +9,12 @@
  * found (the NVIDIA pip wheel's nvidia/nccl/lib/libnccl.so.2).  Every
  * symbol the backend calls is looked up at once, so an NCCL too old for
  * it is refused with the missing name.
+ *
+ * On the emulated GPU (RA_CUDA_EMULATED) the library is ringattn's
+ * stand-in NCCL (csrc/emu/nccl, ringattn/_emu_nccl*.so, whose path the
+ * Python layer passes as the fallback): "libnccl.so.2" is never tried (a
+ * real NCCL would look for a real GPU), and the library gets the emulated
+ * runtime's table through its raEmuNcclBind right after dlopen.
  */
 #include "comm/nccl_loader.h"
 
@@ -20,6 +26,10 @@
 
 #include <cuda_runtime_api.h>    /* CUDART_VERSION: the wheel to name */
 #include <dlfcn.h>
+
+#ifdef RA_CUDA_EMULATED
+#include "emu/emu.h"             /* ra_emu_runtime_table */
+#endif
 
 /* The NVIDIA wheel that carries an NCCL for the CUDA major version this
  * build's runtime belongs to (the wheels are per CUDA major). */
@@ -65,6 +75,22 @@ static int resolve_api(void *h, ra_nccl_api *a, char *why, size_t n) {
             return -1;
         }
     }
+#ifdef RA_CUDA_EMULATED
+    /* the stand-in reaches the emulated streams through this table */
+    int (*bind)(const ra_emu_rt_table *) =
+        (int (*)(const ra_emu_rt_table *))dlsym(h, "raEmuNcclBind");
+    if (bind == NULL) {
+        snprintf(why, n, "has no symbol raEmuNcclBind: not ringattn's "
+                 "stand-in NCCL, which the emulated GPU needs");
+        return -1;
+    }
+    if (bind(ra_emu_runtime_table()) != 0) {
+        snprintf(why, n, "refused the emulated runtime's table (version %d): "
+                 "the stand-in NCCL was built from other sources than "
+                 "ringattn._C", RA_EMU_RT_TABLE_VERSION);
+        return -1;
+    }
+#endif
     return 0;
 }
 
@@ -75,7 +101,11 @@ ra_status ra_nccl_load(const char *fallback) {
         return RA_OK;
     }
     const char *env = getenv("RINGATTN_NCCL_LIBRARY");
+#ifdef RA_CUDA_EMULATED
+    const char *candidates[3] = {env, fallback, NULL};
+#else
     const char *candidates[3] = {env, "libnccl.so.2", fallback};
+#endif
     char tried[1024] = "";
     size_t used = 0;
     for (int i = 0; i < 3; i++) {
@@ -103,6 +133,13 @@ ra_status ra_nccl_load(const char *fallback) {
         if (used >= sizeof tried) used = sizeof tried - 1;
     }
     pthread_mutex_unlock(&api_mu);
+#ifdef RA_CUDA_EMULATED
+    ra_set_error(RA_ERR_NCCL,
+                 "cannot load the emulated GPU's stand-in NCCL for the 'nccl' "
+                 "backend; tried %s. It is ringattn/_emu_nccl*.so of a "
+                 "RINGATTN_CUDA=emulate build (or set RINGATTN_NCCL_LIBRARY "
+                 "to its path)", used ? tried : "nothing (no candidate path)");
+#else
     ra_set_error(RA_ERR_NCCL,
                  "cannot load NCCL for the 'nccl' backend; tried %s. Install "
                  "it (pip install " RA_NCCL_WHEEL ": ringattn was built "
@@ -111,6 +148,7 @@ ra_status ra_nccl_load(const char *fallback) {
                  "CUDA 12) or set RINGATTN_NCCL_LIBRARY to the path of "
                  "libnccl.so.2",
                  used ? tried : "nothing (no candidate path)");
+#endif
     return RA_ERR_NCCL;
 }
 

@@ -28,8 +28,8 @@ static PyObject *py_cuda_emulated(PyObject *self, PyObject *noargs) {
 static PyObject *py_emu_reports(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
 #ifdef RA_CUDA_EMULATED
-    return PyUnicode_DecodeUTF8(ra_emu_reports_text(),
-                                (Py_ssize_t)strlen(ra_emu_reports_text()), "replace");
+    const char *text = ra_emu_reports_text();
+    return PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
 #else
     return PyUnicode_FromString("");
 #endif

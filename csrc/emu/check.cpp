@@ -103,15 +103,23 @@ void check_shared(Thread *t, uintptr_t a, size_t n, bool write) {
     Cell *cells = b->w->cells;
     const uintptr_t lo = (uintptr_t)b->smem;
     const size_t first = (a - lo) / 2, last = (a + n - 1 - lo) / 2;
-    const uint32_t bar = b->bar_gen, wgen = b->warps[t->warp].gen;
+    const uint32_t bar = b->bar_gen, wgen = b->warps[t->warp].gen, serial = b->serial;
+    const uint16_t tid = (uint16_t)t->tid;
     for (size_t u = first; u <= last; u++) {
         Cell &c = cells[u];
-        if (c.serial != b->serial) {
-            c.serial = b->serial;
+        if (c.serial != serial) {
+            c.serial = serial;
             c.wtid = kNone;
             c.rtid = kNone;
         }
-        if (c.wtid != kNone && (c.wtid & kPending) && c.wtid != kMany)
+        if (!write) {
+            /* the common case first: this thread (or many) already read it
+             * in this interval, and the last write is ordered before */
+            if (c.rbar == bar && (c.rtid == kMany || (c.rtid == tid && c.rwarp == wgen)) &&
+                !(c.wtid & kPending) && (c.wtid == tid || synced(t, c.wtid, c.wbar, c.wwarp)))
+                continue;
+        }
+        if (c.wtid != kNone && (c.wtid & kPending))
             ra_emu_report(RA_EMU_CP_ASYNC_PENDING,
                           "__shared__ %s at byte %zu, a cp.async destination of thread %u, "
                           "before the cp.async.wait_group that lands it",
@@ -119,9 +127,10 @@ void check_shared(Thread *t, uintptr_t a, size_t n, bool write) {
         if (write) {
             if (c.wtid != kNone && !synced(t, c.wtid, c.wbar, c.wwarp))
                 race(t, u * 2, true, "wrote", c.wtid);
-            if (c.rtid == kMany ? c.rbar == bar : c.rtid != kNone && !synced(t, c.rtid, c.rbar, c.rwarp))
+            if (c.rtid == kMany ? c.rbar == bar
+                                : c.rtid != kNone && !synced(t, c.rtid, c.rbar, c.rwarp))
                 race(t, u * 2, true, "read", c.rtid == kMany ? t->tid ^ 1u : c.rtid);
-            c.wtid = (uint16_t)t->tid;
+            c.wtid = tid;
             c.wbar = bar;
             c.wwarp = wgen;
             c.rtid = kNone;
@@ -131,10 +140,10 @@ void check_shared(Thread *t, uintptr_t a, size_t n, bool write) {
                               "__shared__ read of byte %zu, which no thread of the block has "
                               "written", u * 2);
             if (!synced(t, c.wtid, c.wbar, c.wwarp)) race(t, u * 2, false, "wrote", c.wtid);
-            if (c.rtid == kNone || c.rtid == t->tid ||
+            if (c.rtid == kNone || c.rtid == tid ||
                 (c.rtid != kMany && synced(t, c.rtid, c.rbar, c.rwarp)) ||
                 (c.rtid == kMany && c.rbar != bar)) {
-                c.rtid = (uint16_t)t->tid;
+                c.rtid = tid;
             } else {
                 c.rtid = kMany;
             }
@@ -195,10 +204,14 @@ static void check_global(Thread *t, uintptr_t a, size_t n, bool write) {
     if (write) ra_emu_mem_mark_init((const void *)a, n);
 }
 
-void check_access(Thread *t, uintptr_t a, size_t n, bool write) {
-    if (a - (uintptr_t)t->stack_lo < t->stack_size) return;
-    const Worker *w = t->blk->w;
-    if (a - (uintptr_t)w->window_lo < w->window) {
+/* Classify an access by a kernel thread; `soff` is the thread's stack
+ * pointer as an offset into the stacks' reservation. */
+static inline void access(uintptr_t soff, uintptr_t a, size_t n, bool write) {
+    const uintptr_t aoff = a - g_stacks_lo;
+    if (aoff < g_stacks_span && (aoff >> kStackShift) == (soff >> kStackShift))
+        return;  /* the thread's own stack: locals, the kernel's arguments */
+    Thread *t = thread_at(soff);
+    if (a - g_windows_lo < g_windows_span) {
         check_shared(t, a, n, write);
         return;
     }
@@ -213,6 +226,10 @@ void check_access(Thread *t, uintptr_t a, size_t n, bool write) {
                   write ? "write" : "read", n, (void *)a);
 }
 
+void check_access(Thread *t, uintptr_t a, size_t n, bool write) {
+    access((uintptr_t)t->stack_lo - g_stacks_lo, a, n, write);
+}
+
 }  // namespace ra_emu
 
 using namespace ra_emu;
@@ -221,8 +238,9 @@ using namespace ra_emu;
 
 #define RA_EMU_HOOK(name, n, write)                                                     \
     extern "C" __attribute__((visibility("hidden"))) void name(void *p) {               \
-        Thread *t = current_thread();                                                              \
-        if (t != nullptr && g_check_on == 1) check_access(t, (uintptr_t)p, n, write);   \
+        if (g_check_on != 1) return;                                                    \
+        const uintptr_t soff = (uintptr_t)__builtin_frame_address(0) - g_stacks_lo;     \
+        if (soff < g_stacks_span) access(soff, (uintptr_t)p, n, write);                 \
     }
 RA_EMU_HOOK(__tsan_read1, 1, false)
 RA_EMU_HOOK(__tsan_read2, 2, false)

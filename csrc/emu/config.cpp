@@ -120,11 +120,14 @@ extern "C" void ra_emu_report(ra_emu_report_kind kind, const char *fmt, ...) {
 }
 
 extern "C" const char *ra_emu_reports_text(void) {
+    /* a copy taken under the lock, owned by the calling thread: stable
+     * until this thread's next call, whatever other threads report */
+    static thread_local std::string snapshot;
     pthread_mutex_lock(&g_report_mu);
     if (g_reports == NULL) g_reports = new std::string();
-    const char *s = g_reports->c_str();  // stable until the next report or clear
+    snapshot = *g_reports;
     pthread_mutex_unlock(&g_report_mu);
-    return s;
+    return snapshot.c_str();
 }
 
 extern "C" long ra_emu_reports_count(void) {

@@ -96,8 +96,9 @@ typedef enum ra_emu_report_kind {
 void ra_emu_report(ra_emu_report_kind kind, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
-/* Every report since the process started, newest last, as one
- * newline-separated text (tests read it); its count. */
+/* Every report since the process started (or the last clear), newest
+ * last, as one newline-separated text (tests read it): a copy owned by the
+ * calling thread, valid until its next call; the count. */
 const char *ra_emu_reports_text(void);
 long ra_emu_reports_count(void);
 void ra_emu_reports_clear(void);

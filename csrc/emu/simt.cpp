@@ -147,6 +147,7 @@ __asm__(
 namespace ra_emu {
 
 uintptr_t g_stacks_lo, g_stacks_span;
+uintptr_t g_windows_lo, g_windows_span;
 Worker *g_workers[256];
 /* the worker of this OS thread, and the thread a scheduler-side report
  * (a deadlock) is about */
@@ -235,6 +236,7 @@ static void thread_exit(Thread *t) {
     t->state = T_DONE;
     b->live--;
     Warp &wp = b->warps[t->warp];
+    wp.done |= 1u << t->lane;
     for (unsigned l = 0; l < RA_EMU_WARP; l++) {
         if (!(wp.waiting & (1u << l))) continue;
         Thread *o = &b->threads[t->warp * RA_EMU_WARP + l];
@@ -333,7 +335,7 @@ static void run_block(Worker *w, Job *job, uint64_t index) {
     b->bar_count = b->bar_result = 0;
     b->live = b->nthreads;
     b->stop = false;
-    for (unsigned i = 0; i < b->nwarps; i++) b->warps[i].gen = 1, b->warps[i].waiting = 0;
+    for (unsigned i = 0; i < b->nwarps; i++) b->warps[i].gen = 1, b->warps[i].waiting = 0, b->warps[i].done = 0;
     w->report_thread = nullptr;
     /* shared memory starts as garbage: poison, so that a read of bytes never
      * written shows (and the checker reports it) */
@@ -359,8 +361,8 @@ static void run_block(Worker *w, Job *job, uint64_t index) {
     unsigned *order = w->order;
     uint64_t rng = cfg->seed * 0x9e3779b97f4a7c15ull + index + 1;
     const unsigned n = b->nthreads;
+    for (unsigned i = 0; i < n; i++) order[i] = cfg->schedule == 1 ? n - 1 - i : i;
     for (;;) {
-        for (unsigned i = 0; i < n; i++) order[i] = cfg->schedule == 1 ? n - 1 - i : i;
         if (cfg->schedule == 2) {
             for (unsigned i = n - 1; i > 0; i--) {
                 unsigned j = (unsigned)(xorshift(&rng) % (i + 1));
@@ -369,7 +371,7 @@ static void run_block(Worker *w, Job *job, uint64_t index) {
                 order[j] = tmp;
             }
         }
-        bool ran = false, all_done = true;
+        bool ran = false;
         for (unsigned i = 0; i < n; i++) {
             Thread *t = &w->threads[order[i]];
             if (t->state == T_READY) {
@@ -378,9 +380,7 @@ static void run_block(Worker *w, Job *job, uint64_t index) {
                 if (b->stop) return;
             }
         }
-        for (unsigned i = 0; i < n; i++)
-            if (w->threads[i].state != T_DONE) { all_done = false; break; }
-        if (all_done) return;
+        if (b->live == 0) return;
         if (!ran) {
             char why[700] = "";
             describe_waits(b, why, sizeof why);
@@ -423,6 +423,7 @@ static Worker *worker_new(unsigned index) {
     memset((void *)w, 0, sizeof *w);
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
     w->threads = (Thread *)map_or_die(sizeof(Thread) * RA_EMU_MAX_THREADS);
+    w->cp_pool = (CpAsync *)map_or_die(sizeof(CpAsync) * kMaxCpAsync * RA_EMU_MAX_THREADS);
     w->stacks = (unsigned char *)(g_stacks_lo + index * kWorkerSpan);
     for (unsigned i = 0; i < RA_EMU_MAX_THREADS; i++) {
         unsigned char *guard = w->stacks + i * kStackStride;
@@ -434,9 +435,10 @@ static Worker *worker_new(unsigned index) {
         }
         w->threads[i].stack_lo = guard + page;
         w->threads[i].stack_size = kStackStride - page;
+        w->threads[i].cp = w->cp_pool + (size_t)i * kMaxCpAsync;
     }
-    w->window = kRedzone + RA_EMU_SMEM_OPTIN + kRedzone;
-    w->window_lo = (unsigned char *)map_or_die(w->window);
+    w->window = kWindowStride;
+    w->window_lo = (unsigned char *)(g_windows_lo + index * kWindowStride);
     w->smem_base = w->window_lo + kRedzone;
     w->cells = (Cell *)map_or_die(sizeof(Cell) * (RA_EMU_SMEM_OPTIN / 2));
     return w;
@@ -482,6 +484,9 @@ static void pool_start(void) {
         abort();
     }
     g_stacks_lo = (uintptr_t)stacks;
+    g_windows_span = (uintptr_t)n * kWindowStride;
+    static_assert(kRedzone + RA_EMU_SMEM_OPTIN + kRedzone <= kWindowStride, "window");
+    g_windows_lo = (uintptr_t)map_or_die(g_windows_span);
     for (int i = 0; i < n; i++) g_workers[i] = worker_new((unsigned)i);
     for (int i = 0; i < n; i++) {
         pthread_attr_t attr;
@@ -545,15 +550,12 @@ void collective(CollKind kind, uint8_t mode, unsigned mask, int arg, int width) 
     wp.waiting |= bit;
     const unsigned base = t->warp * RA_EMU_WARP;
     /* a lane of the mask that has returned can never join */
-    for (unsigned l = 0; l < RA_EMU_WARP; l++) {
-        if ((mask >> l) & 1u && b->threads[base + l].state == T_DONE) {
-            ra_emu_report(RA_EMU_SYNC, "%s (mask 0x%08x) waits for lane %u, which has returned",
-                          coll_name(kind), mask, l);
-        }
-    }
+    if (mask & wp.done)
+        ra_emu_report(RA_EMU_SYNC, "%s (mask 0x%08x) waits for lane %d, which has returned",
+                      coll_name(kind), mask, __builtin_ctz(mask & wp.done));
     if ((wp.waiting & mask) == mask) {
-        for (unsigned l = 0; l < RA_EMU_WARP; l++) {
-            if (!((mask >> l) & 1u)) continue;
+        for (unsigned m = mask; m; m &= m - 1) {
+            const unsigned l = (unsigned)__builtin_ctz(m);
             Thread *o = &b->threads[base + l];
             if (o->coll != kind || o->coll_mask != mask) {
                 ra_emu_report(RA_EMU_SYNC, "lanes of one warp in different collectives: "
@@ -567,8 +569,8 @@ void collective(CollKind kind, uint8_t mode, unsigned mask, int arg, int width) 
             wp.gen++;
             break;
         case C_SHFL:
-            for (unsigned l = 0; l < RA_EMU_WARP; l++) {
-                if (!((mask >> l) & 1u)) continue;
+            for (unsigned m = mask; m; m &= m - 1) {
+                const unsigned l = (unsigned)__builtin_ctz(m);
                 Thread *o = &b->threads[base + l];
                 const int w = o->coll_width;
                 if (w < 1 || w > 32 || (w & (w - 1))) {
@@ -604,8 +606,8 @@ void collective(CollKind kind, uint8_t mode, unsigned mask, int arg, int width) 
             break;
         }
         wp.waiting &= ~mask;
-        for (unsigned l = 0; l < RA_EMU_WARP; l++)
-            if ((mask >> l) & 1u) b->threads[base + l].state = T_READY;
+        for (unsigned m = mask; m; m &= m - 1)
+            b->threads[base + __builtin_ctz(m)].state = T_READY;
     }
     yield_to_scheduler(t);
     t->coll = C_NONE;
@@ -719,37 +721,7 @@ extern "C" size_t ra_emu_func_smem_limit(const void *func) {
     return set > RA_EMU_SMEM_DEFAULT ? (size_t)set : (size_t)RA_EMU_SMEM_DEFAULT;
 }
 
-/* ---- the kernel language's entry points (device.h) ------------------------------------ */
-
-extern "C" uint3 ra_emu_thread_idx(void) {
-    const Thread *t = current_thread();
-    if (t == nullptr) return uint3{0, 0, 0};
-    return uint3{t->ix, t->iy, t->iz};
-}
-extern "C" uint3 ra_emu_block_idx(void) {
-    const Thread *t = current_thread();
-    if (t == nullptr) return uint3{0, 0, 0};
-    return uint3{t->blk->bx, t->blk->by, t->blk->bz};
-}
-extern "C" dim3 ra_emu_block_dim(void) {
-    const Thread *t = current_thread();
-    if (t == nullptr) return dim3(1, 1, 1);
-    return dim3(t->blk->g->block.x, t->blk->g->block.y, t->blk->g->block.z);
-}
-extern "C" dim3 ra_emu_grid_dim(void) {
-    const Thread *t = current_thread();
-    if (t == nullptr) return dim3(1, 1, 1);
-    return dim3(t->blk->g->grid.x, t->blk->g->grid.y, t->blk->g->grid.z);
-}
-extern "C" unsigned char *ra_emu_dynamic_smem(void) {
-    const Thread *t = current_thread();
-    return t == nullptr ? nullptr : t->blk->smem;
-}
-extern "C" unsigned ra_emu_cvta_shared(const void *p) {
-    const Thread *t = current_thread();
-    if (t == nullptr) return 0;
-    return (unsigned)((const unsigned char *)p - t->blk->smem);
-}
+/* ---- barriers (device.h) ---------------------------------------------------------------- */
 
 extern "C" int ra_emu_syncthreads_count(int pred) {
     Thread *t = current_thread();
@@ -764,96 +736,3 @@ extern "C" int ra_emu_syncthreads_count(int pred) {
 extern "C" void ra_emu_syncthreads(void) { (void)ra_emu_syncthreads_count(0); }
 
 extern "C" void ra_emu_syncwarp(unsigned mask) { collective(C_SYNCWARP, 0, mask, 0, 32); }
-
-extern "C" unsigned ra_emu_activemask(void) {
-    const Thread *t = current_thread();
-    const Block *b = t->blk;
-    unsigned m = 0;
-    for (unsigned l = 0; l < RA_EMU_WARP; l++) {
-        const unsigned i = t->warp * RA_EMU_WARP + l;
-        if (i < b->nthreads && b->threads[i].state != T_DONE) m |= 1u << l;
-    }
-    return m;
-}
-
-extern "C" uint64_t ra_emu_shfl(unsigned mask, uint64_t value, int mode, int lane_arg,
-                                int width) {
-    current_thread()->in[0] = value;
-    collective(C_SHFL, (uint8_t)mode, mask, lane_arg, width);
-    return current_thread()->out[0];
-}
-
-extern "C" unsigned ra_emu_vote(unsigned mask, int pred, int mode) {
-    current_thread()->in[0] = pred != 0;
-    collective(C_VOTE, (uint8_t)mode, mask, 0, 32);
-    return (unsigned)current_thread()->out[0];
-}
-
-extern "C" void ra_emu_threadfence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-
-extern "C" void ra_emu_trap(void) {
-    ra_emu_report(RA_EMU_TRAP, "__trap() called");
-    abort();  /* not reached in a kernel: the report stops the thread */
-}
-
-extern "C" uint64_t ra_emu_atomic(void *p, int kind, int op, uint64_t value, uint64_t compare) {
-    Thread *t = current_thread();
-    const size_t n = kind == 2 || kind == 4 ? 8 : 4;
-    if (t != nullptr) check_access(t, (uintptr_t)p, n, true);
-    if ((uintptr_t)p % n) {
-        ra_emu_report(RA_EMU_MISALIGNED, "atomic on %p, not %zu-byte aligned", p, n);
-    }
-    if (n == 4) {
-        uint32_t *q = (uint32_t *)p;
-        uint32_t old = __atomic_load_n(q, __ATOMIC_RELAXED), want;
-        do {
-            switch (op) {
-            case 0:
-                if (kind == 3) {
-                    float f, v;
-                    memcpy(&f, &old, 4);
-                    memcpy(&v, &value, 4);
-                    f += v;
-                    memcpy(&want, &f, 4);
-                } else {
-                    want = old + (uint32_t)value;
-                }
-                break;
-            case 1:
-                want = kind == 0 ? (uint32_t)((int32_t)old > (int32_t)value ? old : (uint32_t)value)
-                                 : (old > (uint32_t)value ? old : (uint32_t)value);
-                break;
-            case 2:
-                want = kind == 0 ? (uint32_t)((int32_t)old < (int32_t)value ? old : (uint32_t)value)
-                                 : (old < (uint32_t)value ? old : (uint32_t)value);
-                break;
-            case 3: want = (uint32_t)value; break;
-            default: want = old == (uint32_t)compare ? (uint32_t)value : old; break;
-            }
-        } while (!__atomic_compare_exchange_n(q, &old, want, true, __ATOMIC_RELAXED,
-                                              __ATOMIC_RELAXED));
-        return old;
-    }
-    uint64_t *q = (uint64_t *)p;
-    uint64_t old = __atomic_load_n(q, __ATOMIC_RELAXED), want;
-    do {
-        switch (op) {
-        case 0:
-            if (kind == 4) {
-                double f, v;
-                memcpy(&f, &old, 8);
-                memcpy(&v, &value, 8);
-                f += v;
-                memcpy(&want, &f, 8);
-            } else {
-                want = old + value;
-            }
-            break;
-        case 3: want = value; break;
-        case 4: want = old == compare ? value : old; break;
-        default: want = op == 1 ? (old > value ? old : value) : (old < value ? old : value); break;
-        }
-    } while (!__atomic_compare_exchange_n(q, &old, want, true, __ATOMIC_RELAXED,
-                                          __ATOMIC_RELAXED));
-    return old;
-}

@@ -67,10 +67,11 @@ struct Thread {
     uint64_t in[12];
     uint64_t out[4];
 
-    /* cp.async: copies in issue order; group g ends at cp index
-     * group_end[g] (committed groups, oldest first); copies past the last
-     * group end are not committed yet */
-    CpAsync cp[kMaxCpAsync];
+    /* cp.async: copies in issue order (cp points into the worker's
+     * cp_pool, kMaxCpAsync per thread, kept out of the hot fields); group g
+     * ends at cp index group_end[g] (committed groups, oldest first);
+     * copies past the last group end are not committed yet */
+    CpAsync *cp;
     int n_cp;
     int group_end[kMaxCpGroups];
     int n_groups;
@@ -92,6 +93,7 @@ enum : uint16_t { kNone = 0xffff, kMany = 0xfffe, kPending = 0x8000 };
 struct Warp {
     uint32_t gen;             /* __syncwarp generation (memory sync of the warp) */
     unsigned waiting;         /* lanes waiting in a collective */
+    unsigned done;            /* lanes that have returned */
 };
 
 struct Block {
@@ -121,6 +123,7 @@ struct Worker {
     const void *sched_stack_bottom;
     size_t sched_stack_size;
     Thread *threads;
+    CpAsync *cp_pool;         /* kMaxCpAsync per thread */
     unsigned char *stacks;
     unsigned char *window_lo;
     size_t window;
@@ -136,10 +139,17 @@ struct Worker {
  * found from the stack pointer alone, with no thread-local storage (which
  * a library opened by dlopen cannot use cheaply). */
 enum : uintptr_t {
-    kStackStride = (uintptr_t)128 << 10,
-    kWorkerSpan = kStackStride * RA_EMU_MAX_THREADS
+    kStackShift = 17,
+    kStackStride = (uintptr_t)1 << kStackShift,          /* 128 KiB */
+    kWorkerShift = kStackShift + 10,
+    kWorkerSpan = (uintptr_t)1 << kWorkerShift,          /* 1024 stacks */
+    kWindowStride = (uintptr_t)256 << 10                 /* shared window per worker */
 };
+static_assert(kWorkerSpan == kStackStride * RA_EMU_MAX_THREADS, "stack layout");
 extern uintptr_t g_stacks_lo, g_stacks_span;
+/* every worker's shared memory window in one reservation too: worker w's
+ * at g_windows_lo + w * kWindowStride */
+extern uintptr_t g_windows_lo, g_windows_span;
 extern Worker *g_workers[256];
 
 /* The thread running kernel code on this OS thread (NULL off a kernel). */
@@ -161,11 +171,16 @@ void shadow_cp_landed(Thread *t, unsigned char *dst, size_t n);
 /* the address range of the library's own image (read-only data) */
 void check_init_image(void);
 
+/* the thread whose stack holds offset `off` of the stacks' reservation */
+static inline Thread *thread_at(uintptr_t off) {
+    Worker *w = g_workers[off >> kWorkerShift];
+    return &w->threads[(off & (kWorkerSpan - 1)) >> kStackShift];
+}
+
 static inline Thread *current_thread(void) {
     const uintptr_t off = (uintptr_t)__builtin_frame_address(0) - g_stacks_lo;
     if (off >= g_stacks_span) return nullptr;
-    Worker *w = g_workers[off / kWorkerSpan];
-    return &w->threads[(off % kWorkerSpan) / kStackStride];
+    return thread_at(off);
 }
 
 }  // namespace ra_emu

@@ -206,7 +206,7 @@ static inline cudaError_t cudaMallocAsync(T **ptr, size_t size, cudaStream_t str
     return cudaMallocAsync((void **)ptr, size, stream);
 }
 
-#include "../device.h"
+#include "emu/device.h"
 #endif
 
 #endif /* RA_EMU_CUDA_RUNTIME_H */
