@@ -208,7 +208,8 @@ def _bench_parser(sub):
                         "an explicit mask")
     b.add_argument("--gpu", action="store_true",
                    help="GPU kernel table against PyTorch SDPA, and accuracy "
-                        "(needs a GPU and torch)")
+                        "(needs a GPU; without torch ringattn runs alone, "
+                        "the SDPA columns skipped)")
     b.add_argument("--jax", action="store_true",
                    help="ringattn inside JAX programs (XLA FFI, shard_map "
                         "ring) against JAX baselines")

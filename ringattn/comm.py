@@ -94,8 +94,26 @@ def _job_key(master_addr, port, world_size):
     return f"unauthenticated|job={job}|{master_addr}:{port}|size={world_size}"
 
 
+def _emu_nccl_library():
+    """The emulated GPU's stand-in NCCL (ringattn/_emu_nccl*.so, built next
+    to ringattn._C by ``RINGATTN_CUDA=emulate``), or None."""
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in EXTENSION_SUFFIXES:
+        path = os.path.join(here, "_emu_nccl" + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def _pip_nccl_library():
-    """libnccl.so.2 of the NVIDIA pip wheel (nvidia-nccl-cu*), or None."""
+    """The NCCL library to fall back on after ``RINGATTN_NCCL_LIBRARY``:
+    on the emulated GPU its stand-in NCCL (a real NCCL would look for a
+    real GPU), otherwise libnccl.so.2 of the NVIDIA pip wheel
+    (nvidia-nccl-cu*); None when there is none."""
+    if getattr(_C, "cuda_emulated", lambda: False)():
+        return _emu_nccl_library()
     roots = list(sys.path)
     try:
         roots += site.getsitepackages() + [site.getusersitepackages()]
@@ -116,7 +134,8 @@ def nccl_version():
 
     Never raises: None when ringattn was built without CUDA or no NCCL
     library can be opened (``RINGATTN_NCCL_LIBRARY``, ``libnccl.so.2``, the
-    NVIDIA pip wheel, in that order).
+    NVIDIA pip wheel, in that order; on the emulated GPU
+    ``RINGATTN_NCCL_LIBRARY``, then its stand-in NCCL).
     """
     try:
         return tuple(_C.nccl_version(library=_pip_nccl_library()))
@@ -374,7 +393,8 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
     ``NCCL_COMM_ID``, or the host rendezvous above (rank 0 makes the id; the
     host connection stays for ``barrier``/``allgather``).  NCCL is loaded at
     first use: ``RINGATTN_NCCL_LIBRARY``, ``libnccl.so.2``, then the NVIDIA
-    pip wheel.  ``sendrecv`` moves CUDA memory on the communicator's own
+    pip wheel (on the emulated GPU: ``RINGATTN_NCCL_LIBRARY``, then its
+    stand-in NCCL, ringattn/_emu_nccl*.so).  ``sendrecv`` moves CUDA memory on the communicator's own
     stream ordered after ringattn's compute stream; ``Request.wait()``
     orders the compute stream after the transfer without blocking the host.
     A transfer not done within the timeout aborts the communicator; the next

@@ -4,8 +4,16 @@ Markers: ``gpu`` (needs a CUDA device; skipped cleanly without one) and
 ``slow`` (large cases; still run by the default test command).
 Fixtures: ``rng`` (a NumPy Generator seeded from the test's node id, so every
 test draws its own reproducible data).
+
+On the emulated GPU (a ``RINGATTN_CUDA=emulate`` build) every ``gpu`` test
+is also failed by what the emulator's checker reported while it ran (a race,
+an out-of-bounds or uninitialised access, a barrier misuse, ...), even when
+the test's own assertions passed: after the call and after the teardown,
+the hooks below take ``ringattn._C.emu_reports()`` (what was reported since
+the last look) and fail on anything there.
 """
 
+import functools
 import zlib
 
 import numpy as np
@@ -15,6 +23,7 @@ import pytest
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "slow: large cases (run by default)")
+    config.addinivalue_line("markers", "emulated: checks of the emulated GPU build")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,6 +42,57 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@functools.lru_cache(maxsize=None)
+def _emulated_gpu():
+    """ringattn._C when it runs on the emulated GPU, else None."""
+    try:
+        import ringattn
+        from ringattn import _C
+
+        return _C if ringattn.cuda_info().get("emulated") else None
+    except Exception:  # ringattn not built (or broken): nothing to check
+        return None
+
+
+def _take_emu_reports(item):
+    """The checker's reports since the last look (setup included), cleared;
+    '' off the emulated GPU and for tests without the gpu marker."""
+    core = _emulated_gpu() if item.get_closest_marker("gpu") else None
+    if core is None:
+        return ""
+    reports = core.emu_reports()
+    core.emu_reports_clear()
+    return reports
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Fail a `gpu` test on the emulated GPU when its checker reported."""
+    try:
+        result = yield
+    except BaseException as exc:
+        reports = _take_emu_reports(item)
+        if reports:
+            exc.add_note(f"the emulated GPU's checker reported:\n{reports}")
+        raise
+    reports = _take_emu_reports(item)
+    if reports:
+        pytest.fail("the test passed, but the emulated GPU's checker "
+                    f"reported:\n{reports}", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """... and its fixtures' teardown (closing a communicator, ...)."""
+    result = yield
+    reports = _take_emu_reports(item)
+    if reports:
+        pytest.fail("the emulated GPU's checker reported in teardown:\n"
+                    f"{reports}", pytrace=False)
+    return result
 
 
 @pytest.fixture

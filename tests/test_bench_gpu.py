@@ -1,8 +1,17 @@
-"""The parts of ``ringattn bench --gpu`` that need no GPU: the masked rows'
-mask cases (the same problem for ringattn and for SDPA's explicit mask),
-their visible fraction, and the formatting of the masked table and its
-summary.  The GPU runs themselves are in tools/gpu_check.sh's bench stage;
-``bench --gpu`` without a GPU is tests/test_cli.py's."""
+"""``ringattn bench --gpu``.  Without a GPU: the masked rows' mask cases
+(the same problem for ringattn and for SDPA's explicit mask), their visible
+fraction, and the formatting of the masked table, the accuracy rows and the
+summary.  With one (``gpu`` marker; the emulated GPU of a
+``RINGATTN_CUDA=emulate`` build included): the whole bench in its quick
+configuration runs, every table has its rows and the accuracy passes, with
+PyTorch or, where it is missing (always on the emulated GPU), ringattn alone
+with the SDPA columns skipped and said so.  The full-size GPU runs are in
+tools/gpu_check.sh's bench stage; ``bench --gpu`` without a GPU is
+tests/test_cli.py's."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -87,3 +96,49 @@ def test_accuracy_row_names_its_mask():
     assert plain.startswith("FAIL bfloat16 D=128") and "dq 5.00e-02/1.00e-03 FAIL" in plain
     assert " window+docs+softcap  out" in masked
     assert masked.replace(" window+docs+softcap", "", 1) == plain
+
+
+def test_accuracy_row_without_torch_math_shows_a_dash():
+    errs = [("out", 1e-3, None, True), ("dq", 5e-2, None, False)]
+    line = format_accuracy_row({"dtype": "float16", "D": 64, "causal": False,
+                                "errs": errs, "ok": False})
+    assert line.startswith("FAIL float16  D=64")
+    assert "out 1.00e-03/-, dq 5.00e-02/- FAIL" in line
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_bench_gpu_quick_runs_on_this_gpu():
+    """``ringattn bench --gpu --quick`` (one sequence length) runs to its
+    summary line with every accuracy row passing; without PyTorch it says
+    that the SDPA columns are skipped, on the emulated GPU that its sizes
+    are tiny and its times are not a GPU's."""
+    info = ra.cuda_info()
+    emulated = bool(info.get("emulated"))
+    try:
+        import torch
+        have_torch = torch.cuda.is_available()
+    except ImportError:
+        have_torch = False
+    package = os.path.dirname(os.path.dirname(os.path.abspath(ra.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [package] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    seq = "128" if emulated else "1024"
+    proc = subprocess.run([sys.executable, "-m", "ringattn", "bench", "--gpu", "--quick",
+                           "--seq-lens", seq], capture_output=True, text=True,
+                          timeout=580, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("bench-gpu:")]
+    assert len(summary) == 1 and "accuracy PASS (10/10)" in summary[0], out
+    lines = proc.stdout.splitlines()
+    speed = [line for line in lines if line.split()[:1] in (["fwd"], ["bwd"])]
+    assert len(speed) == 16, out        # 2 dtypes x D 64, 128 x causal or not x 2 passes
+    masked = [line for line in lines if line.split()[:2] in
+              (["causal", seq], ["window", seq], ["docs", seq])]
+    assert len(masked) == 3, out
+    if not have_torch:
+        assert "no PyTorch: SDPA columns skipped" in summary[0], out
+        assert all(line.split()[8:10] == ["-", "-"] for line in speed), out
+    if emulated:
+        assert "EMULATED GPU" in summary[0], out

@@ -3,7 +3,10 @@ through DLPack, stream ordering both ways, and the caching allocator.
 
 Every test carries the ``gpu`` marker and skips unless
 ``ringattn.cuda_available()``; each framework's tests skip when that
-framework (with a CUDA device) is missing.
+framework (with a CUDA device) is missing (always on the emulated GPU of a
+``RINGATTN_CUDA=emulate`` build, which no framework sees: there the
+ringattn-only tests run, with ``ra.to_device`` arrays: copies both ways,
+conversions, strides, integer ids, device names, rounding, memory stats).
 
 The ordering tests hold a stream busy with a sleeping kernel
 (``torch.cuda._sleep``, or a CuPy kernel spinning on ``clock64``) so that
@@ -144,10 +147,14 @@ def test_export_with_copy_waits_for_the_copy():
     assert torch.equal(got, want.cpu())
 
 
-def test_memory_stats_count_cuda_bytes():
-    torch = _torch()
+@pytest.mark.parametrize("backend", ["torch", "ra"])
+def test_memory_stats_count_cuda_bytes(backend):
     qh, kh, vh = qkv_host(37, S=64)
-    q, k, v = (torch.from_numpy(x).cuda() for x in (qh, kh, vh))
+    if backend == "torch":
+        torch = _torch()
+        q, k, v = (torch.from_numpy(x).cuda() for x in (qh, kh, vh))
+    else:
+        q, k, v = (ra.to_device(x, "cuda") for x in (qh, kh, vh))
     before = ra.memory_stats()["cuda"]["current"]
     out, lse = ra.attention(q, k, v, return_lse=True)
     during = ra.memory_stats()["cuda"]["current"]

@@ -1,7 +1,8 @@
 """``ringattn.jax`` on CUDA devices: the FFI handlers launch ringattn's CUDA
 kernels on XLA's stream, into XLA's buffers.  Needs a CUDA build of
 ringattn, a GPU and a CUDA-enabled jaxlib (``pip install "jax[cuda12]"``);
-skipped otherwise.
+skipped otherwise (always on the emulated GPU of a ``RINGATTN_CUDA=emulate``
+build: XLA's GPU backend cannot see it).
 
     python -m pytest -q -m gpu tests/test_jax_ffi_gpu.py
 """
@@ -30,7 +31,10 @@ def _gpus():
 def gpus():
     devices = _gpus()
     if not devices:
-        pytest.skip("JAX has no GPU backend here (install jax[cuda12])")
+        why = "JAX has no GPU backend here (install jax[cuda12])"
+        if ra.cuda_info().get("emulated"):
+            why += "; XLA cannot run on ringattn's emulated GPU"
+        pytest.skip(why)
     if "CUDA" not in ra._C.ffi_targets():
         pytest.skip("ringattn was built without CUDA")
     import ringattn.jax  # noqa: F401  (registers the targets)

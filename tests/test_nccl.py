@@ -1,8 +1,11 @@
 """The 'nccl' backend: NCCL communicators moving CUDA memory.
 
 Every test carries the ``gpu`` marker and skips unless ringattn has a usable
-CUDA device, an NCCL library loads (``ra.nccl_version()``) and PyTorch with
-CUDA or CuPy is importable (to move arrays between host and device).
+CUDA device and an NCCL library loads (``ra.nccl_version()``).  On the
+emulated GPU (``RINGATTN_CUDA=emulate``) that is its stand-in NCCL
+(ranks are processes on this machine, two emulated devices shared).  Arrays
+move between host and device with PyTorch (CUDA) or CuPy where one is
+importable, else with ringattn's own ``ra.to_device``.
 
 * world size 1 runs in this process: the whole ring path (agreement, the
   double-buffered loop, dk/dv sent to self) on one GPU;
@@ -11,7 +14,8 @@ CUDA or CuPy is importable (to move arrays between host and device).
   NCCL_MULTI_RANK_GPU_ENABLE=1);
 * masks (windows, softcap, packed documents whose int64 ids are uploaded
   with ``ra.to_device``) at world size 1 and on 3 ranks;
-* ``ringattn demo --backend nccl`` (what ``demo`` picks on a GPU machine);
+* ``ringattn demo --backend nccl`` (what ``demo`` picks on a GPU machine;
+  a shorter sequence on the emulated GPU);
 * failures: a peer that never answers becomes CommError naming rank, peer,
   op and step within the timeout; a killed rank ends ``launch`` with
   LaunchError naming it, the other ranks fail with CommError within their
@@ -33,8 +37,10 @@ import pytest
 
 import ringattn as ra
 from ringattn.launch import LaunchError
-from ringattn.testing import (random_qkv, ref_attention,
+from ringattn.testing import (np_dtype, random_qkv, ref_attention,
                               ref_attention_backward)
+
+from gpu_arrays import EMULATED, no_emu_reports
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +50,8 @@ LAUNCH_TIMEOUT = 120
 
 
 def _array_lib():
-    """'torch' or 'cupy' (whichever can reach the GPU), or None."""
+    """'torch' or 'cupy' (whichever can reach the GPU), else 'ra'
+    (ringattn's own ``ra.to_device``), or None without a CUDA device."""
     try:
         import torch
 
@@ -59,7 +66,7 @@ def _array_lib():
             return "cupy"
     except Exception:  # noqa: BLE001 - ImportError or a CuPy without driver
         pass
-    return None
+    return "ra" if ra.cuda_available() else None
 
 
 def _skip_reason():
@@ -67,8 +74,6 @@ def _skip_reason():
         return f"no CUDA device: {ra.cuda_info()['reason']}"
     if ra.nccl_version() is None:
         return "NCCL cannot be loaded (RINGATTN_NCCL_LIBRARY / libnccl.so.2)"
-    if _array_lib() is None:
-        return "needs PyTorch with CUDA or CuPy"
     return None
 
 
@@ -79,8 +84,14 @@ if _skip_reason() is not None:
 # ---- host <-> device (module level: spawned ranks use them too) ------------
 
 def to_device(a, device, dtype=None):
-    """NumPy -> device array; dtype "bfloat16" rounds on the device."""
+    """NumPy -> device array; dtype "bfloat16" rounds on the device (with
+    ``ra.to_device``, which also holds CuPy's missing bfloat16: on the host,
+    ml_dtypes)."""
     a = np.ascontiguousarray(a)
+    if _array_lib() == "ra" or (dtype == "bfloat16" and _array_lib() == "cupy"):
+        if dtype is not None:
+            a = a.astype(np_dtype(dtype))
+        return ra.to_device(a, f"cuda:{device}")
     if _array_lib() == "torch":
         import torch
 
@@ -93,6 +104,9 @@ def to_device(a, device, dtype=None):
 
 
 def to_host(x):
+    if isinstance(x, ra.Buffer):
+        x = ra.to_device(x, "cpu").numpy()
+        return x.astype(np.float32) if x.dtype == np_dtype("bfloat16") else x
     if _array_lib() == "torch":
         import torch
 
@@ -106,7 +120,9 @@ def to_host(x):
 
 
 def synchronize(device):
-    if _array_lib() == "torch":
+    if _array_lib() == "ra":
+        ra._C.cuda_synchronize(device)
+    elif _array_lib() == "torch":
         import torch
 
         torch.cuda.synchronize(device)
@@ -161,6 +177,7 @@ def ring_rank(comm, q, k, v, dout, layout, causal, timeout=None):
                                             timeout=timeout)
     res = tuple(to_host(x) for x in (out, lse, dq, dk, dv))
     comm.barrier()          # raises if the communicator failed meanwhile
+    no_emu_reports()        # a rank's process: pytest's check cannot see it
     return res
 
 
@@ -200,6 +217,7 @@ def masked_ring_rank(comm, q, k, v, dout, layout, causal, mask):
     res = tuple(ra.to_device(x, "cpu").numpy()
                 for x in (out, lse) + tuple(grads))
     comm.barrier()
+    no_emu_reports()
     return res
 
 
@@ -293,6 +311,7 @@ def explicit_id_rank(host, uid):
         got = to_host(recv)
         comm.barrier()
         gathered = comm.allgather(f"rank{r}".encode())
+        no_emu_reports()
         return float(got[0]), float(got[-1]), gathered, comm.stats()
     finally:
         comm.close()
@@ -323,6 +342,15 @@ def test_version_and_unique_id():
     assert isinstance(version, tuple) and version >= (2, 14, 0)
     a, b = ra.nccl_unique_id(), ra.nccl_unique_id()
     assert isinstance(a, bytes) and len(a) == 128 and a != b
+
+
+@pytest.mark.skipif(not EMULATED, reason="the emulated GPU's stand-in NCCL")
+def test_emulated_gpu_loads_its_stand_in_nccl():
+    """On the emulated GPU the library after RINGATTN_NCCL_LIBRARY is the
+    stand-in built next to ringattn._C (a real NCCL would want a GPU)."""
+    path = ra.comm._pip_nccl_library()
+    assert path is not None and os.path.basename(path).startswith("_emu_nccl"), path
+    assert os.path.dirname(path) == os.path.dirname(os.path.abspath(ra._C.__file__))
 
 
 def test_world_size_1_comm_basics(comm1):
@@ -381,8 +409,6 @@ def test_world_size_1_ring_matches_reference(comm1, layout, causal, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_world_size_1_ring_bfloat16_on_tensor_cores(comm1, causal):
     # D = 64: the tensor-core kernels, continuing a float32 running state
-    if _array_lib() != "torch":
-        pytest.skip("bfloat16 device arrays need PyTorch")
     rng = np.random.default_rng(11)
     q, k, v, dout = (rng.standard_normal((2, 150, 4, 64)) for _ in range(4))
     dev = comm1.device[1]
@@ -467,8 +493,11 @@ def test_demo_on_nccl(ranks, extra, monkeypatch):
     ok, why, _ = nccl_plan(ranks)
     if not ok:
         pytest.skip(why)
+    # the emulated GPU runs the kernels on this machine's CPU: a shorter
+    # sequence with fewer heads (the window still spans ranks)
+    size = ["-n", "600", "--heads", "2"] if EMULATED else ["-n", "3000"]
     proc = subprocess.run(
-        [sys.executable, "-m", "ringattn", "demo", "-n", "3000", "-p",
+        [sys.executable, "-m", "ringattn", "demo", *size, "-p",
          str(ranks), "--backend", "nccl", "--quiet", *extra],
         capture_output=True, text=True, timeout=280)
     out = proc.stdout + proc.stderr

@@ -47,6 +47,15 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define RA_EMU_ASAN_POISON(p, n) __asan_poison_memory_region((const void *)(p), (n))
+#define RA_EMU_ASAN_UNPOISON(p, n) __asan_unpoison_memory_region((const void *)(p), (n))
+#else
+#define RA_EMU_ASAN_POISON(p, n) ((void)(p), (void)(n))
+#define RA_EMU_ASAN_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
 #include <deque>
 #include <map>
 #include <set>
@@ -301,6 +310,10 @@ extern "C" void *ra_emu_mem_alloc(int device, size_t nbytes) {
     Alloc a = {chunk + rz, nbytes, chunk, chunk_len, device};
     (*g_live)[a.user] = a;
     dv.used += user_len;
+    /* built with AddressSanitizer (the checker is off then): it guards
+     * the redzones and freed blocks instead */
+    RA_EMU_ASAN_POISON(chunk, chunk_len);
+    RA_EMU_ASAN_UNPOISON(a.user, nbytes);
     /* nobody else knows the block yet, but a free of it (a bug) must not
      * overtake these: fill under the lock */
     memset((void *)a.user, 0xff, nbytes);
@@ -315,6 +328,7 @@ extern "C" int ra_emu_mem_free(void *p) {
     auto it = g_live->find((uintptr_t)p);
     int rc = -1;
     if (it != g_live->end()) {
+        RA_EMU_ASAN_POISON(it->second.user, it->second.n);
         retire(it);
         rc = 0;
     }

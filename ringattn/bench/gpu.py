@@ -29,8 +29,18 @@ The speed bars of the GPU bring-up (forward >= 0.7x and backward >= 0.5x
 SDPA flash at D = 128, bfloat16, S >= 4k) are reported in the last line,
 with the masked rows' time as a fraction of plain causal.
 
+Without PyTorch (with CUDA), or on the emulated GPU of a
+``RINGATTN_CUDA=emulate`` build (which PyTorch cannot see), ringattn runs
+alone and says so: inputs are NumPy draws uploaded with ``ra.to_device``,
+times are synchronised wall times, the SDPA and torch math columns are
+"-", and accuracy is judged against the float64 reference of
+``ringattn.testing`` with the GPU tests' tolerance (``TOL`` * max(1, max
+|ref|)).  The emulated GPU runs the kernels on the CPU: there every size
+is cut to a tiny configuration (``EMULATED_SIZES``) and the times say
+nothing about a GPU; it only shows that the bench runs.
+
 ``run(args) -> int``: prints the tables and a summary line; 0 when every
-accuracy check passed, 1 otherwise, 2 when no GPU or PyTorch is there.
+accuracy check passed, 1 otherwise, 2 when no GPU is there.
 """
 import statistics
 
@@ -44,6 +54,81 @@ HIDDEN = 2048
 FWD_BAR, BWD_BAR = 0.7, 0.5
 FWD_RULE, BWD_RULE, FLOOR = 2.0, 3.0, 1e-4
 MASKED_DOCS = 8
+# without torch math to compare with: tests/test_cuda.py's tolerance
+TOL = {"bfloat16": 2e-2, "float16": 5e-3}
+# the accuracy problem (B, S, H), the speed rows' tokens and hidden size,
+# their default sequence lengths, warm-up and timed calls
+SIZES = {"accuracy": (2, 1024, 4), "tokens": TOKENS, "hidden": HIDDEN,
+         "seqlens": SEQLENS, "quick_seqlens": (1024,), "warmup": (3, 2), "repeats": (10, 5)}
+EMULATED_SIZES = {"accuracy": (1, 128, 2), "tokens": 256, "hidden": 128,
+                  "seqlens": (128,), "quick_seqlens": (128,), "warmup": (1, 1),
+                  "repeats": (2, 2)}
+
+
+class _Device:
+    """The arrays, timer and cache of the bench: PyTorch's (`torch` given:
+    CUDA events on its current stream) or ringattn's alone (``ra.to_device``
+    uploads of NumPy draws, wall times between ``cuda_synchronize`` calls)."""
+
+    def __init__(self, torch=None):
+        self.torch = torch
+
+    def randn(self, shape, dtype, seed, count=4):
+        """`count` standard-normal arrays of `shape` in `dtype` on GPU 0."""
+        if self.torch is not None:
+            torch = self.torch
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            return [torch.randn(*shape, device="cuda", generator=g).to(getattr(torch, dtype))
+                    for _ in range(count)]
+        import numpy as np
+
+        import ringattn as ra
+
+        rng = np.random.default_rng(seed)
+        return [ra.to_device(rng.standard_normal(shape, dtype=np.float32), "cuda", dtype=dtype)
+                for _ in range(count)]
+
+    def ids(self, x):
+        """(B, S) int32 NumPy ids -> on GPU 0."""
+        if self.torch is not None:
+            return self.torch.from_numpy(x).to("cuda")
+        import ringattn as ra
+
+        return ra.to_device(x, "cuda")
+
+    def scaled(self, x, factor):
+        if self.torch is not None:
+            return x * factor
+        import ringattn as ra
+
+        host = self.host(x) * factor
+        return ra.to_device(host, "cuda", dtype=x.dtype)
+
+    def host(self, x):
+        """A device array as float64 NumPy."""
+        if self.torch is not None:
+            return x.double().cpu().numpy()
+        import ringattn as ra
+
+        return ra.to_device(x, "cpu", dtype="float64").numpy()
+
+    def time_ms(self, fn, warmup, repeats):
+        if self.torch is not None:
+            return _time_ms(fn, warmup, repeats)
+        import ringattn as ra
+
+        from .timing import median_time
+
+        return 1e3 * median_time(fn, repeats, warmup=warmup,
+                                 sync=lambda: ra._C.cuda_synchronize(0))
+
+    def empty_cache(self):
+        if self.torch is not None:
+            self.torch.cuda.empty_cache()
+        else:
+            import ringattn as ra
+
+            ra._C.cuda_empty_cache()
 
 
 def _time_ms(fn, warmup, repeats):
@@ -160,42 +245,50 @@ def mask_keywords(ids, window, softcap, B, to_device):
     return kw
 
 
-def _masked_inputs(name, S, B=1):
+def _masked_inputs(name, S, B=1, dev=None):
     """(mask keywords with the ids on the GPU, ids, window, softcap)."""
-    import torch
-
+    dev = dev or _Device(_torch_or_none())
     ids, window, softcap = mask_spec(name, S)
-    kw = mask_keywords(ids, window, softcap, B, lambda x: torch.from_numpy(x).to("cuda"))
+    kw = mask_keywords(ids, window, softcap, B, dev.ids)
     return kw, ids, window, softcap
 
 
-def accuracy_rows(dtypes, dims):
+def _torch_or_none():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def accuracy_rows(dtypes, dims, dev=None, sizes=SIZES):
     """One row per (dtype, D, causal), and one masked row per dtype
     (masked_accuracy_row): errors of ringattn and torch math vs float64,
-    and whether ringattn meets the rule."""
-    import torch
-
+    and whether ringattn meets the rule (without PyTorch: the errors of
+    ringattn vs the host's float64 reference, and TOL)."""
     import ringattn as ra
 
+    dev = dev or _Device(_torch_or_none())
     rows = []
-    B, S, H = 2, 1024, 4
+    B, S, H = sizes["accuracy"]
     for dtype in dtypes:
-        tdt = getattr(torch, dtype)
         for D in dims:
             for causal in (False, True):
-                g = torch.Generator(device="cuda").manual_seed(D + causal)
-                base = [torch.randn(B, S, H, D, device="cuda", generator=g) for _ in range(4)]
-                q, k, v, dout = (x.to(tdt) for x in base)
-                ref = _torch_attention(*(x.double() for x in (q, k, v, dout)), causal)
-                math = _torch_attention(q, k, v, dout, causal)
+                q, k, v, dout = dev.randn((B, S, H, D), dtype, D + causal)
                 out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
                 mine = [out] + list(ra.attention_backward(dout, q, k, v, out, lse,
                                                           causal=causal))
-                errs = _errors(mine, ref, math)
+                if dev.torch is not None:
+                    ref = _torch_attention(*(x.double() for x in (q, k, v, dout)), causal)
+                    math = _torch_attention(q, k, v, dout, causal)
+                    errs = _errors(mine, ref, math)
+                    del ref, math
+                else:
+                    errs = _host_errors(dev, mine, (q, k, v, dout), dtype, causal=causal)
                 ok = all(e[3] for e in errs)
                 rows.append({"dtype": dtype, "D": D, "causal": causal, "errs": errs, "ok": ok})
-                del base, q, k, v, dout, ref, math, out, lse, mine
-        rows.append(masked_accuracy_row(dtype, B, S, H, max(dims)))
+                del q, k, v, dout, out, lse, mine
+        rows.append(masked_accuracy_row(dtype, B, S, H, max(dims), dev))
     return rows
 
 
@@ -213,44 +306,68 @@ def _errors(mine, ref, math):
     return errs
 
 
-def masked_accuracy_row(dtype, B, S, H, D):
+def _host_errors(dev, mine, inputs, dtype, **mask):
+    """_errors without PyTorch: [(name, ringattn error, None, error <= TOL *
+    max(1, max |ref|))] against ringattn.testing's float64 reference of the
+    inputs as the kernels saw them (`mask`: causal, window, segment ids,
+    softcap)."""
+    import numpy as np
+
+    from ringattn import testing
+
+    q, k, v, dout = (dev.host(x) for x in inputs)
+    ref_out, _ = testing.ref_attention(q, k, v, **mask)
+    refs = [ref_out] + list(testing.ref_attention_backward(dout, q, k, v, **mask))
+    errs = []
+    for name, got, r in zip(("out", "dq", "dk", "dv"), mine, refs):
+        e_ra = float(np.abs(dev.host(got) - r).max(initial=0.0))
+        bound = TOL[dtype] * max(1.0, float(np.abs(r).max(initial=0.0)))
+        errs.append((name, e_ra, None, e_ra == e_ra and e_ra <= bound))  # NaN fails
+    return errs
+
+
+def masked_accuracy_row(dtype, B, S, H, D, dev=None):
     """The accuracy row of one dtype with a window, packed documents and a
     softcap at once (causal), torch math given the same mask."""
-    import torch
-
     import ringattn as ra
 
-    kw, ids, window, softcap = _masked_inputs("all", S, B)
-    visible = torch.from_numpy(dense_mask(S, ids, window)).to("cuda")
-    g = torch.Generator(device="cuda").manual_seed(D + 7)
-    base = [torch.randn(B, S, H, D, device="cuda", generator=g) for _ in range(4)]
-    q, k, v, dout = (x.to(getattr(torch, dtype)) for x in base)
-    q = q * 3  # scores that reach the cap
-    ref = _torch_attention(*(x.double() for x in (q, k, v, dout)), True, visible, softcap)
-    math = _torch_attention(q, k, v, dout, True, visible, softcap)
+    dev = dev or _Device(_torch_or_none())
+    kw, ids, window, softcap = _masked_inputs("all", S, B, dev)
+    q, k, v, dout = dev.randn((B, S, H, D), dtype, D + 7)
+    q = dev.scaled(q, 3)  # scores that reach the cap
     out, lse = ra.attention(q, k, v, causal=True, return_lse=True, **kw)
     mine = [out] + list(ra.attention_backward(dout, q, k, v, out, lse, causal=True, **kw))
-    errs = _errors(mine, ref, math)
+    if dev.torch is not None:
+        visible = dev.torch.from_numpy(dense_mask(S, ids, window)).to("cuda")
+        ref = _torch_attention(*(x.double() for x in (q, k, v, dout)), True, visible, softcap)
+        math = _torch_attention(q, k, v, dout, True, visible, softcap)
+        errs = _errors(mine, ref, math)
+    else:
+        import numpy as np
+
+        seg = np.repeat(ids[None], B, axis=0)
+        errs = _host_errors(dev, mine, (q, k, v, dout), dtype, causal=True,
+                            segment_ids=seg, window=window, softcap=softcap)
     return {"dtype": dtype, "D": D, "causal": True, "mask": "window+docs+softcap",
             "errs": errs, "ok": all(e[3] for e in errs)}
 
 
-def _speed_one(dtype, D, S, causal, warmup, repeats):
-    """{(pass, backend): ms} for one configuration."""
-    import torch
-
+def _speed_one(dtype, D, S, causal, warmup, repeats, dev=None, sizes=SIZES):
+    """{(pass, backend): ms} for one configuration (SDPA's backends only
+    with PyTorch)."""
     import ringattn as ra
 
-    H, B = HIDDEN // D, max(1, TOKENS // S)
-    g = torch.Generator(device="cuda").manual_seed(S + D)
-    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=getattr(torch, dtype),
-                                 generator=g) for _ in range(4))
+    dev = dev or _Device(_torch_or_none())
+    H, B = sizes["hidden"] // D, max(1, sizes["tokens"] // S)
+    q, k, v, dout = dev.randn((B, S, H, D), dtype, S + D)
     out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
-    ms = {("fwd", "ra"): _time_ms(
+    ms = {("fwd", "ra"): dev.time_ms(
               lambda: ra.attention(q, k, v, causal=causal, return_lse=True), warmup, repeats),
-          ("bwd", "ra"): _time_ms(
+          ("bwd", "ra"): dev.time_ms(
               lambda: ra.attention_backward(dout, q, k, v, out, lse, causal=causal),
               warmup, repeats)}
+    if dev.torch is None:
+        return ms
     for be in ("flash", "cudnn"):
         fwd, bwd = _sdpa_fns(q, k, v, dout, causal, be)
         if fwd is not None:
@@ -260,20 +377,19 @@ def _speed_one(dtype, D, S, causal, warmup, repeats):
     return ms
 
 
-def speed_rows(dtypes, dims, seqlens, warmup, repeats, echo=print):
+def speed_rows(dtypes, dims, seqlens, warmup, repeats, echo=print, dev=None, sizes=SIZES):
     """One row per (pass, dtype, causal, D, S) with TFLOP/s of ringattn,
     SDPA flash and SDPA cuDNN (None where a backend cannot run)."""
-    import torch
-
+    dev = dev or _Device(_torch_or_none())
     rows = []
     for dtype in dtypes:
         for D in dims:
-            H = HIDDEN // D
+            H = sizes["hidden"] // D
             for S in seqlens:
-                B = max(1, TOKENS // S)
+                B = max(1, sizes["tokens"] // S)
                 for causal in (False, True):
-                    ms = _speed_one(dtype, D, S, causal, warmup, repeats)
-                    torch.cuda.empty_cache()
+                    ms = _speed_one(dtype, D, S, causal, warmup, repeats, dev, sizes)
+                    dev.empty_cache()
                     flops = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
                     for pas, mult in (("fwd", 1.0), ("bwd", 2.5)):
                         tf = {name: (None if (pas, name) not in ms else
@@ -300,50 +416,50 @@ def format_speed_row(r):
 
 
 def format_accuracy_row(r):
-    parts = [f"{n} {a:.2e}/{b:.2e}{'' if g else ' FAIL'}" for n, a, b, g in r["errs"]]
+    parts = [f"{n} {a:.2e}/{'-' if b is None else f'{b:.2e}'}{'' if g else ' FAIL'}"
+             for n, a, b, g in r["errs"]]
     mask = f" {r['mask']}" if r.get("mask") else ""
     return (f"{'ok  ' if r['ok'] else 'FAIL'} {r['dtype']:8} D={r['D']:<3d} "
             f"causal={str(r['causal']):5}{mask}  " + ", ".join(parts))
 
 
-def masked_speed_rows(S, warmup, repeats, echo=print):
+def masked_speed_rows(S, warmup, repeats, echo=print, dev=None, sizes=SIZES):
     """One row per mask case ("causal", "window", "docs") at bfloat16,
     D = 128, B = 1, H = 16, causal: the visible fraction, ringattn's and
     SDPA's times (ms) and TFLOP/s on the visible pairs (SDPA: flash for
     plain causal, the explicit boolean mask otherwise; None where it cannot
-    run, e.g. out of memory)."""
-    import torch
-
+    run, e.g. out of memory, or without PyTorch)."""
     import ringattn as ra
 
+    dev = dev or _Device(_torch_or_none())
     D, B = 128, 1
-    H = HIDDEN // D
-    g = torch.Generator(device="cuda").manual_seed(S)
-    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16,
-                                 generator=g) for _ in range(4))
+    H = max(1, sizes["hidden"] // D)
+    q, k, v, dout = dev.randn((B, S, H, D), "bfloat16", S)
     rows = []
     for name in ("causal", "window", "docs"):
-        kw, ids, window, _ = _masked_inputs(name, S)
+        kw, ids, window, _ = _masked_inputs(name, S, 1, dev)
         out, lse = ra.attention(q, k, v, causal=True, return_lse=True, **kw)
-        ms = {("fwd", "ra"): _time_ms(
+        ms = {("fwd", "ra"): dev.time_ms(
                   lambda: ra.attention(q, k, v, causal=True, return_lse=True, **kw),
                   warmup, repeats),
-              ("bwd", "ra"): _time_ms(
+              ("bwd", "ra"): dev.time_ms(
                   lambda: ra.attention_backward(dout, q, k, v, out, lse, causal=True, **kw),
                   warmup, repeats)}
-        mask = None
-        try:
-            if kw:
-                mask = torch.from_numpy(dense_mask(S, ids, window)).to("cuda")
-            fwd, bwd = _sdpa_fns(q, k, v, dout, True, None if kw else "flash", mask)
-            if fwd is not None:
-                ms[("fwd", "sdpa")] = _time_ms(fwd, warmup, repeats)
-            if bwd is not None:
-                ms[("bwd", "sdpa")] = _time_ms(bwd, warmup, repeats)
-        except RuntimeError:   # out of memory: the SDPA cells stay empty
-            pass
-        del mask
-        torch.cuda.empty_cache()
+        if dev.torch is not None:
+            torch = dev.torch
+            mask = None
+            try:
+                if kw:
+                    mask = torch.from_numpy(dense_mask(S, ids, window)).to("cuda")
+                fwd, bwd = _sdpa_fns(q, k, v, dout, True, None if kw else "flash", mask)
+                if fwd is not None:
+                    ms[("fwd", "sdpa")] = _time_ms(fwd, warmup, repeats)
+                if bwd is not None:
+                    ms[("bwd", "sdpa")] = _time_ms(bwd, warmup, repeats)
+            except RuntimeError:   # out of memory: the SDPA cells stay empty
+                pass
+            del mask
+        dev.empty_cache()
         visible = visible_fraction(S, True, ids, window)
         flops = 4.0 * B * H * D * visible * S * S
         row = {"case": name, "S": S, "visible": visible}
@@ -420,43 +536,77 @@ def preflight(command, tag):
 def run(args=None) -> int:
     import ringattn as ra
 
-    torch = preflight("bench --gpu", "bench-gpu")
-    if torch is None:
+    if not ra.cuda_available():
+        why = f"no usable GPU: {ra.cuda_info()['reason']}"
+        print(f"bench --gpu: {why}")
+        print(f"bench-gpu: FAIL {why.split(':')[0]}")
         return 2
+    info = ra.cuda_info()
+    emulated = bool(info.get("emulated"))
+    torch = _torch_or_none()
+    if torch is None:
+        try:
+            import torch as _t  # noqa: F401
+            alone = "PyTorch sees no CUDA device"
+        except ImportError:
+            alone = "PyTorch is not installed"
+    dev = _Device(torch)
+    sizes = EMULATED_SIZES if emulated else SIZES
     quick = bool(getattr(args, "quick", False))
-    warmup = 2 if quick else 3
-    repeats = 5 if quick else 10
+    warmup = sizes["warmup"][quick]
+    repeats = sizes["repeats"][quick]
     seq_arg = getattr(args, "seq_lens", "") or ""
     seqlens = tuple(int(s) for s in seq_arg.split(",") if s.strip()) or (
-        (1024,) if quick else SEQLENS)
+        sizes["quick_seqlens"] if quick else sizes["seqlens"])
+    B_acc, S_acc, H_acc = sizes["accuracy"]
+    tokens, hidden = sizes["tokens"], sizes["hidden"]
 
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"ringattn {ra.__version__}")
-    print("accuracy at S=1024, B=2, H=4: max |err| vs float64, ringattn / torch math "
-          f"(same dtype); rule: ringattn <= {FWD_RULE:g}x (out) / {BWD_RULE:g}x (grads) "
-          f"torch math + {FLOOR:g} * max(1, max|ref|)")
-    acc = accuracy_rows(DTYPES, HEAD_DIMS)
+    if torch is not None:
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"ringattn {ra.__version__}")
+    else:
+        print(f"device: {info.get('device_name') or 'CUDA device 0'}, ringattn {ra.__version__}")
+        print(f"ringattn alone ({alone}): the SDPA and torch math columns are skipped (-), "
+              f"inputs are uploaded with ra.to_device, times are synchronised wall times")
+    if emulated:
+        print("EMULATED GPU (RINGATTN_CUDA=emulate): the kernels run on the CPU, every size "
+              "is cut to a tiny configuration, and the times say nothing about a GPU")
+    if torch is not None:
+        rule = (f"ringattn <= {FWD_RULE:g}x (out) / {BWD_RULE:g}x (grads) torch math + "
+                f"{FLOOR:g} * max(1, max|ref|)")
+        versus = "ringattn / torch math (same dtype)"
+    else:
+        rule = ("ringattn <= " + ", ".join(f"{t:g} ({d})" for d, t in TOL.items())
+                + " * max(1, max|ref|)")
+        versus = "ringattn / - (no torch math)"
+    print(f"accuracy at S={S_acc}, B={B_acc}, H={H_acc}: max |err| vs float64, {versus}; "
+          f"rule: {rule}")
+    acc = accuracy_rows(DTYPES, HEAD_DIMS, dev, sizes)
     for r in acc:
         print(format_accuracy_row(r), flush=True)
     print()
-    print(f"speed: B*S = {TOKENS}, H*D = {HIDDEN}; median of {repeats} after {warmup} "
-          "warm-up calls, CUDA events")
+    timer = "CUDA events" if torch is not None else "synchronised wall time"
+    print(f"speed: B*S = {tokens}, H*D = {hidden}; median of {repeats} after {warmup} "
+          f"warm-up calls, {timer}")
     print("TFLOP/s = flops / time, flops (flash-attention 2 convention): forward "
           "4*B*H*S^2*D, halved when causal; backward 2.5x the forward")
     print(SPEED_HEAD)
     print("-" * len(SPEED_HEAD), flush=True)
     rows = speed_rows(DTYPES, HEAD_DIMS, seqlens, warmup, repeats,
-                      echo=lambda line: print(line, flush=True))
+                      echo=lambda line: print(line, flush=True), dev=dev, sizes=sizes)
     bars = speed_bars(rows)
     S_masked = max(seqlens)
+    H_masked = max(1, hidden // 128)
     print()
-    print(f"masked: bfloat16, D=128, B=1, H={HIDDEN // 128}, S={S_masked}, causal; window "
-          f"({S_masked // 4}, 0) and {MASKED_DOCS} packed documents; sdpa: flash for causal, "
-          "the explicit boolean mask otherwise; TFLOP/s on the visible pairs")
+    sdpa = ("sdpa: flash for causal, the explicit boolean mask otherwise"
+            if torch is not None else "no sdpa (no PyTorch)")
+    print(f"masked: bfloat16, D=128, B=1, H={H_masked}, S={S_masked}, causal; window "
+          f"({S_masked // 4}, 0) and {MASKED_DOCS} packed documents; {sdpa}; "
+          "TFLOP/s on the visible pairs")
     print(MASKED_HEAD)
     print("-" * len(MASKED_HEAD), flush=True)
     masked = masked_speed_rows(S_masked, warmup, repeats,
-                               echo=lambda line: print(line, flush=True))
+                               echo=lambda line: print(line, flush=True), dev=dev, sizes=sizes)
     n_ok = sum(r["ok"] for r in acc)
 
     def bar(name, got, want):
@@ -464,10 +614,13 @@ def run(args=None) -> int:
             return f"{name} ra/flash n/a"
         return f"{name} ra/flash {got:.2f} ({'meets' if got >= want else 'below'} {want})"
 
+    notes = ([] if torch is not None else ["no PyTorch: SDPA columns skipped"]) + (
+        ["EMULATED GPU, tiny sizes: times are not GPU times"] if emulated else [])
     print(f"bench-gpu: accuracy {'PASS' if n_ok == len(acc) else 'FAIL'} "
           f"({n_ok}/{len(acc)}); D128 bf16 S>=4k: "
           f"{bar('fwd', bars['fwd'], FWD_BAR)}, {bar('bwd', bars['bwd'], BWD_BAR)}; "
-          f"masked S={S_masked}: {masked_summary(masked)}")
+          f"masked S={S_masked}: {masked_summary(masked)}"
+          + "".join(f"; {n}" for n in notes))
     return 0 if n_ok == len(acc) else 1
 
 
