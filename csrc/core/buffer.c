@@ -362,6 +362,8 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
         (dst->device_type == src->device_type &&
          dst->device_id == src->device_id);
     if (!same_memory) return ra_buffer_copy_across(dst, src, raw);
+    if (ra_buffer_overlaps(dst, src))
+        return ra_buffer_copy_overlapping(dst, src);
     ra_copy_params p;
     memset(&p, 0, sizeof p);
     p.ndim = dst->ndim;
