@@ -195,7 +195,8 @@ def ring_attention(q, k, v, *, axis_name, causal=False, scale=None,
     if k.shape[1] != n_r:
         raise ValueError(f"k: expected this device's shard length {n_r} (from "
                          f"q), got {k.shape[1]}")
-    masks = _ffi.check_masks(q, k, segment_ids, None, window, softcap)
+    masks = _ffi.check_masks(q, k, segment_ids, None, window, softcap,
+                             axis_name=axis_name)
     p = _axis_size(axis_name)
     n = p * n_r
     if seq_len is not None and seq_len != n:

@@ -177,6 +177,27 @@ ra_status ra_xla_copy(const ra_xla_call *c, void *dst, const void *src,
 #endif
 }
 
+ra_status ra_xla_to_host(const ra_xla_call *c, void *dst, const void *src,
+                         size_t nbytes) {
+    if (nbytes == 0) return RA_OK;
+    if (!on_cuda(c)) {
+        memcpy(dst, src, nbytes);
+        return RA_OK;
+    }
+#ifdef RA_WITH_CUDA
+    int dev = -1, prev = -1;
+    RA_CHECK(enter_device_of(src, &dev, &prev));
+    cudaError_t e = cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToHost,
+                                    (cudaStream_t)c->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize((cudaStream_t)c->stream);
+    return leave_device(dev, prev,
+                        ra_cuda_status((int)e, "cudaMemcpyAsync (to the host)",
+                                       __FILE__, __LINE__));
+#else
+    return no_cuda();
+#endif
+}
+
 ra_status ra_xla_read_ints(const ra_xla_call *c, const void *src, int wide,
                            int64_t *dst, int64_t n) {
     const size_t es = wide ? 8 : 4, nbytes = (size_t)n * es;
@@ -187,25 +208,9 @@ ra_status ra_xla_read_ints(const ra_xla_call *c, const void *src, int wide,
                      (long long)n);
         return RA_ERR_INTERNAL;
     }
-    if (!on_cuda(c)) {
-        memcpy(raw, src, nbytes);
-    } else {
-#ifdef RA_WITH_CUDA
-        /* The positions of a ring block depend on the rank, a value XLA
-         * holds on the device; the launch parameters need them on the host. */
-        int dev = -1, prev = -1;
-        RA_CHECK(enter_device_of(src, &dev, &prev));
-        cudaError_t e = cudaMemcpyAsync(raw, src, nbytes, cudaMemcpyDeviceToHost,
-                                        (cudaStream_t)c->stream);
-        if (e == cudaSuccess) e = cudaStreamSynchronize((cudaStream_t)c->stream);
-        RA_CHECK(leave_device(dev, prev,
-                              ra_cuda_status((int)e,
-                                             "reading positions (cudaMemcpyAsync)",
-                                             __FILE__, __LINE__)));
-#else
-        return no_cuda();
-#endif
-    }
+    /* The positions of a ring block depend on the rank, a value XLA holds
+     * on the device; the launch parameters need them on the host. */
+    RA_CHECK(ra_xla_to_host(c, raw, src, nbytes));
     for (int64_t i = 0; i < n; i++)
         dst[i] = wide ? raw[i] : (int64_t)((const int32_t *)raw)[i];
     return RA_OK;
