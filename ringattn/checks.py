@@ -12,7 +12,8 @@ import operator
 import numpy as np
 
 __all__ = ["flag", "int_or_none", "timeout", "callable_or_none",
-           "dict_or_none", "window_sides", "C_INT_MAX", "WINDOW_UNBOUNDED_FROM"]
+           "dict_or_none", "scale_or_none", "window_sides", "C_INT_MAX",
+           "WINDOW_UNBOUNDED_FROM"]
 
 C_INT_MAX = 2**31 - 1
 # A window side from here on reaches every position (positions stay inside
@@ -61,6 +62,24 @@ def int_or_none(value, name, minimum, maximum=None):
             f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name}: expected an int {bound}, got {as_int}")
     return as_int
+
+
+def scale_or_none(value):
+    """None, or `value` as a finite float (what the C core takes: a real
+    number, anything with __float__).  TypeError naming `scale` for a
+    string, a complex or a traced JAX value; ValueError for inf / NaN."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, (str, bytes, bytearray)):
+            raise TypeError
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale: expected a float or None, got "
+                        f"{type(value).__name__} {_show(value)}") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {_show(value)}")
+    return scale
 
 
 def window_sides(window):

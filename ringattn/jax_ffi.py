@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from . import _C
 from . import dilated as _dilated
-from .checks import window_sides
+from .checks import scale_or_none, window_sides
 
 _registered = False
 
@@ -77,9 +77,8 @@ def _call(target, results, args, attrs, aliases=None):
 
 
 def _attrs(causal, scale, D, num_threads):
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number, got {scale}")
+    scale = scale_or_none(scale)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
     return dict(causal=bool(causal), scale=np.float64(scale),
                 num_threads=np.int64(num_threads))
 

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from . import _C
 from . import jax_ffi as _ffi
 from . import layout as _layout
-from .checks import flag as _flag
+from .checks import flag as _flag, scale_or_none as _scale
 from .hops import layout_hops
 
 
@@ -188,6 +188,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, scale=None,
     differentiable, through lse too.
     """
     _ffi.check_qkv(q, k, v)
+    scale = _scale(scale)
     if not isinstance(layout, str) or layout not in _layout.LAYOUTS:
         raise ValueError(f"layout: expected one of {', '.join(map(repr, _layout.LAYOUTS))}, "
                          f"got {layout!r}")
