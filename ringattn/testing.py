@@ -402,7 +402,8 @@ def ref_attention(q, k, v, causal=False, scale=None, q_pos=None, k_pos=None,
                  window=window)
     total_bias = _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias, masks)
     probs, lse, touch = _probabilities(qh, kh, scale, total_bias, softcap)
-    out = _touching_matmul(probs, vh, touch).transpose(0, 2, 1, 3)  # (B, S_q, H, D)
+    with np.errstate(invalid="ignore", over="ignore"):      # NaN rows
+        out = _touching_matmul(probs, vh, touch).transpose(0, 2, 1, 3)  # (B, S_q, H, D)
     return np.ascontiguousarray(out), lse
 
 
@@ -442,9 +443,19 @@ def ref_attention_backward(dout, q, k, v, causal=False, scale=None, q_pos=None,
                  window=window)
     total_bias = _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias, masks)
     probs, _, touch = _probabilities(qh, kh, scale, total_bias, softcap)
+    # NaN and infinities of the inputs go where the module docstring says
     with np.errstate(invalid="ignore", over="ignore"):
-        # (B, H, S_q, S_k); a non-finite v reaches only the pairs in touch
-        dprobs = np.where(touch, np.matmul(doh, vh.swapaxes(-1, -2)), 0.0)
+        return _backward_from(probs, touch, doh, qh, kh, vh, scale, softcap,
+                              out, dlse, group)
+
+
+def _backward_from(probs, touch, doh, qh, kh, vh, scale, softcap, out, dlse,
+                   group):
+    """ref_attention_backward's arithmetic from the probabilities on."""
+    B, H, S_q, D = qh.shape
+    S_k, H_kv = kh.shape[2], H // group
+    # (B, H, S_q, S_k); a non-finite v reaches only the pairs in touch
+    dprobs = np.where(touch, np.matmul(doh, vh.swapaxes(-1, -2)), 0.0)
     if out is None:
         delta = (probs * dprobs).sum(axis=-1, keepdims=True)
     else:
