@@ -29,7 +29,6 @@ segment_ids (B, n_r) integers.
 """
 
 import contextlib
-import operator
 import os
 import time
 
@@ -134,15 +133,6 @@ def _device(buf):
 
 # ---- masks -----------------------------------------------------------------
 
-def _window_sides(window):
-    """A window the C core accepted, as (left, right) ints or None per
-    side; None when neither side is bounded."""
-    if window is None:
-        return None
-    sides = tuple(None if x is None else operator.index(x) for x in window)
-    return None if sides == (None, None) else sides
-
-
 def _int32_ids(ids, host):
     """int32 segment ids on the device of `ids` as a Buffer (host: their
     values on the host as int32; the C core has checked they fit)."""
@@ -174,7 +164,7 @@ class RingMasks:
     """
 
     def __init__(self, segment_ids, window, softcap, layout):
-        self.window = _window_sides(window)
+        self.window = checks.window_sides(window)
         self.softcap = None if softcap is None else float(softcap)
         self.ids = self.chunk_ranges = None
         if segment_ids is not None:

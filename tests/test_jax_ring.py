@@ -58,8 +58,14 @@ def _cases():
                               dtype="float64"))
     cases.append(dict(p=4, layout="contiguous", causal=True, window=[3, 0],
                       m=9, H=2, Hkv=1, D=8, dtype="float32", docs=True))
+    # NaN in q and k: it reaches the rows that see it across ring steps
+    # (the gradients may be NaN on more of a tile: extra_nan)
+    cases.append(dict(p=3, layout="zigzag", causal=True, m=7, H=4, Hkv=2, D=8,
+                      dtype="float64", nan=True))
+    cases.append(dict(p=2, layout="contiguous", causal=True, m=9, H=2, Hkv=1, D=8,
+                      dtype="float32", window=[5, 0], docs=True, lse=True, nan=True))
     for c in cases:
-        tags = "".join(f"-{key}" for key in ("lse", "window", "softcap", "docs")
+        tags = "".join(f"-{key}" for key in ("lse", "window", "softcap", "docs", "nan")
                        if c.get(key))
         c["name"] = (f"p{c['p']}-{c['layout']}-{'causal' if c['causal'] else 'full'}"
                      f"-n{c['p'] * c['m']}-h{c['H']}/{c['Hkv']}-{c['dtype']}"
@@ -82,6 +88,9 @@ def ring_runs(tmp_path_factory):
                 if c.get("lse") else None)
         if c.get("softcap"):
             q = q * 6                   # large scores: the cap bites
+        if c.get("nan"):
+            q[0, 11, 1, 2] = np.nan
+            k[1, 3, 0, 0] = np.nan
         n = c["p"] * c["m"]
         ids = np.stack([ref_segment_ids([0, 1, n // 3, n // 3 + 2], n)[0],
                         ref_segment_ids([0, n // 2], n)[0]]) \
@@ -119,8 +128,11 @@ def test_ring_matches_reference(ring_runs, case):
     refs = (ref_out,) + grads
     if dlse is not None:
         names, refs = ("lse",) + names, (ref_lse,) + refs
+    if case.get("nan"):
+        assert np.isnan(ref_out).any() and not np.isnan(ref_out).all()
     for name, ref in zip(names, refs):
-        assert_close(results[f"{case['name']}/{name}"], ref, case["dtype"], name)
+        assert_close(results[f"{case['name']}/{name}"], ref, case["dtype"], name,
+                     extra_nan=bool(case.get("nan")) and name.startswith("d"))
 
 
 @pytest.mark.timeout(600)

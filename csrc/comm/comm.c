@@ -150,7 +150,7 @@ static RequestObject *comm_start(CommObject *self, PyObject *args,
     long long step = -1;
     double timeout;
     char fmt[64];
-    snprintf(fmt, sizeof fmt, "OOOO|$LO:%s", fname);
+    ra_snprintf(fmt, sizeof fmt, "OOOO|$LO:%s", fname);
     if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &send_obj,
                                      &dst_obj, &recv_obj, &src_obj, &step,
                                      &tobj))

@@ -53,16 +53,16 @@ void ra_comm_destroy_base(ra_comm *c) {
 void ra_comm_prefix(char *buf, size_t n, int rank, const char *op,
                     int64_t step) {
     if (step >= 0)
-        snprintf(buf, n, "rank %d: %s step %lld: ", rank, op,
-                 (long long)step);
+        ra_snprintf(buf, n, "rank %d: %s step %lld: ", rank, op,
+                    (long long)step);
     else
-        snprintf(buf, n, "rank %d: %s: ", rank, op);
+        ra_snprintf(buf, n, "rank %d: %s: ", rank, op);
 }
 
 void ra_comm_mark_failed(ra_comm *c, const char *msg) {
     pthread_mutex_lock(&c->mu);
     if (!atomic_load(&c->failed)) {
-        snprintf(c->fail_msg, sizeof c->fail_msg, "%s", msg);
+        ra_snprintf(c->fail_msg, sizeof c->fail_msg, "%s", msg);
         atomic_store(&c->failed, 1);
     }
     pthread_cond_broadcast(&c->cv);
@@ -95,9 +95,9 @@ ra_status ra_comm_check_usable(ra_comm *c, const char *op) {
 void ra_comm_abort(ra_comm *c, const char *reason) {
     char msg[RA_COMM_MSG_LEN];
     if (reason != NULL && *reason != '\0')
-        snprintf(msg, sizeof msg, "rank %d: aborted: %s", c->rank, reason);
+        ra_snprintf(msg, sizeof msg, "rank %d: aborted: %s", c->rank, reason);
     else
-        snprintf(msg, sizeof msg, "rank %d: aborted by the caller", c->rank);
+        ra_snprintf(msg, sizeof msg, "rank %d: aborted by the caller", c->rank);
     ra_comm_fail(c, RA_ERR_COMM, msg);
 }
 
@@ -144,7 +144,7 @@ void ra_req_finish_locked(ra_req *r, ra_status st, const char *msg) {
     if (atomic_load(&r->state) != RA_REQ_PENDING) return;
     r->status = st;
     if (st != RA_OK && msg != r->msg)
-        snprintf(r->msg, sizeof r->msg, "%s", msg ? msg : "failed");
+        ra_snprintf(r->msg, sizeof r->msg, "%s", msg ? msg : "failed");
     atomic_store(&r->state, st == RA_OK ? RA_REQ_DONE : RA_REQ_FAILED);
     pthread_cond_broadcast(&r->comm->cv);
 }
@@ -161,18 +161,18 @@ static ra_status self_copy(ra_comm *c, ra_req *r) {
     ra_comm_prefix(pre, sizeof pre, c->rank, r->op, r->x.step);
     if (r->x.dst != c->rank || r->x.src != c->rank) {
         char msg[RA_COMM_MSG_LEN];
-        snprintf(msg, sizeof msg,
-                 "%sa send to self needs a receive from self "
-                 "(dst=%d, src=%d)", pre, r->x.dst, r->x.src);
+        ra_snprintf(msg, sizeof msg,
+                    "%sa send to self needs a receive from self "
+                    "(dst=%d, src=%d)", pre, r->x.dst, r->x.src);
         req_fail_now(r, RA_ERR_VALUE, msg);
         return RA_ERR_VALUE;
     }
     if (r->x.send_nbytes != r->x.recv_nbytes) {
         char msg[RA_COMM_MSG_LEN];
-        snprintf(msg, sizeof msg,
-                 "%ssize mismatch: rank %d sends %zu bytes but the receive "
-                 "buffer holds %zu bytes", pre, c->rank, r->x.send_nbytes,
-                 r->x.recv_nbytes);
+        ra_snprintf(msg, sizeof msg,
+                    "%ssize mismatch: rank %d sends %zu bytes but the receive "
+                    "buffer holds %zu bytes", pre, c->rank, r->x.send_nbytes,
+                    r->x.recv_nbytes);
         req_fail_now(r, RA_ERR_COMM, msg);
         return RA_ERR_COMM;
     }
@@ -265,8 +265,9 @@ static ra_status wait_deadline(ra_req *r, double deadline,
         pthread_mutex_lock(&c->mu);
         int peer = !r->recv_done ? r->x.src : r->x.dst;
         pthread_mutex_unlock(&c->mu);
-        snprintf(msg, sizeof msg, "%stimed out after %.1f s waiting for rank %d",
-                 pre, msg_timeout, peer);
+        ra_snprintf(msg, sizeof msg,
+                    "%stimed out after %.1f s waiting for rank %d", pre,
+                    msg_timeout, peer);
         ra_comm_fail(c, RA_ERR_TIMEOUT, msg);
         /* the backend finishes every pending request promptly on abort */
         pthread_mutex_lock(&c->mu);
@@ -428,10 +429,10 @@ ra_status ra_comm_allgather(ra_comm *c, const void *in, size_t nbytes,
     for (int i = 0; i < p; i++) {
         if (len64[i] > RA_ALLGATHER_MAX) {
             char msg[RA_COMM_MSG_LEN];
-            snprintf(msg, sizeof msg,
-                     "rank %d: allgather: rank %d announced %llu bytes, "
-                     "more than the limit of %zu", me, i,
-                     (unsigned long long)len64[i], RA_ALLGATHER_MAX);
+            ra_snprintf(msg, sizeof msg,
+                        "rank %d: allgather: rank %d announced %llu bytes, "
+                        "more than the limit of %zu", me, i,
+                        (unsigned long long)len64[i], RA_ALLGATHER_MAX);
             ra_set_error(RA_ERR_COMM, "%s", msg);
             st = ra_comm_fail(c, RA_ERR_COMM, msg);
             goto fail;

@@ -75,17 +75,17 @@ static void *watchdog_main(void *arg) {
             if (q != cudaErrorNotReady) {
                 (void)cudaGetLastError();
                 fst = RA_ERR_CUDA;
-                snprintf(msg, sizeof msg,
-                         "%sCUDA error while the transfer with rank %d ran: "
-                         "%s", pre, op_peer(op->req), cudaGetErrorString(q));
+                ra_snprintf(msg, sizeof msg,
+                            "%sCUDA error while the transfer with rank %d ran: "
+                            "%s", pre, op_peer(op->req), cudaGetErrorString(q));
                 break;
             }
             if (ra_now() >= op->req->deadline) {
                 fst = RA_ERR_TIMEOUT;
-                snprintf(msg, sizeof msg,
-                         "%stimed out after %.1f s waiting for rank %d (the "
-                         "NCCL transfer did not complete)", pre,
-                         op->req->timeout, op_peer(op->req));
+                ra_snprintf(msg, sizeof msg,
+                            "%stimed out after %.1f s waiting for rank %d (the "
+                            "NCCL transfer did not complete)", pre,
+                            op->req->timeout, op_peer(op->req));
                 break;
             }
             oldest = op->req;
@@ -112,11 +112,11 @@ static void *watchdog_main(void *arg) {
                 fst = RA_ERR_NCCL;
                 ra_comm_prefix(pre, sizeof pre, c->rank, o_op, o_step);
                 if (oldest != NULL)
-                    snprintf(msg, sizeof msg,
-                             "%sNCCL error in the transfer with rank %d: %s",
-                             pre, o_peer, d);
+                    ra_snprintf(msg, sizeof msg,
+                                "%sNCCL error in the transfer with rank %d: %s",
+                                pre, o_peer, d);
                 else
-                    snprintf(msg, sizeof msg, "%sNCCL error: %s", pre, d);
+                    ra_snprintf(msg, sizeof msg, "%sNCCL error: %s", pre, d);
             }
         }
         if (fst != RA_OK) ra_comm_fail(c, fst, msg);
@@ -136,7 +136,7 @@ static void *watchdog_main(void *arg) {
 static ra_status host_result(ra_comm *c, ra_status st) {
     if (st == RA_OK) return RA_OK;
     char msg[RA_COMM_MSG_LEN];
-    snprintf(msg, sizeof msg, "%s", ra_last_error());
+    ra_snprintf(msg, sizeof msg, "%s", ra_last_error());
     if (st != RA_ERR_VALUE) ra_comm_fail(c, st, msg);
     ra_set_error(st, "%s", msg);
     return st;
@@ -171,7 +171,7 @@ static void nccl_abort(ra_comm *c) {
     }
     pthread_mutex_unlock(&nc->nccl_mu);
     pthread_mutex_lock(&c->mu);
-    snprintf(msg, sizeof msg, "%s", c->fail_msg);
+    ra_snprintf(msg, sizeof msg, "%s", c->fail_msg);
     pthread_mutex_unlock(&c->mu);
     ra_nccl_fail_all_ops(nc, msg);
     /* the host transport tells the peers at once */
@@ -221,8 +221,8 @@ static void nccl_close(ra_comm *c) {
     pthread_mutex_unlock(&nc->issue_mu);
     /* what already completed counts as done; the rest failed */
     ra_comm_prefix(pre, sizeof pre, c->rank, "close", -1);
-    snprintf(msg, sizeof msg, "%scommunicator closed before the transfer "
-             "completed", pre);
+    ra_snprintf(msg, sizeof msg, "%scommunicator closed before the transfer "
+                "completed", pre);
     pthread_mutex_lock(&nc->lock);
     nccl_op *op = nc->ops;
     nc->ops = NULL;
@@ -436,7 +436,7 @@ fail:
     {
         /* keep the message: teardown may call CUDA */
         char msg[RA_COMM_MSG_LEN];
-        snprintf(msg, sizeof msg, "%s", ra_last_error());
+        ra_snprintf(msg, sizeof msg, "%s", ra_last_error());
         nccl_state_free(nc);
         if (c != NULL) ra_host_free(c, sizeof *c);
         ra_set_error(st, "%s", msg);

@@ -60,7 +60,7 @@ static int lock_live(nccl_state *nc, char *err, size_t n) {
     pthread_mutex_lock(&nc->nccl_mu);
     if (nc->nccl != NULL) return 0;
     pthread_mutex_unlock(&nc->nccl_mu);
-    snprintf(err, n, "the NCCL communicator was aborted");
+    ra_snprintf(err, n, "the NCCL communicator was aborted");
     return -1;
 }
 
@@ -78,16 +78,16 @@ ra_status ra_nccl_settle(nccl_state *nc, double deadline, double timeout,
             ra_nccl_describe(state, nc->nccl, d, sizeof d);
         pthread_mutex_unlock(&nc->nccl_mu);
         if (r != ncclSuccess) {
-            snprintf(err, n, "ncclCommGetAsyncError failed: %s", d);
+            ra_snprintf(err, n, "ncclCommGetAsyncError failed: %s", d);
             return RA_ERR_NCCL;
         }
         if (state == ncclSuccess) return RA_OK;
         if (state != ncclInProgress) {
-            snprintf(err, n, "NCCL error: %s", d);
+            ra_snprintf(err, n, "NCCL error: %s", d);
             return RA_ERR_NCCL;
         }
         if (ra_now() >= deadline) {
-            snprintf(err, n, "timed out after %.1f s", timeout);
+            ra_snprintf(err, n, "timed out after %.1f s", timeout);
             return RA_ERR_TIMEOUT;
         }
         backoff(&spins);
@@ -185,13 +185,13 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
         e = (call);                                                           \
         if (e != cudaSuccess) {                                               \
             st = ra_cuda_status((int)e, #call, __FILE__, __LINE__);           \
-            snprintf(err, n, "%s", ra_last_error());                          \
+            ra_snprintf(err, n, "%s", ra_last_error());                       \
             return st;                                                        \
         }                                                                     \
     } while (0)
     st = event_get(nc, &op->done);
     if (st != RA_OK) {
-        snprintf(err, n, "%s", ra_last_error());
+        ra_snprintf(err, n, "%s", ra_last_error());
         return st;
     }
     /* the comm stream first waits for the work that came before: on the
@@ -202,7 +202,7 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
     if (before == NULL) {
         st = ra_cuda_compute_stream(nc->device, &before);
         if (st != RA_OK) {
-            snprintf(err, n, "%s", ra_last_error());
+            ra_snprintf(err, n, "%s", ra_last_error());
             return st;
         }
     }
@@ -216,7 +216,7 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
         st = ra_cuda_malloc(nc->device, op->scratch_bytes, &op->scratch);
         if (st != RA_OK) {
             op->scratch = NULL;
-            snprintf(err, n, "%s", ra_last_error());
+            ra_snprintf(err, n, "%s", ra_last_error());
             return st;
         }
         send = op->scratch;
@@ -250,7 +250,7 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
             ra_nccl_describe(bad, nc->nccl, d, sizeof d);
         pthread_mutex_unlock(&nc->nccl_mu);
         if (bad != ncclSuccess && bad != ncclInProgress) {
-            snprintf(err, n, "NCCL error with rank %d: %s", op_peer(r), d);
+            ra_snprintf(err, n, "NCCL error with rank %d: %s", op_peer(r), d);
             return RA_ERR_NCCL;
         }
         /* on a non-blocking communicator the kernels may not be on the
@@ -259,8 +259,9 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
             char why[256];
             st = ra_nccl_settle(nc, r->deadline, r->timeout, why, sizeof why);
             if (st != RA_OK) {
-                snprintf(err, n, "%s while starting the transfer with rank %d",
-                         why, op_peer(r));
+                ra_snprintf(err, n,
+                            "%s while starting the transfer with rank %d", why,
+                            op_peer(r));
                 return st;
             }
         }
@@ -277,21 +278,21 @@ ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r) {
     ra_comm_prefix(pre, sizeof pre, c->rank, r->op, x->step);
     int staged = x->device_type != RA_DEV_CUDA;
     if (x->dst == c->rank && x->send_nbytes != x->recv_nbytes) {
-        snprintf(msg, sizeof msg,
-                 "%ssize mismatch: rank %d sends %zu bytes but the receive "
-                 "buffer holds %zu bytes", pre, c->rank, x->send_nbytes,
-                 x->recv_nbytes);
+        ra_snprintf(msg, sizeof msg,
+                    "%ssize mismatch: rank %d sends %zu bytes but the receive "
+                    "buffer holds %zu bytes", pre, c->rank, x->send_nbytes,
+                    x->recv_nbytes);
         return start_fail(c, r, RA_ERR_VALUE, msg);
     }
     if (!staged && x->device_id != nc->device) {
-        snprintf(msg, sizeof msg,
-                 "%sbuffers are on CUDA device %d but this communicator "
-                 "uses device %d", pre, x->device_id, nc->device);
+        ra_snprintf(msg, sizeof msg,
+                    "%sbuffers are on CUDA device %d but this communicator "
+                    "uses device %d", pre, x->device_id, nc->device);
         return start_fail(c, r, RA_ERR_VALUE, msg);
     }
     nccl_op *op = ra_host_calloc(sizeof *op);
     if (op == NULL) {
-        snprintf(msg, sizeof msg, "%sout of host memory", pre);
+        ra_snprintf(msg, sizeof msg, "%sout of host memory", pre);
         return start_fail(c, r, RA_ERR_NOMEM, msg);
     }
     op->req = r;
@@ -304,11 +305,11 @@ ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r) {
         st = issue(nc, r, op, err, sizeof err);
         ra_cuda_leave_device(nc->device, prev);
     } else {
-        snprintf(err, sizeof err, "%s", ra_last_error());
+        ra_snprintf(err, sizeof err, "%s", ra_last_error());
     }
     pthread_mutex_unlock(&nc->issue_mu);
     if (st != RA_OK) {
-        snprintf(msg, sizeof msg, "%s%s", pre, err);
+        ra_snprintf(msg, sizeof msg, "%s%s", pre, err);
         /* part of the op may be queued on the comm stream: mark its end and
          * let the compute stream wait for it before the scratch is reused */
         if (op->done != NULL &&
@@ -332,7 +333,7 @@ ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r) {
     if (atomic_load(&c->failed)) {
         /* an abort drained the list while we issued: fail it now */
         pthread_mutex_lock(&c->mu);
-        snprintf(msg, sizeof msg, "%s", c->fail_msg);
+        ra_snprintf(msg, sizeof msg, "%s", c->fail_msg);
         pthread_mutex_unlock(&c->mu);
         ra_nccl_op_retire_locked(nc, op, RA_ERR_COMM, msg);
     } else {
@@ -380,7 +381,7 @@ ra_status ra_nccl_wait(ra_comm *c, ra_req *r, double deadline) {
             } else {
                 char pre[128], msg[RA_COMM_MSG_LEN];
                 ra_comm_prefix(pre, sizeof pre, c->rank, r->op, r->x.step);
-                snprintf(msg, sizeof msg, "%s%s", pre, ra_last_error());
+                ra_snprintf(msg, sizeof msg, "%s%s", pre, ra_last_error());
                 ra_req_finish_locked(r, st, msg);
             }
             pthread_mutex_unlock(&c->mu);
@@ -422,7 +423,7 @@ ra_status ra_nccl_wait(ra_comm *c, ra_req *r, double deadline) {
         if (st != RA_OK) {
             char pre[128];
             ra_comm_prefix(pre, sizeof pre, c->rank, r->op, r->x.step);
-            snprintf(msg, sizeof msg, "%s%s", pre, ra_last_error());
+            ra_snprintf(msg, sizeof msg, "%s%s", pre, ra_last_error());
         }
         pthread_mutex_lock(&nc->lock);
         ra_nccl_op_retire_locked(nc, op, st, msg);
