@@ -285,7 +285,7 @@ def _prepare(comm, op, named, local_check, causal, scale, call, masks_args):
 def _ulysses_degree(ulysses):
     """`ulysses` as an int >= 1 (whether it divides p, and the heads, is
     checked by ringattn.ulysses)."""
-    return checks.int_or_none(ulysses, "ulysses", 1, checks.C_INT_MAX) or 1
+    return checks.int_or_none(ulysses, "ulysses", 1) or 1
 
 
 def ring_attention(q, k, v, comm, *, causal=False, scale=None,
