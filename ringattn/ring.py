@@ -47,7 +47,8 @@ from .lse_cotangent import check_dlse, fold_into_delta
 from .masks import mask_kwargs
 from .ring_blocks import Block, Packed, exchange
 
-__all__ = ["ring_attention", "ring_attention_backward", "grads_with_delta"]
+__all__ = ["ring_attention", "ring_attention_backward", "grads_with_delta",
+           "BackwardCheck"]
 
 
 def _check_comm(comm):
@@ -465,29 +466,40 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
     call = RingCall(comm, layout, seq_len, num_threads, timeout, progress,
                     profile)
     kind = kind_of(q)
-    mask_kw = mask_kwargs(segment_ids, None, window, softcap)
-    dlse_buf = None
-
-    def local_check(q, k, v, dout, out, lse):
-        nonlocal dlse_buf
-        _C.attn_bwd(dout, q, k, v, out, lse, causal=causal, scale=scale,
-                    check_only=True, **mask_kw)
-        dlse_buf = check_dlse(dlse, q)
-
+    local_check = BackwardCheck(causal, scale, segment_ids, window, softcap,
+                                dlse)
     bufs, masks, plan, hops = _prepare(
         comm, "bwd", [("q", q), ("k", k), ("v", v), ("dout", dout),
                       ("out", out), ("lse", lse)], local_check,
         causal, scale, call, (segment_ids, window, softcap))
     qb, kb, vb, doutb, outb, lseb = bufs
     step = _Step(hops, masks, causal, scale, call.threads)
-    # delta = rowsum(dout * out) - dlse
-    delta = fold_into_delta(
-        _C.attn_bwd_preprocess(doutb, outb, num_threads=call.threads),
-        dlse_buf, kind)
+    delta = local_check.delta(doutb, outb, call.threads, kind)
     dq, dk, dv = _ring_backward(doutb, qb, kb, vb, delta, lseb, comm, step,
                                 call)
     return tuple(as_result(g, like, kind)
                  for g, like in ((dq, qb), (dk, kb), (dv, vb)))
+
+
+class BackwardCheck:
+    """The local checks of a backward call on this rank's Buffers (q, k, v,
+    dout, out, lse): the C core's own (``check_only``) and dlse's; then
+    delta = rowsum(dout * out) - dlse."""
+
+    def __init__(self, causal, scale, segment_ids, window, softcap, dlse):
+        self.kw = dict(causal=causal, scale=scale,
+                       **mask_kwargs(segment_ids, None, window, softcap))
+        self.dlse, self.dlse_buf = dlse, None
+
+    def __call__(self, q, k, v, dout, out, lse):
+        _C.attn_bwd(dout, q, k, v, out, lse, check_only=True, **self.kw)
+        self.dlse_buf = check_dlse(self.dlse, q)
+
+    def delta(self, doutb, outb, threads, kind):
+        """delta (B, H, n_r) in lse's dtype, dlse folded in."""
+        return fold_into_delta(
+            _C.attn_bwd_preprocess(doutb, outb, num_threads=threads),
+            self.dlse_buf, kind)
 
 
 def grads_with_delta(dout, q, k, v, lse, delta, comm, *, causal, scale,

@@ -50,10 +50,9 @@ from . import _C, checks
 from .agreement import agree, describe
 from .interop import kind_of, from_buffer
 from .layout import check_ulysses, shard_progressions
-from .lse_cotangent import check_dlse, fold_into_delta
 from .masks import mask_kwargs
-from .ring import (RingCall, RingMasks, as_result, grads_with_delta,
-                   ring_attention, shard_buffers, _device)
+from .ring import (BackwardCheck, RingCall, RingMasks, as_result,
+                   grads_with_delta, ring_attention, shard_buffers, _device)
 from .ring_blocks import copy_rows
 
 __all__ = ["ulysses_attention", "ulysses_attention_backward", "groups",
@@ -347,15 +346,8 @@ def ulysses_attention_backward(dout, q, k, v, out, lse, comm, ulysses, *,
                     profile)
     check_ulysses(ulysses, comm.size)
     kind = kind_of(q)
-    mask_kw = mask_kwargs(segment_ids, None, window, softcap)
-    dlse_buf = None
-
-    def local_check(q, k, v, dout, out, lse):
-        nonlocal dlse_buf
-        _C.attn_bwd(dout, q, k, v, out, lse, causal=causal, scale=scale,
-                    check_only=True, **mask_kw)
-        dlse_buf = check_dlse(dlse, q)
-
+    local_check = BackwardCheck(causal, scale, segment_ids, window, softcap,
+                                dlse)
     bufs, masks, ucall = _start(
         comm, ulysses, "bwd", [("q", q), ("k", k), ("v", v), ("dout", dout),
                                ("out", out), ("lse", lse)], local_check,
@@ -365,9 +357,7 @@ def ulysses_attention_backward(dout, q, k, v, out, lse, comm, ulysses, *,
     u, t = ucall.u, ucall.replicas
     hq, hkv = ucall.heads // u, ucall.heads_kv * t // u
     # delta = rowsum(dout * out) - dlse where the tokens are
-    delta = fold_into_delta(
-        _C.attn_bwd_preprocess(doutb, outb, num_threads=call.threads),
-        dlse_buf, kind)
+    delta = local_check.delta(doutb, outb, call.threads, kind)
     dout_h, q_h, k_h, v_h = to_heads(ucall, [
         _Plane(doutb, 1, 2, hq), _Plane(qb, 1, 2, hq),
         _Plane(kb, 1, 2, hkv, t), _Plane(vb, 1, 2, hkv, t)])

@@ -194,6 +194,59 @@ static ncclResult_t group_alltoall(nccl_state *nc, const ra_a2a *a) {
     return r;
 }
 
+/* The send and receive of a sendrecv (caller holds nccl_mu). */
+static ncclResult_t group_sendrecv(nccl_state *nc, const ra_xfer *x,
+                                   const void *send, void *recv) {
+    ncclResult_t r = ncclSuccess;
+    if (x->dst >= 0)
+        r = ra_nccl_lib.Send(send, x->send_nbytes, ncclUint8, x->dst,
+                             nc->nccl, nc->stream);
+    if ((r == ncclSuccess || r == ncclInProgress) && x->src >= 0)
+        r = ra_nccl_lib.Recv(recv, x->recv_nbytes, ncclUint8, x->src,
+                             nc->nccl, nc->stream);
+    return r;
+}
+
+/* One NCCL group on the comm stream: the sendrecv of `r` (send/recv: its
+ * device pointers) or the all-to-all `a2a`.  On a non-blocking
+ * communicator the kernels may not be on the stream when GroupEnd
+ * returns: the group settles first, so the completion event comes after
+ * them. */
+static ra_status issue_group(nccl_state *nc, ra_req *r, const void *send,
+                             void *recv, const ra_a2a *a2a, char *err,
+                             size_t n) {
+    char peer[32], d[256] = "";
+    op_peer_text(r, peer, sizeof peer);
+    if (lock_live(nc, err, n) < 0) return RA_ERR_COMM;
+    ncclResult_t r0 = ra_nccl_lib.GroupStart(), r1 = ncclSuccess, r2;
+    if (r0 == ncclSuccess)
+        r1 = a2a != NULL ? group_alltoall(nc, a2a)
+                         : group_sendrecv(nc, &r->x, send, recv);
+    /* always close a group that was opened */
+    r2 = r0 == ncclSuccess ? ra_nccl_lib.GroupEnd() : r0;
+    ncclResult_t bad = r0 != ncclSuccess ? r0
+                       : r1 != ncclSuccess && r1 != ncclInProgress ? r1
+                       : r2;
+    if (bad != ncclSuccess && bad != ncclInProgress)
+        ra_nccl_describe(bad, nc->nccl, d, sizeof d);
+    pthread_mutex_unlock(&nc->nccl_mu);
+    if (bad != ncclSuccess && bad != ncclInProgress) {
+        snprintf(err, n, "NCCL error with %s: %s", peer, d);
+        return RA_ERR_NCCL;
+    }
+    if (bad == ncclInProgress) {
+        char why[256];
+        ra_status st = ra_nccl_settle(nc, r->deadline, r->timeout, why,
+                                      sizeof why);
+        if (st != RA_OK) {
+            snprintf(err, n, "%s while starting the transfer with %s", why,
+                     peer);
+            return st;
+        }
+    }
+    return RA_OK;
+}
+
 /* Enqueue the transfer of `r` (or the all-to-all `a2a`) on the comm
  * stream; `op` gets its event.  Runs with issue_mu held and the device
  * entered. */
@@ -252,74 +305,17 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op,
     }
     if (a2a != NULL) {
         const int me = c->rank;
-        ncclResult_t r1 = ncclSuccess, r2, r0;
-        char d[256] = "";
         if (a2a->send_nbytes[me] > 0 && a2a->send[me] != a2a->recv[me])
             ISSUE_CUDA(cudaMemcpyAsync(a2a->recv[me], a2a->send[me],
                                        a2a->send_nbytes[me],
                                        cudaMemcpyDeviceToDevice, nc->stream));
-        if (lock_live(nc, err, n) < 0) return RA_ERR_COMM;
-        r0 = ra_nccl_lib.GroupStart();
-        if (r0 == ncclSuccess) r1 = group_alltoall(nc, a2a);
-        /* always close a group that was opened */
-        r2 = r0 == ncclSuccess ? ra_nccl_lib.GroupEnd() : r0;
-        ncclResult_t bad = r0 != ncclSuccess ? r0
-                           : r1 != ncclSuccess && r1 != ncclInProgress ? r1
-                           : r2;
-        if (bad != ncclSuccess && bad != ncclInProgress)
-            ra_nccl_describe(bad, nc->nccl, d, sizeof d);
-        pthread_mutex_unlock(&nc->nccl_mu);
-        if (bad != ncclSuccess && bad != ncclInProgress) {
-            snprintf(err, n, "NCCL error in the all-to-all: %s", d);
-            return RA_ERR_NCCL;
-        }
-        if (bad == ncclInProgress) {
-            char why[256];
-            st = ra_nccl_settle(nc, r->deadline, r->timeout, why, sizeof why);
-            if (st != RA_OK) {
-                snprintf(err, n, "%s while starting the all-to-all", why);
-                return st;
-            }
-        }
+        RA_CHECK(issue_group(nc, r, NULL, NULL, a2a, err, n));
     } else if (x->dst == c->rank) {
         if (x->send_nbytes > 0 && send != recv)
             ISSUE_CUDA(cudaMemcpyAsync(recv, send, x->send_nbytes,
                                        cudaMemcpyDeviceToDevice, nc->stream));
     } else {
-        ncclResult_t r1 = ncclSuccess, r2 = ncclSuccess, r3, r0;
-        char d[256] = "";
-        if (lock_live(nc, err, n) < 0) return RA_ERR_COMM;
-        r0 = ra_nccl_lib.GroupStart();
-        if (r0 == ncclSuccess && x->dst >= 0)
-            r1 = ra_nccl_lib.Send(send, x->send_nbytes, ncclUint8, x->dst,
-                                  nc->nccl, nc->stream);
-        if (r0 == ncclSuccess && x->src >= 0)
-            r2 = ra_nccl_lib.Recv(recv, x->recv_nbytes, ncclUint8, x->src,
-                                  nc->nccl, nc->stream);
-        /* always close a group that was opened */
-        r3 = r0 == ncclSuccess ? ra_nccl_lib.GroupEnd() : r0;
-        ncclResult_t bad = r0 != ncclSuccess ? r0
-                           : r1 != ncclSuccess && r1 != ncclInProgress ? r1
-                           : r2 != ncclSuccess && r2 != ncclInProgress ? r2
-                           : r3;
-        if (bad != ncclSuccess && bad != ncclInProgress)
-            ra_nccl_describe(bad, nc->nccl, d, sizeof d);
-        pthread_mutex_unlock(&nc->nccl_mu);
-        if (bad != ncclSuccess && bad != ncclInProgress) {
-            snprintf(err, n, "NCCL error with rank %d: %s", op_peer(r), d);
-            return RA_ERR_NCCL;
-        }
-        /* on a non-blocking communicator the kernels may not be on the
-         * stream yet: the completion event must come after them */
-        if (bad == ncclInProgress) {
-            char why[256];
-            st = ra_nccl_settle(nc, r->deadline, r->timeout, why, sizeof why);
-            if (st != RA_OK) {
-                snprintf(err, n, "%s while starting the transfer with rank %d",
-                         why, op_peer(r));
-                return st;
-            }
-        }
+        RA_CHECK(issue_group(nc, r, send, recv, NULL, err, n));
     }
     ISSUE_CUDA(cudaEventRecord(op->done, nc->stream));
 #undef ISSUE_CUDA

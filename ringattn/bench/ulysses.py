@@ -9,7 +9,8 @@ table shows the steady state of a training step.
 """
 
 import os
-import time
+
+from .timing import best_ring_step
 
 __all__ = ["run"]
 
@@ -40,24 +41,9 @@ def _rank(comm, cfg):
             for _ in range(2))
     ra.reset_peak_memory_stats()
     base = ra.memory_stats()["cpu"]["current"]
-    best = None
-    for _ in range(cfg["repeat"]):
-        fwd, bwd = {}, {}
-        comm.barrier()
-        t0 = time.perf_counter()
-        out, lse = ra.ring_attention(q, k, v, comm, return_lse=True,
-                                     profile=fwd, seq_len=n, **kw)
-        t1 = time.perf_counter()
-        comm.barrier()
-        t2 = time.perf_counter()
-        ra.ring_attention_backward(dout, q, k, v, out, lse, comm,
-                                   profile=bwd, seq_len=n, **kw)
-        t3 = time.perf_counter()
-        del out, lse
-        run = (t1 - t0 + t3 - t2, t1 - t0, t3 - t2, fwd, bwd)
-        if best is None or run[0] < best[0]:
-            best = run
-    _, fwd_s, bwd_s, fwd, bwd = best
+    fwd_s, bwd_s, fwd, bwd = best_ring_step(comm, q, k, v, dout,
+                                            dict(kw, seq_len=n),
+                                            cfg["repeat"])
     a2a = fwd.get("alltoall_s", 0.0) + bwd.get("alltoall_s", 0.0)
     return {"rank": r, "fwd_s": fwd_s, "bwd_s": bwd_s, "alltoall_s": a2a,
             "ring_wait_s": fwd["wait_s"] + bwd["wait_s"] - a2a,
