@@ -328,7 +328,8 @@ def ulysses_attention(q, k, v, comm, ulysses, *, causal=False, scale=None,
         window=masks.window, softcap=masks.softcap, profile=inner,
         **ucall.inner_kw())
     (out,) = to_tokens(ucall, [_Plane(out_h, 1, 2, hq)])
-    (lse,) = to_tokens(ucall, [_Plane(lse_h, 2, 1, hq)])
+    lse = to_tokens(ucall, [_Plane(lse_h, 2, 1, hq)])[0] if return_lse \
+        else None
     ucall.report(call.profile, inner)
     out = as_result(out, qb, kind)
     return (out, from_buffer(lse, kind)) if return_lse else out
