@@ -58,11 +58,12 @@ static void wake_thread(host_impl *h) {
 }
 
 static const char *kind_name(uint32_t k) {
-    switch (k) {
+    if (k == FRAME_ABORT) return "abort";
+    switch (k & RA_XFER_KIND_MASK) {   /* above: a split's context */
     case RA_XFER_DATA: return "sendrecv";
     case RA_XFER_BARRIER: return "barrier";
     case RA_XFER_GATHER: return "allgather";
-    case FRAME_ABORT: return "abort";
+    case RA_XFER_ALLTOALL: return "alltoall";
     default: return "unknown";
     }
 }
@@ -142,6 +143,17 @@ static ra_status recv_some(ra_comm *c, host_impl *h, ra_req *r,
                 h->broken[src] = 1;
                 ra_snprintf(msg, mlen, "%speer rank %d failed: %s", pre, src,
                             why);
+                return RA_ERR_COMM;
+            }
+            if (kind != (uint32_t)r->x.kind &&
+                (kind & RA_XFER_KIND_MASK) ==
+                    ((uint32_t)r->x.kind & RA_XFER_KIND_MASK)) {
+                ra_snprintf(msg, mlen,
+                         "%scommunicator mismatch: rank %d sent a %s message "
+                         "of another communicator (context %u, this one "
+                         "%u)", pre, src, kind_name(kind),
+                         kind >> RA_XFER_KIND_BITS,
+                         (uint32_t)r->x.kind >> RA_XFER_KIND_BITS);
                 return RA_ERR_COMM;
             }
             if (kind != (uint32_t)r->x.kind) {

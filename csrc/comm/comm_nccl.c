@@ -56,7 +56,7 @@ static void *watchdog_main(void *arg) {
         const ra_req *oldest = NULL;
         int64_t o_step = -1;
         const char *o_op = "sendrecv";
-        int o_peer = -1;
+        char o_peer[32] = "", peer[32];
         nccl_op **link = &nc->ops;
         while (*link != NULL) {
             nccl_op *op = *link;
@@ -76,22 +76,24 @@ static void *watchdog_main(void *arg) {
                 (void)cudaGetLastError();
                 fst = RA_ERR_CUDA;
                 ra_snprintf(msg, sizeof msg,
-                            "%sCUDA error while the transfer with rank %d ran: "
-                            "%s", pre, op_peer(op->req), cudaGetErrorString(q));
+                         "%sCUDA error while the transfer with %s ran: %s",
+                         pre, op_peer_text(op->req, peer, sizeof peer),
+                         cudaGetErrorString(q));
                 break;
             }
             if (ra_now() >= op->req->deadline) {
                 fst = RA_ERR_TIMEOUT;
                 ra_snprintf(msg, sizeof msg,
-                            "%stimed out after %.1f s waiting for rank %d (the "
-                            "NCCL transfer did not complete)", pre,
-                            op->req->timeout, op_peer(op->req));
+                         "%stimed out after %.1f s waiting for %s (the "
+                         "NCCL transfer did not complete)", pre,
+                         op->req->timeout,
+                         op_peer_text(op->req, peer, sizeof peer));
                 break;
             }
             oldest = op->req;
             o_step = op->req->x.step;
             o_op = op->req->op;
-            o_peer = op_peer(op->req);
+            op_peer_text(op->req, o_peer, sizeof o_peer);
             link = &op->next;
         }
         int busy = nc->ops != NULL;
@@ -113,8 +115,8 @@ static void *watchdog_main(void *arg) {
                 ra_comm_prefix(pre, sizeof pre, c->rank, o_op, o_step);
                 if (oldest != NULL)
                     ra_snprintf(msg, sizeof msg,
-                                "%sNCCL error in the transfer with rank %d: %s",
-                                pre, o_peer, d);
+                             "%sNCCL error in the transfer with %s: %s",
+                             pre, o_peer, d);
                 else
                     ra_snprintf(msg, sizeof msg, "%sNCCL error: %s", pre, d);
             }
@@ -273,6 +275,7 @@ static const ra_comm_vtable nccl_vtable_host = {
     .wait = ra_nccl_wait,
     .barrier = nccl_host_barrier,
     .allgather = nccl_host_allgather,
+    .alltoall = ra_nccl_alltoall,
     .abort = nccl_abort,
     .close = nccl_close,
     .destroy = nccl_destroy,
@@ -285,6 +288,7 @@ static const ra_comm_vtable nccl_vtable_plain = {
     .wait = ra_nccl_wait,
     .barrier = NULL,
     .allgather = NULL,
+    .alltoall = ra_nccl_alltoall,
     .abort = nccl_abort,
     .close = nccl_close,
     .destroy = nccl_destroy,

@@ -172,10 +172,16 @@ static int check_pair(ra_tgroup *g, ra_req *s, ra_req *r) {
     ra_comm_prefix(pre_s, sizeof pre_s, a, s->op, s->x.step);
     ra_comm_prefix(pre_r, sizeof pre_r, b, r->op, r->x.step);
     if (s->x.kind != r->x.kind) {
-        ra_snprintf(ms, sizeof ms, "%soperation mismatch: rank %d is in %s",
-                    pre_s, b, r->op);
-        ra_snprintf(mr, sizeof mr, "%soperation mismatch: rank %d is in %s",
-                    pre_r, a, s->op);
+        /* the same operation of two communicators that share this group
+         * (splits, comm_split.c) says so */
+        const char *what = strcmp(s->op, r->op) == 0 ? "communicator"
+                                                     : "operation";
+        ra_snprintf(ms, sizeof ms, "%s%s mismatch: rank %d is in %s of "
+                 "context %d", pre_s, what, b, r->op,
+                 r->x.kind >> RA_XFER_KIND_BITS);
+        ra_snprintf(mr, sizeof mr, "%s%s mismatch: rank %d is in %s of "
+                 "context %d", pre_r, what, a, s->op,
+                 s->x.kind >> RA_XFER_KIND_BITS);
     } else if (s->x.step != r->x.step) {
         ra_snprintf(ms, sizeof ms, "%sstep mismatch: rank %d expects step %lld",
                     pre_s, b, (long long)r->x.step);

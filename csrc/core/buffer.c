@@ -334,6 +334,11 @@ ra_status ra_buffer_raw_contiguous(const ra_buffer *dst, const ra_buffer *src,
 }
 
 ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
+    return ra_buffer_copy_mode(dst, src, 0);
+}
+
+ra_status ra_buffer_copy_mode(ra_buffer *dst, ra_buffer *src,
+                              int accumulate) {
     if (dst->readonly) {
         ra_set_error(RA_ERR_VALUE, "copy: the destination is read-only");
         return RA_ERR_VALUE;
@@ -342,7 +347,7 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
     const int raw = dst->dtype == RA_DTYPE_OTHER &&
                     src->dtype == RA_DTYPE_OTHER &&
                     same_dl_dtype(dst->dl_dtype, src->dl_dtype);
-    if (!raw &&
+    if ((!raw || accumulate) &&
         (dst->dtype == RA_DTYPE_OTHER || src->dtype == RA_DTYPE_OTHER)) {
         char dn[32], sn[32];
         ra_dl_dtype_name(dst->dl_dtype, dn, sizeof dn);
@@ -361,6 +366,10 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
         (ra_buffer_on_host(dst) && ra_buffer_on_host(src)) ||
         (dst->device_type == src->device_type &&
          dst->device_id == src->device_id);
+    if (!same_memory && accumulate) {
+        ra_set_error(RA_ERR_VALUE, "add: both buffers must be on one device");
+        return RA_ERR_VALUE;
+    }
     if (!same_memory) return ra_buffer_copy_across(dst, src, raw);
     if (ra_buffer_overlaps(dst, src))
         return ra_buffer_copy_overlapping(dst, src);
@@ -377,6 +386,7 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
     p.src_dtype = src->dtype;
     p.dst_dtype = dst->dtype;
     p.other_elsize = raw ? ra_buffer_elsize(dst) : 0;
+    p.accumulate = accumulate;
     ra_status st;
     if (raw && dst->device_type == RA_DEV_CUDA) {
         /* the CUDA copy kernel converts floats; other elements move as

@@ -86,6 +86,8 @@ ra_buffer *ra_buffer_from_object(PyObject *obj, const char *name,
  * answer of a copy through a temporary.  RA_OK, or a status with ra_set_error's
  * message.  Holds the GIL (staging buffers are Buffer objects). */
 ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
+/* The same with accumulate: dst += src (float dtypes, one device). */
+ra_status ra_buffer_copy_mode(ra_buffer *dst, ra_buffer *src, int accumulate);
 /* The host <-> CUDA part of ra_buffer_copy_into (buffer_xfer.c): one
  * synchronised cudaMemcpy of contiguous bytes on the compute stream, with
  * same-device copies into or out of contiguous staging buffers where a

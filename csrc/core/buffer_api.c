@@ -165,7 +165,31 @@ static PyObject *mod_reset_peak(PyObject *m, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* add_(dst, src): dst += src */
+static PyObject *mod_add_(PyObject *m, PyObject *args) {
+    (void)m;
+    PyObject *dst_obj, *src_obj;
+    if (!PyArg_ParseTuple(args, "OO:add_", &dst_obj, &src_obj)) return NULL;
+    ra_buffer *dst = ra_buffer_from_object(dst_obj, "dst", -1);
+    if (dst == NULL) return NULL;
+    ra_buffer *src = ra_buffer_from_object(src_obj, "src", -1);
+    if (src == NULL) {
+        Py_DECREF(dst);
+        return NULL;
+    }
+    ra_status st = ra_buffer_copy_mode(dst, src, 1);
+    Py_DECREF(src);
+    if (st != RA_OK) {
+        Py_DECREF(dst);
+        return ra_raise(st);
+    }
+    return (PyObject *)dst;
+}
+
 PyMethodDef ra_buffer_functions[] = {
+    {"add_", mod_add_, METH_VARARGS,
+     "add_(dst, src) -> dst: dst += src elementwise (same shape, one device, "
+     "float dtypes; float32 sums, float64 when a side is float64)"},
     {"empty", (PyCFunction)(void (*)(void))mod_empty,
      METH_VARARGS | METH_KEYWORDS,
      "empty(shape, dtype='float32', device_type=1, device_id=0) -> Buffer"},
