@@ -146,8 +146,14 @@ fwd_simt_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
                 vis = kvalid && (!p.causal || kpos <= qpos[r]);
             }
             s = vis ? s : ra::neg_inf<A>();
-            const A mnew = fmax(m[r], ra::warp_max(s));
-            if (mnew == ra::neg_inf<A>()) continue;  // warp-uniform: row sees nothing yet
+            A mnew = fmax(m[r], ra::warp_max(s));
+            if (mnew == ra::neg_inf<A>()) {
+                // warp-uniform: the row sees nothing yet, unless fmax passed
+                // over a NaN score beside -inf (a NaN score makes the row
+                // NaN: l, o and m become NaN below)
+                if (!__any_sync(0xffffffffu, s != s)) continue;
+                mnew = ra::nan_acc<A>();
+            }
             const A alpha = ra::exp_acc(m[r] - mnew);  // 0 when m was -inf
             const A pj = vis ? ra::exp_acc(s - mnew) : (A)0;
             l[r] = l[r] * alpha + ra::warp_sum(pj);
@@ -171,7 +177,7 @@ fwd_simt_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     for (int r = 0; r < kRowsPerWarp; r++) {
         const int64_t i = q0 + warp * kRowsPerWarp + r;
         if (i >= p.seqlen_q) continue;
-        const bool empty = !(l[r] > 0);
+        const bool empty = l[r] == (A)0;  // a NaN l (NaN score) is not empty
         const A inv = empty ? (A)0 : (A)1 / l[r];
         const A lse_new = empty ? ra::neg_inf<A>() : m[r] + ra::log_acc(l[r]);
         A *lse = (A *)p.lse + b * p.lse_batch_stride + h * p.lse_head_stride +

@@ -19,7 +19,8 @@
  * softmax, rows reduced across the 4 lanes of a quad), converts P to 16-bit
  * A fragments in registers and accumulates O += P V (V via ldmatrix.trans).
  * Key tiles entirely in the causal future are never loaded.  Rows that see
- * no key keep m = -inf and l = 0 and end as out 0, lse -inf.
+ * no key keep m = -inf and l = 0 and end as out 0, lse -inf; a NaN score
+ * makes l (so out and lse) NaN.
  *
  * The masked variant (M, mask.cuh) walks only the key tiles the block's
  * window span and document ids leave, tests the elements of the tiles not
@@ -286,7 +287,8 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
     const bool ok_a = row_a < p.seqlen_q, ok_b = row_b < p.seqlen_q;
-    const bool empty_a = !(l_a > 0.f), empty_b = !(l_b > 0.f);
+    // a NaN l (a NaN score: exp2f(NaN) went into the sum) is not empty
+    const bool empty_a = l_a == 0.f, empty_b = l_b == 0.f;
     const float inv_a = empty_a ? 0.f : 1.f / l_a, inv_b = empty_b ? 0.f : 1.f / l_b;
     const float lse_a = empty_a ? -CUDART_INF_F : (m_a + log2f(l_a)) * kLn2;
     const float lse_b = empty_b ? -CUDART_INF_F : (m_b + log2f(l_b)) * kLn2;

@@ -170,6 +170,13 @@ template <> __device__ __forceinline__ float neg_inf<float>() {
 template <> __device__ __forceinline__ double neg_inf<double>() {
     return -CUDART_INF;
 }
+template <typename A> __device__ __forceinline__ A nan_acc();
+template <> __device__ __forceinline__ float nan_acc<float>() {
+    return CUDART_NAN_F;
+}
+template <> __device__ __forceinline__ double nan_acc<double>() {
+    return CUDART_NAN;
+}
 
 __device__ __forceinline__ float exp_acc(float x) { return __expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }

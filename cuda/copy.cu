@@ -1,7 +1,9 @@
 /*
  * copy.cu -- strided n-d copy with a float dtype cast (ra_copy_params).
  *
- * dst[idx] = cast(src[idx]) for every index idx of `shape` (ndim <= 8),
+ * dst[idx] = cast(src[idx]) for every index idx of `shape` (ndim <= 8), or
+ * with p.accumulate dst[idx] = cast(dst[idx] + src[idx]) (float32 sum, or
+ * float64 when a side is float64, as on the host),
  * element strides on both sides (any sign, any order).  Conversions go
  * through double, so float32/float64 are exact and float16/bfloat16 round
  * to nearest even.  src and dst must not overlap.
@@ -28,7 +30,12 @@ __global__ void copy_kernel(ra_copy_params p, int64_t total) {
             so += c * p.src_strides[k];
             dof += c * p.dst_strides[k];
         }
-        dst[dof] = ra::from_acc<D>((double)ra::to_acc(src[so]));
+        double v = (double)ra::to_acc(src[so]);
+        if (p.accumulate) {
+            v += (double)ra::to_acc(dst[dof]);
+            if (sizeof(S) < 8 && sizeof(D) < 8) v = (double)(float)v;
+        }
+        dst[dof] = ra::from_acc<D>(v);
     }
 }
 

@@ -124,10 +124,11 @@ __device__ __forceinline__ A band_of(A lse) {
     const A a = fabs(lse);
     return a >= BandOf<A>::kFrom && a < (A)CUDART_INF ? -BandOf<A>::kWidth * a : (A)0;
 }
-/* the exponent to use: min(x, 0), and 0 inside the band */
+/* the exponent to use: min(x, 0), and 0 inside the band; NaN stays NaN (a
+ * NaN score or lse makes P NaN: fmin would turn it into 0, P = 1) */
 template <typename A>
 __device__ __forceinline__ A bwd_exponent(A x, A band) {
-    x = fmin(x, (A)0);
+    x = x > (A)0 ? (A)0 : x;
     return x >= band ? (A)0 : x;
 }
 

@@ -6,6 +6,7 @@
  *        lse1, lse2, lse : (B, H, S), float32 or float64 (all three alike)
  *   lse = logaddexp(lse1, lse2)
  *   out = exp(lse1 - lse) * out1 + exp(lse2 - lse) * out2
+ * A NaN lse on either side gives a NaN row.
  * A side whose lse is -inf contributes nothing (its out is never read into
  * the sum, so garbage there cannot become NaN); two empty rows give
  * (0, -inf).  out/lse may alias out1/lse1: one warp owns a row, reads both
@@ -32,9 +33,11 @@ __global__ void merge_kernel(ra_merge_params p) {
         const L l2 = lse2[b * p.lse2_batch_stride + h * p.lse2_head_stride +
                           s * p.lse2_seq_stride];
         __syncwarp();  // every lane has read lse1 before lane 0 overwrites it
-        const L m = l1 > l2 ? l1 : l2;
+        // a NaN side is taken as the max: NaN weights and lse (a NaN part
+        // makes the row NaN); only two empty sides give the empty row
+        const L m = l1 > l2 || l1 != l1 ? l1 : l2;
         L w1 = 0, w2 = 0, l = ra::neg_inf<L>();
-        if (m != ra::neg_inf<L>()) {
+        if (!(l1 == ra::neg_inf<L>() && l2 == ra::neg_inf<L>())) {
             const L e1 = ra::exp_acc(l1 - m), e2 = ra::exp_acc(l2 - m);
             const L sum = e1 + e2;
             l = m + ra::log_acc(sum);

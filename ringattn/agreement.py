@@ -1,7 +1,8 @@
 """What the ranks of a ring agree on before the first step, and its wire format.
 
 Every rank describes its call in one fixed-size record: the operation,
-sizes, dtype, device, causal flag, scale, layout, seq_len, the masks
+sizes, dtype, device, causal flag, scale, layout, Ulysses degree, seq_len,
+the masks
 (window, softcap, whether segment ids are given), the dilated branches,
 its own shard length and the range of its segment ids.  One allgather (under the call's
 timeout) brings every rank's record, and every rank checks the same list,
@@ -18,8 +19,8 @@ Record (little-endian, ``RECORD_SIZE`` bytes)::
 
     magic "RAP1" | version u16 | op u8 | dtype u8 | device u8 | causal u8 |
     layout u8 | has u8 (bit 0: scale given, bit 1: seq_len given) |
-    branches u8 | batch, heads, heads_kv, head_dim, length, seq_len i64 |
-    scale bits u64 |
+    branches u8 | batch, heads, heads_kv, head_dim, length, seq_len,
+    ulysses i64 | scale bits u64 |
     masks u8 (bit 0: window, bit 1: softcap, bit 2: segment ids) |
     window left, right i64 (-1: that side unbounded) | softcap bits u64 |
     ID_CHUNKS x (min, max) segment id i64 ((1, 0): no token) |
@@ -39,7 +40,7 @@ __all__ = ["RingPlan", "describe", "agree", "encode", "decode",
            "RECORD_SIZE"]
 
 MAGIC = b"RAP1"
-VERSION = 2
+VERSION = 3
 MAX_BRANCHES = _C.MAX_BRANCHES
 
 OPS = ("fwd", "bwd", "dilated_fwd", "dilated_bwd")
@@ -47,7 +48,7 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
 LAYOUTS = _layout.LAYOUTS
 
-_HEAD = struct.Struct("<4sHBBBBBBB6qQ")
+_HEAD = struct.Struct("<4sHBBBBBBB7qQ")
 ID_CHUNKS = 2
 _MASKS = struct.Struct(f"<BqqQ{2 * ID_CHUNKS}q")
 _BRANCH = struct.Struct("<qq")
@@ -64,7 +65,8 @@ MAX_SEQ_LEN = 2**62
 
 # fields compared across ranks, in the order they are reported
 FIELDS = ("op", "batch", "heads", "heads_kv", "head_dim", "dtype", "device",
-          "causal", "scale", "layout", "seq_len", "window", "softcap",
+          "causal", "scale", "layout", "ulysses", "seq_len", "window",
+          "softcap",
           "segment_ids", "segment_lengths", "dilation_rates")
 
 
@@ -107,19 +109,21 @@ def id_chunks(length, layout):
 
 
 def describe(op, q, k, causal, scale, layout, seq_len, segment_lengths=(),
-             dilation_rates=(), window=None, softcap=None, id_ranges=None):
+             dilation_rates=(), window=None, softcap=None, id_ranges=None,
+             ulysses=1):
     """This rank's description of a call (arguments already checked:
     q, k Buffers, scale None or a finite real, seq_len None or an int,
     window None or (left, right) of ints >= 0 or None, softcap None or a
-    float > 0).  id_ranges: None (no segment ids), else the (min, max)
-    segment id of each of ``id_chunks`` (EMPTY_RANGE for an empty one)."""
+    float > 0, ulysses an int >= 1).  id_ranges: None (no segment ids),
+    else the (min, max) segment id of each of ``id_chunks`` (EMPTY_RANGE
+    for an empty one)."""
     B, n_r, H, D = q.shape
     return {
         "op": op, "batch": B, "heads": H, "heads_kv": k.shape[2],
         "head_dim": D, "dtype": q.dtype, "device": q.device[0],
         "causal": bool(causal),
         "scale": None if scale is None else float(scale),
-        "layout": layout, "seq_len": seq_len,
+        "layout": layout, "seq_len": seq_len, "ulysses": int(ulysses),
         "window": None if window is None else tuple(window),
         "softcap": None if softcap is None else float(softcap),
         "segment_ids": id_ranges is not None,
@@ -149,7 +153,8 @@ def encode(desc):
         DEVICES.index(desc["device"]), int(desc["causal"]),
         LAYOUTS.index(desc["layout"]), has, len(segs), desc["batch"],
         desc["heads"], desc["heads_kv"], desc["head_dim"], desc["length"],
-        0 if desc["seq_len"] is None else desc["seq_len"], scale_bits)
+        0 if desc["seq_len"] is None else desc["seq_len"], desc["ulysses"],
+        scale_bits)
     window, softcap, ranges = desc["window"], desc["softcap"], \
         desc["id_ranges"]
     masks = ((_WINDOW if window is not None else 0) |
@@ -208,7 +213,7 @@ def decode(record):
         raise ValueError(f"{len(record)} bytes where a record has "
                          f"{RECORD_SIZE}")
     (magic, version, op, dtype, device, causal, layout, has, branches, batch,
-     heads, heads_kv, head_dim, length, seq_len, scale_bits) = \
+     heads, heads_kv, head_dim, length, seq_len, ulysses, scale_bits) = \
         _HEAD.unpack_from(record)
     if magic != MAGIC:
         raise ValueError(f"magic {magic!r}, expected {MAGIC!r}")
@@ -220,6 +225,8 @@ def decode(record):
                          f"branches={branches} out of range")
     if min(batch, heads, heads_kv, head_dim, length, seq_len) < 0:
         raise ValueError("a negative size")
+    if ulysses < 1:
+        raise ValueError(f"ulysses {ulysses} out of range")
     window, softcap, id_ranges = _decode_masks(record)
     base = _HEAD.size + _MASKS.size
     pairs = [_BRANCH.unpack_from(record, base + i * _BRANCH.size)
@@ -238,7 +245,7 @@ def decode(record):
         "scale": scale,
         "layout": _code(LAYOUTS, layout, "layout"),
         "seq_len": seq_len if has & _HAS_SEQ_LEN else None,
-        "window": window, "softcap": softcap,
+        "ulysses": ulysses, "window": window, "softcap": softcap,
         "segment_ids": id_ranges is not None,
         "segment_lengths": tuple(s for s, _ in pairs[:branches]),
         "dilation_rates": tuple(r for _, r in pairs[:branches]),
@@ -252,10 +259,11 @@ def _same(field, values):
     return all(v == values[0] for v in values)
 
 
-def shard_lengths(n, world_size, layout):
+def shard_lengths(n, world_size, layout, ulysses=1):
     """Shard lengths of every rank, without building index arrays."""
     return [sum(length for _, _, length in
-                _layout.shard_progressions(n, world_size, layout, r))
+                _layout.shard_progressions(n, world_size, layout, r,
+                                           ulysses))
             for r in range(world_size)]
 
 
@@ -265,8 +273,10 @@ def agree(comm, desc, timeout=None):
     timeout: the call's deadline in seconds for the allgather (None: the
     communicator's).  Returns a RingPlan.  Raises ValueError (on every
     rank) naming the field and the ranks that disagree, or when the shard
-    lengths do not match ``shard_indices(n, p, layout)``; CommError when a
-    peer's record is malformed.
+    lengths do not match ``shard_indices(n, p, layout, ulysses)``;
+    CommError when a peer's record is malformed.  With ulysses > 1 the
+    plan only checks the call (the ring runs over the groups, whose plan
+    comes from their own agreement): it carries no segment id ranges.
     """
     p, r = comm.size, comm.rank
     mine = encode(desc)
@@ -292,15 +302,17 @@ def agree(comm, desc, timeout=None):
     if n > MAX_SEQ_LEN:
         raise ValueError(f"shard lengths: expected at most {MAX_SEQ_LEN} "
                          f"tokens in all, got {lengths}")
-    expected = shard_lengths(n, p, layout)
+    u = desc["ulysses"]
+    expected = shard_lengths(n, p, layout, u)
     if lengths != expected:
+        groups = f", ulysses={u}" if u > 1 else ""
         raise ValueError(
             f"shard lengths: expected {expected} for seq_len={n}, "
-            f"world_size={p}, layout={layout!r}, got {lengths} "
+            f"world_size={p}, layout={layout!r}{groups}, got {lengths} "
             f"(rank {r} holds {lengths[r]} tokens)")
-    progs = [_layout.shard_progressions(n, p, layout, i) for i in range(p)]
+    progs = [_layout.shard_progressions(n, p, layout, i, u) for i in range(p)]
     plan = RingPlan(r, p, n, lengths, layout, progs)
-    if desc["id_ranges"] is not None:
+    if desc["id_ranges"] is not None and u == 1:
         plan.id_ranges = [_piece_id_ranges(plan, i, d["id_ranges"])
                           for i, d in enumerate(descs)]
     return plan

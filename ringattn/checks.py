@@ -12,9 +12,13 @@ import operator
 import numpy as np
 
 __all__ = ["flag", "int_or_none", "timeout", "callable_or_none",
-           "dict_or_none", "C_INT_MAX"]
+           "dict_or_none", "scale_or_none", "window_sides", "C_INT_MAX",
+           "WINDOW_UNBOUNDED_FROM"]
 
 C_INT_MAX = 2**31 - 1
+# A window side from here on reaches every position (positions stay inside
+# +-2^60): unbounded, as the C core and the XLA handlers read it.
+WINDOW_UNBOUNDED_FROM = 2**61
 
 
 def _show(value):
@@ -58,6 +62,59 @@ def int_or_none(value, name, minimum, maximum=None):
             f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name}: expected an int {bound}, got {as_int}")
     return as_int
+
+
+def scale_or_none(value):
+    """None, or `value` as a finite float (what the C core takes: a real
+    number, anything with __float__).  TypeError naming `scale` for a
+    string, a complex or a traced JAX value; ValueError for inf / NaN."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, (str, bytes, bytearray)):
+            raise TypeError
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale: expected a float or None, got "
+                        f"{type(value).__name__} {_show(value)}") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {_show(value)}")
+    return scale
+
+
+def window_sides(window):
+    """window=None or (left, right) -> None, or (left, right) with each side
+    a Python int >= 0 or None (unbounded; so is a side of 2**61 or more,
+    which reaches every position).  Sides go through operator.index, as the
+    C core's checks take them (NumPy and JAX integer scalars included); None
+    when neither side is bounded.  TypeError / ValueError naming `window`:
+    a side that is not an int (a traced JAX value: a window is static), a
+    negative side, a window that is not a pair."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected (left, right) with ints >= 0 or "
+                        f"None, or None, got {type(window).__name__} "
+                        f"{_show(window)}")
+    sides = []
+    for name, side in zip(("left", "right"), window):
+        if side is None:
+            sides.append(None)
+            continue
+        if isinstance(side, (bool, np.bool_)):
+            raise TypeError(f"window: expected (left, right) with ints >= 0 "
+                            f"or None, got bool {name} in {_show(window)}")
+        try:
+            side = operator.index(side)
+        except TypeError:
+            raise TypeError(f"window: expected (left, right) with ints >= 0 "
+                            f"or None (static values, not traced ones), got "
+                            f"{type(side).__name__} {name}") from None
+        if side < 0:
+            raise ValueError(f"window: expected {name} >= 0 or None, got "
+                             f"{side}")
+        sides.append(None if side >= WINDOW_UNBOUNDED_FROM else side)
+    return None if sides == [None, None] else tuple(sides)
 
 
 def timeout(value, name="timeout"):

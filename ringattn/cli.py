@@ -143,6 +143,12 @@ def _demo_parser(sub):
     d.add_argument("--docs", type=positive_int, default=None, metavar="N",
                    help="pack N documents of random lengths into the "
                         "sequence; no attention across them")
+    d.add_argument("--ulysses", "-u", type=positive_int, default=1,
+                   metavar="U",
+                   help="Ulysses degree: an all-to-all over heads inside "
+                        "groups of U ranks, the ring across the groups (1: "
+                        "the plain ring; --ranks: pure Ulysses); U divides "
+                        "--ranks and --heads")
     d.add_argument("--samples", type=positive_int, default=64,
                    help="rows compared with the single-rank run")
     d.add_argument("--threads", type=nonnegative_int, default=0,
@@ -158,6 +164,13 @@ def _check_demo(parser, args):
     if args.kv_heads and args.heads % args.kv_heads:
         parser.error(f"argument --kv-heads: must divide --heads "
                      f"{args.heads}, got {args.kv_heads}")
+    if args.ranks % args.ulysses:
+        parser.error(f"argument --ulysses: must divide --ranks {args.ranks}, "
+                     f"got {args.ulysses}")
+    if args.heads % args.ulysses:
+        parser.error(f"argument --ulysses: must divide --heads {args.heads} "
+                     f"(each rank of a group takes heads / U), got "
+                     f"{args.ulysses}")
     if args.docs is not None and args.docs > args.seq_len:
         parser.error(f"argument --docs: at most --seq-len {args.seq_len} "
                      f"documents of one token or more, got {args.docs}")
@@ -206,6 +219,11 @@ def _bench_parser(sub):
                    help="packed documents, sliding window and softcap "
                         "against the unmasked problem and torch SDPA with "
                         "an explicit mask")
+    b.add_argument("--ulysses", action="store_true",
+                   help="the plain ring, hybrid and pure Ulysses on 4 CPU "
+                        "ranks (u = 1, 2, 4), causal, n = 16384 (--seq-lens "
+                        "N to change): time, bytes sent and peak memory per "
+                        "rank")
     b.add_argument("--gpu", action="store_true",
                    help="GPU kernel table against PyTorch SDPA, and accuracy "
                         "(needs a GPU; without torch ringattn runs alone, "
@@ -231,7 +249,7 @@ def _bench_parser(sub):
 
 def _check_bench(parser, args):
     cpu = args.cpu or not (args.ring or args.dilated or args.gpu or
-                            args.masks)
+                            args.masks or args.ulysses)
     host_ring = args.ring and not args.gpu
     if args.plot and not (cpu or host_ring):
         parser.error("argument --plot: draws the --cpu and --ring (CPU) "

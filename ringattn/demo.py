@@ -8,6 +8,10 @@ timings, the bytes it sent and peak ringattn memory.  The parent then runs
 the same problem on one rank (``attention`` / ``attention_backward`` over
 the whole sequence) and reports the largest difference at the sampled rows.
 
+``--ulysses U``: Ulysses inside groups of U ranks and the ring across the
+groups (``ring_attention(..., ulysses=U)``; shards from ``shard_positions(
+..., ulysses=U)``).
+
 Masks: ``--window LEFT[,RIGHT]`` and ``--docs N`` (N packed documents of
 random lengths, the same on every rank from the seed) go to both runs; the
 demo prints how much of the score matrix they leave visible.
@@ -135,14 +139,14 @@ def _rank_main(comm, cfg):
 
     p, r = comm.size, comm.rank
     n, B, H, Hkv, D = cfg["n"], cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    pos = shard_positions(n, p, cfg["layout"], r)
+    pos = shard_positions(n, p, cfg["layout"], r, cfg["ulysses"])
     device = comm.device
     mem = device[0]
     q, k, v, dout = _on(device, demo_rows(cfg["seed"], (B, H, D), Hkv, pos,
                                           cfg["dtype"]))
     masks = _on_device_masks(_masks(cfg, pos), device)
     kw = {"causal": cfg["causal"], "layout": cfg["layout"], "seq_len": n,
-          **masks}
+          "ulysses": cfg["ulysses"], **masks}
     if mem == "cpu":
         kw["num_threads"] = cfg["threads"]
     else:
@@ -329,6 +333,7 @@ def run(args):
            "dtype": args.dtype, "samples": samples.tolist(),
            "threads": threads, "progress": not args.quiet,
            "per_rank_memory": per_rank_memory, "window": args.window,
+           "ulysses": args.ulysses,
            "docs": None if args.docs is None else
            demo_documents(args.seed, n, args.docs)}
     B, H, Hkv, D = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
@@ -338,9 +343,14 @@ def run(args):
                  f"{', shared by the ranks' if p > count else ''}")
     else:
         where = f"{backend} backend, {threads} kernel thread(s) each"
+    u = args.ulysses
+    split = "" if u == 1 else (
+        f", Ulysses over all {p} ranks" if u == p else
+        f", Ulysses in {p // u} groups of {u} ranks, the ring across them")
     print(f"ringattn demo: {p} ranks ({where}), {n} tokens, batch {B}, "
           f"{H} heads ({Hkv} kv), head_dim {D}, {args.dtype}, "
-          f"{'causal' if causal else 'full'}, {args.layout} layout", flush=True)
+          f"{'causal' if causal else 'full'}, {args.layout} layout{split}",
+          flush=True)
     if note is not None:
         print(note, flush=True)
     mask_line, visible = _describe_masks(cfg, causal)

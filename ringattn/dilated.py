@@ -19,9 +19,14 @@ from .interop import kind_of, from_buffer, to_buffer
 from .lse_cotangent import local_backward
 
 
+INT64_MAX = 2**63 - 1
+
+
 def check_config(segment_lengths, dilation_rates):
     """Validate and normalise a configuration: two equal-length lists of
-    positive ints.  Raises ValueError naming the argument otherwise."""
+    1 to _C.MAX_BRANCHES positive ints that fit in int64 (as the C core
+    takes them; a length or rate past any sequence is fine).  Raises
+    ValueError naming the argument otherwise, before any work (or trace)."""
     out = []
     for name, values in (("segment_lengths", segment_lengths),
                          ("dilation_rates", dilation_rates)):
@@ -40,17 +45,18 @@ def check_config(segment_lengths, dilation_rates):
             except TypeError:
                 raise ValueError(f"{name}: expected positive ints, got "
                                  f"{type(x).__name__} at position {i}") from None
-            if x < 1:
-                raise ValueError(f"{name}: expected positive ints, got {x} at "
-                                 f"position {i}")
+            if not 1 <= x <= INT64_MAX:
+                raise ValueError(f"{name}: expected positive ints up to 2**63 - 1, "
+                                 f"got {x} at position {i}")
             ints.append(x)
         out.append(ints)
     segs, rates = out
     if len(segs) != len(rates):
         raise ValueError(f"dilation_rates: expected {len(segs)} values (one per "
                          f"segment length), got {len(rates)}")
-    if not segs:
-        raise ValueError("segment_lengths: expected at least one branch, got none")
+    if not 1 <= len(segs) <= _C.MAX_BRANCHES:
+        raise ValueError(f"segment_lengths: expected 1 to {_C.MAX_BRANCHES} "
+                         f"branches, got {len(segs)}")
     return segs, rates
 
 

@@ -10,6 +10,7 @@ import operator
 import warnings
 
 from . import _C
+from .checks import C_INT_MAX
 
 Buffer = _C.Buffer
 
@@ -149,6 +150,9 @@ def parse_device(device):
         raise ValueError(f"{expected}, got {device!r}") from None
     if index < 0:
         raise ValueError(f"{expected}, got {device!r}")
+    if kind == "cuda" and index > C_INT_MAX:     # no such device
+        raise ValueError(f"device: expected the index of a CUDA device that "
+                         f"exists, got {device!r}")
     # host memory is one memory, whatever a framework numbers its host
     # devices (JAX: cpu:0, cpu:1, ...)
     return _DEVICE_CODES[kind], 0 if kind == "cpu" else index
@@ -173,12 +177,15 @@ def to_device(x, device="cuda", dtype=None):
 
 
 def empty(shape, dtype="float32", device="cpu"):
-    """Uninitialised ``Buffer`` owned by ringattn (counted in memory_stats)."""
+    """Uninitialised ``Buffer`` owned by ringattn (counted in memory_stats).
+    shape: an int or a sequence of ints; dtype: a name or anything
+    ``np.dtype()`` takes ("float" is float64, as in NumPy)."""
     t, i = parse_device(device)
-    return _C.empty(tuple(shape), dtype, t, i)
+    return _C.empty(shape, dtype, t, i)
 
 
 def zeros(shape, dtype="float32", device="cpu"):
-    """Zero-filled ``Buffer`` owned by ringattn (counted in memory_stats)."""
+    """Zero-filled ``Buffer`` owned by ringattn (counted in memory_stats);
+    shape and dtype as ``empty``."""
     t, i = parse_device(device)
-    return _C.zeros(tuple(shape), dtype, t, i)
+    return _C.zeros(shape, dtype, t, i)

@@ -5,7 +5,8 @@ kernels as XLA FFI custom calls (ringattn/jax_ffi.py): under ``jax.jit``
 they work on XLA's own buffers and stream, forward and ``jax.grad``, and
 ``jax.vmap`` batches them.  ``ring_attention(q, k, v, axis_name=...)`` is
 the ring inside a JAX program (under ``jax.shard_map``;
-ringattn/jax_ring.py).
+ringattn/jax_ring.py), and with ``ulysses_axis=...`` Ulysses or hybrid
+sequence parallelism there (ringattn/jax_ulysses.py).
 
 Host callbacks (``_make``): ``dilated_attention`` off the CPU, through
 ``jax.pure_callback``; the comm-object ring wrappers
@@ -29,6 +30,7 @@ from jax.experimental import io_callback
 from . import dilated as _dilated
 from . import jax_ffi as _ffi
 from . import jax_ring as _jax_ring
+from . import jax_ulysses as _jax_ulysses
 from . import ring as _ring
 from . import ring_dilated as _ring_dilated
 from .checks import flag
@@ -140,22 +142,37 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
                                   host_fallback=f)
 
 
-def ring_attention(q, k, v, comm=None, *, axis_name=None, causal=False,
-                   scale=None, layout="contiguous", seq_len=None,
-                   return_lse=False, segment_ids=None, window=None,
-                   softcap=None):
+def ring_attention(q, k, v, comm=None, *, axis_name=None, ulysses_axis=None,
+                   causal=False, scale=None, layout="contiguous",
+                   seq_len=None, return_lse=False, segment_ids=None,
+                   window=None, softcap=None, ulysses=1):
     """Differentiable ``ringattn.ring_attention``: out, or (out, lse) with
     return_lse=True.  segment_ids (B, n_r): the ids of this shard's tokens;
     window, softcap: the same on every rank (DESIGN §2 "Masks").
 
     With ``axis_name``: the ring inside a JAX program, called under
     ``jax.shard_map`` over that mesh axis (see ``ringattn.jax_ring``).
-    With ``comm``: this rank's shard over ringattn's communicator.
+    With ``ulysses_axis`` too (or alone, for pure Ulysses): heads
+    all-to-all'd over that mesh axis, the ring over ``axis_name``, the
+    sequence split over both with the Ulysses axis minor (see
+    ``ringattn.jax_ulysses``).  With ``comm``: this rank's shard over
+    ringattn's communicator, ``ulysses=u`` as ``ringattn.ring_attention``.
     """
     causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
-    if (comm is None) == (axis_name is None):
+    in_program = axis_name is not None or ulysses_axis is not None
+    if (comm is None) == (not in_program):
         raise TypeError("ring_attention: pass exactly one of comm (ringattn's "
-                        "communicator) or axis_name (a shard_map mesh axis)")
+                        "communicator) or axis_name / ulysses_axis (shard_map "
+                        "mesh axes)")
+    if in_program and ulysses != 1:
+        raise TypeError("ring_attention: ulysses=u is for comm; inside a JAX "
+                        "program name the mesh axis: ulysses_axis=...")
+    if ulysses_axis is not None:
+        return _jax_ulysses.ulysses_attention(
+            q, k, v, ulysses_axis=ulysses_axis, axis_name=axis_name,
+            causal=causal, scale=scale, layout=layout, seq_len=seq_len,
+            return_lse=return_lse, segment_ids=segment_ids, window=window,
+            softcap=softcap)
     if axis_name is not None:
         return _jax_ring.ring_attention(q, k, v, axis_name=axis_name,
                                         causal=causal, scale=scale,
@@ -164,7 +181,7 @@ def ring_attention(q, k, v, comm=None, *, axis_name=None, causal=False,
                                         segment_ids=segment_ids,
                                         window=window, softcap=softcap)
     kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len,
-              window=window, softcap=softcap)
+              window=window, softcap=softcap, ulysses=ulysses)
     ids = () if segment_ids is None else (jnp.asarray(segment_ids),)
     f = _make(
         lambda q, k, v, *ids: _ring.ring_attention(

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from . import _C
 from . import dilated as _dilated
+from .checks import scale_or_none, window_sides
 
 _registered = False
 
@@ -76,9 +77,8 @@ def _call(target, results, args, attrs, aliases=None):
 
 
 def _attrs(causal, scale, D, num_threads):
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number, got {scale}")
+    scale = scale_or_none(scale)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
     return dict(causal=bool(causal), scale=np.float64(scale),
                 num_threads=np.int64(num_threads))
 
@@ -94,18 +94,13 @@ def _with_positions(args, attrs, positions, masks=None):
     return args, attrs
 
 
-# a window side from here on reaches every position: unbounded
-_WINDOW_UNBOUNDED_FROM = 2 ** 61
-
-
 class Masks:
     """Checked mask arguments of a call: window (left, right) with None or
     ints per side, softcap (float) and segment ids (q's rows, k's rows) as
     int32 arrays; each None when unused."""
 
     def __init__(self, window=None, softcap=None, ids=None):
-        self.window = None if window is None or tuple(window) == (None, None) \
-            else tuple(window)
+        self.window = window_sides(window)
         self.softcap = softcap
         self.ids = ids
 
@@ -114,8 +109,7 @@ class Masks:
         if self.window is not None:
             for name, side in zip(("window_left", "window_right"),
                                   self.window):
-                big = side is None or side >= _WINDOW_UNBOUNDED_FROM
-                attrs[name] = np.int64(-1 if big else side)
+                attrs[name] = np.int64(-1 if side is None else side)
         if self.softcap is not None:
             attrs["softcap"] = np.float64(self.softcap)
         if self.ids is not None:
@@ -138,13 +132,45 @@ def _host_or_zeros(x):
     return np.asarray(x)
 
 
+_WIDE_IDS = (jnp.int64, jnp.uint64, jnp.uint32)
+
+
+def _ids_int32(ids, which, axis_name=None):
+    """Segment ids (B, S) as the int32 the kernels read, never truncated.
+    Known ids were checked by the C core (a value outside int32 is a
+    ValueError).  Traced ids of a wider type (int64 and uint64 with
+    jax_enable_x64, uint32) are counted outside int32 in the program, and
+    the ringattn_ids_check handler refuses to pass them on when it runs if
+    any are (ids 0 and 2**32 would be one document).  axis_name: the ring's
+    mesh axis; the counts of all its devices are summed first, so every
+    device stops at the check (none left waiting in a collective)."""
+    ids = jnp.asarray(ids)
+    if not isinstance(ids, jax.core.Tracer) or jnp.dtype(ids.dtype) not in _WIDE_IDS:
+        return ids.astype(jnp.int32)
+    info = jnp.iinfo(jnp.int32)
+    outside = ids > jnp.asarray(info.max, ids.dtype)
+    if jnp.issubdtype(ids.dtype, jnp.signedinteger):
+        outside = outside | (ids < jnp.asarray(info.min, ids.dtype))
+    local = jnp.sum(outside, dtype=jnp.int32)
+    first = jnp.argmax(outside.reshape(-1)).astype(jnp.int32)
+    total = local if axis_name is None else jax.lax.psum(local, axis_name)
+    report = jnp.stack([total, local, first // ids.shape[1], first % ids.shape[1]])
+    cast = ids.astype(jnp.int32)
+    return jax.ffi.ffi_call("ringattn_ids_check", _sds(ids.shape, jnp.int32, ids),
+                            vmap_method="broadcast_all",
+                            input_output_aliases={0: 0})(
+        cast, report, which=np.int64(which))
+
+
 def check_masks(q, k, segment_ids=None, kv_segment_ids=None, window=None,
-                softcap=None):
+                softcap=None, axis_name=None):
     """The mask arguments of a call on q (B, S_q, ...) and k (B, S_k, ...),
     checked by the C core's own checks (the same errors as
-    ``ringattn.attention``; traced ids are checked for shape and dtype),
-    as a ``Masks``."""
+    ``ringattn.attention``; traced ids are checked for shape and dtype, and
+    for their range when the program runs), as a ``Masks``.  axis_name:
+    the ring's mesh axis (``_ids_int32``)."""
     B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    window = window_sides(window)
     dummy_q = np.zeros((B, Sq, 1, 1), np.float32)
     dummy_k = np.zeros((B, Sk, 1, 1), np.float32)
     kw = dict(window=window, softcap=softcap)
@@ -157,9 +183,9 @@ def check_masks(q, k, segment_ids=None, kv_segment_ids=None, window=None,
     _C.attn_fwd(dummy_q, dummy_k, dummy_k, check_only=True, **kw)
     ids = None
     if segment_ids is not None:
-        q_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+        q_ids = _ids_int32(segment_ids, 0, axis_name)
         kv_ids = q_ids if kv_segment_ids is None else \
-            jnp.asarray(kv_segment_ids).astype(jnp.int32)
+            _ids_int32(kv_segment_ids, 1, axis_name)
         ids = (q_ids, kv_ids)
     return Masks(window, None if softcap is None else float(softcap), ids)
 

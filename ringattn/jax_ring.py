@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from . import _C
 from . import jax_ffi as _ffi
 from . import layout as _layout
-from .checks import flag as _flag
+from .checks import flag as _flag, scale_or_none as _scale
 from .hops import layout_hops
 
 
@@ -188,6 +188,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, scale=None,
     differentiable, through lse too.
     """
     _ffi.check_qkv(q, k, v)
+    scale = _scale(scale)
     if not isinstance(layout, str) or layout not in _layout.LAYOUTS:
         raise ValueError(f"layout: expected one of {', '.join(map(repr, _layout.LAYOUTS))}, "
                          f"got {layout!r}")
@@ -195,7 +196,8 @@ def ring_attention(q, k, v, *, axis_name, causal=False, scale=None,
     if k.shape[1] != n_r:
         raise ValueError(f"k: expected this device's shard length {n_r} (from "
                          f"q), got {k.shape[1]}")
-    masks = _ffi.check_masks(q, k, segment_ids, None, window, softcap)
+    masks = _ffi.check_masks(q, k, segment_ids, None, window, softcap,
+                             axis_name=axis_name)
     p = _axis_size(axis_name)
     n = p * n_r
     if seq_len is not None and seq_len != n:

@@ -26,10 +26,12 @@ Memory per rank is O(n/p).
 Shapes (local shard of n_r tokens): q, out, dout (B, n_r, H, D); k, v
 (B, n_r, H_kv, D); lse (B, H, n_r) float32 (float64 for float64 inputs);
 segment_ids (B, n_r) integers.
+
+``ulysses=u`` > 1 hands the call to ``ringattn.ulysses``: an all-to-all
+inside groups of u ranks, this ring across the groups.
 """
 
 import contextlib
-import operator
 import os
 import time
 
@@ -44,7 +46,8 @@ from .lse_cotangent import check_dlse, fold_into_delta
 from .masks import mask_kwargs
 from .ring_blocks import Block, Packed, exchange
 
-__all__ = ["ring_attention", "ring_attention_backward"]
+__all__ = ["ring_attention", "ring_attention_backward", "grads_with_delta",
+           "BackwardCheck"]
 
 
 def _check_comm(comm):
@@ -134,15 +137,6 @@ def _device(buf):
 
 # ---- masks -----------------------------------------------------------------
 
-def _window_sides(window):
-    """A window the C core accepted, as (left, right) ints or None per
-    side; None when neither side is bounded."""
-    if window is None:
-        return None
-    sides = tuple(None if x is None else operator.index(x) for x in window)
-    return None if sides == (None, None) else sides
-
-
 def _int32_ids(ids, host):
     """int32 segment ids on the device of `ids` as a Buffer (host: their
     values on the host as int32; the C core has checked they fit)."""
@@ -174,7 +168,7 @@ class RingMasks:
     """
 
     def __init__(self, segment_ids, window, softcap, layout):
-        self.window = _window_sides(window)
+        self.window = checks.window_sides(window)
         self.softcap = None if softcap is None else float(softcap)
         self.ids = self.chunk_ranges = None
         if segment_ids is not None:
@@ -279,11 +273,17 @@ def _prepare(comm, op, named, local_check, causal, scale, call, masks_args):
     return bufs, masks, plan, hop_plan(plan, causal, masks.window)
 
 
+def _ulysses_degree(ulysses):
+    """`ulysses` as an int >= 1 (whether it divides p, and the heads, is
+    checked by ringattn.ulysses)."""
+    return checks.int_or_none(ulysses, "ulysses", 1) or 1
+
+
 def ring_attention(q, k, v, comm, *, causal=False, scale=None,
                    layout="contiguous", seq_len=None, return_lse=False,
                    segment_ids=None, window=None, softcap=None,
                    progress=None, num_threads=None, timeout=None,
-                   profile=None):
+                   profile=None, ulysses=1):
     """Exact attention over the sequence sharded across `comm`'s ranks.
 
     q: (B, n_r, H, D), k, v: (B, n_r, H_kv, D): this rank's shard in
@@ -303,7 +303,21 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
     call may take (the agreement and every transfer; default the
     communicator's), else ``CommError``.  Arguments are checked as
     ``attention`` checks them, before any communication.
+
+    ulysses=u (u divides p and H): Ulysses inside groups of u consecutive
+    ranks, this ring across the p / u groups (``ringattn.ulysses``); the
+    shards are ``shard_indices(seq_len, p, layout, ulysses=u)``.  u = 1 is
+    the plain ring, u = p pure Ulysses.
     """
+    if _ulysses_degree(ulysses) != 1:
+        from .ulysses import ulysses_attention
+
+        return ulysses_attention(
+            q, k, v, comm, _ulysses_degree(ulysses), causal=causal,
+            scale=scale, layout=layout, seq_len=seq_len,
+            return_lse=return_lse, segment_ids=segment_ids, window=window,
+            softcap=softcap, progress=progress, num_threads=num_threads,
+            timeout=timeout, profile=profile)
     causal, return_lse = (checks.flag(causal, "causal"),
                           checks.flag(return_lse, "return_lse"))
     call = RingCall(comm, layout, seq_len, num_threads, timeout, progress,
@@ -418,7 +432,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
                             scale=None, layout="contiguous", seq_len=None,
                             segment_ids=None, window=None, softcap=None,
                             dlse=None, progress=None, num_threads=None,
-                            timeout=None, profile=None):
+                            timeout=None, profile=None, ulysses=1):
     """Gradients of ``ring_attention`` for this rank's shard.
 
     dout, q, out: (B, n_r, H, D); k, v: (B, n_r, H_kv, D); lse: (B, H, n_r)
@@ -427,35 +441,79 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
     gradient is added (``ringattn.lse_cotangent``; ranks may differ in
     passing it).  Returns (dq, dk, dv) in the inputs' dtypes; dk/dv are
     this rank's keys' gradients summed over every rank's queries.
-    Arguments, masks, profile and timeout as ``ring_attention``.
+    Arguments, masks, profile, timeout and ulysses as ``ring_attention``.
     """
+    if _ulysses_degree(ulysses) != 1:
+        from .ulysses import ulysses_attention_backward
+
+        return ulysses_attention_backward(
+            dout, q, k, v, out, lse, comm, _ulysses_degree(ulysses),
+            causal=causal, scale=scale, layout=layout, seq_len=seq_len,
+            segment_ids=segment_ids, window=window, softcap=softcap,
+            dlse=dlse, progress=progress, num_threads=num_threads,
+            timeout=timeout, profile=profile)
     causal = checks.flag(causal, "causal")
     call = RingCall(comm, layout, seq_len, num_threads, timeout, progress,
                     profile)
     kind = kind_of(q)
-    mask_kw = mask_kwargs(segment_ids, None, window, softcap)
-    dlse_buf = None
-
-    def local_check(q, k, v, dout, out, lse):
-        nonlocal dlse_buf
-        _C.attn_bwd(dout, q, k, v, out, lse, causal=causal, scale=scale,
-                    check_only=True, **mask_kw)
-        dlse_buf = check_dlse(dlse, q)
-
+    local_check = BackwardCheck(causal, scale, segment_ids, window, softcap,
+                                dlse)
     bufs, masks, plan, hops = _prepare(
         comm, "bwd", [("q", q), ("k", k), ("v", v), ("dout", dout),
                       ("out", out), ("lse", lse)], local_check,
         causal, scale, call, (segment_ids, window, softcap))
     qb, kb, vb, doutb, outb, lseb = bufs
     step = _Step(hops, masks, causal, scale, call.threads)
-    # delta = rowsum(dout * out) - dlse
-    delta = fold_into_delta(
-        _C.attn_bwd_preprocess(doutb, outb, num_threads=call.threads),
-        dlse_buf, kind)
+    delta = local_check.delta(doutb, outb, call.threads, kind)
     dq, dk, dv = _ring_backward(doutb, qb, kb, vb, delta, lseb, comm, step,
                                 call)
     return tuple(as_result(g, like, kind)
                  for g, like in ((dq, qb), (dk, kb), (dv, vb)))
+
+
+class BackwardCheck:
+    """The local checks of a backward call on this rank's Buffers (q, k, v,
+    dout, out, lse): the C core's own (``check_only``) and dlse's; then
+    delta = rowsum(dout * out) - dlse."""
+
+    def __init__(self, causal, scale, segment_ids, window, softcap, dlse):
+        self.kw = dict(causal=causal, scale=scale,
+                       **mask_kwargs(segment_ids, None, window, softcap))
+        self.dlse, self.dlse_buf = dlse, None
+
+    def __call__(self, q, k, v, dout, out, lse):
+        _C.attn_bwd(dout, q, k, v, out, lse, check_only=True, **self.kw)
+        self.dlse_buf = check_dlse(self.dlse, q)
+
+    def delta(self, doutb, outb, threads, kind):
+        """delta (B, H, n_r) in lse's dtype, dlse folded in."""
+        return fold_into_delta(
+            _C.attn_bwd_preprocess(doutb, outb, num_threads=threads),
+            self.dlse_buf, kind)
+
+
+def grads_with_delta(dout, q, k, v, lse, delta, comm, *, causal, scale,
+                     layout, seq_len, segment_ids, window, softcap, progress,
+                     num_threads, timeout, profile):
+    """The ring backward from a given delta = rowsum(dout * out) - dlse
+    (B, H, n_r) in lse's dtype: (dq, dk, dv) as Buffers in the accumulator
+    dtype (float32, float64 for float64 inputs), not cast.  For the ring
+    part of ``ringattn.ulysses``; arguments as ``ring_attention_backward``
+    (Buffers), checked and agreed the same way."""
+    causal = checks.flag(causal, "causal")
+    call = RingCall(comm, layout, seq_len, num_threads, timeout, progress,
+                    profile)
+    mask_kw = mask_kwargs(segment_ids, None, window, softcap)
+    bufs, masks, plan, hops = _prepare(
+        comm, "bwd", [("q", q), ("k", k), ("v", v), ("dout", dout),
+                      ("lse", lse)],
+        lambda q, k, v, dout, lse: _C.attn_bwd(
+            dout, q, k, v, dout, lse, causal=causal, scale=scale,
+            check_only=True, **mask_kw),
+        causal, scale, call, (segment_ids, window, softcap))
+    qb, kb, vb, doutb, lseb = bufs
+    step = _Step(hops, masks, causal, scale, call.threads)
+    return _ring_backward(doutb, qb, kb, vb, delta, lseb, comm, step, call)
 
 
 class _Home:

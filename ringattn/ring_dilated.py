@@ -54,6 +54,8 @@ def _select(piece, seg_lo, seg_hi, r, o, pos_max=None):
     if first is None:
         return None
     count = (i1 - 1 - first) // period + 1
+    if count == 1:      # no step taken: keep it small (a huge rate's would
+        period = 1      # leave the positions' int64 bound)
     return (off + first, period, start + stride * first, stride * period, count)
 
 

@@ -18,6 +18,11 @@ Conventions (DESIGN.md section 2):
   around the query's position, and soft-capping of the scaled scores; a key
   is visible iff every rule allows it.
 * a query row that sees no key gets ``out = 0`` and ``lse = -inf``.
+* NaN (in q or k, or an infinity that makes a score NaN, or NaN in v) reaches
+  exactly the rows that see it: their out and lse are NaN, and in the
+  backward dq of those rows and dk, dv of the keys they see.  A row or key
+  that does not see it keeps its finite value (``_touching_matmul``).  A
+  score of -inf weighs 0, as a hidden key does.
 
 Inputs may be any float dtype (float16, float32, float64, ml_dtypes
 bfloat16) or any array kind ``to_numpy`` understands; they are converted to
@@ -161,27 +166,36 @@ def max_error(actual, reference):
     return float(diff[where]), tuple(int(i) for i in where), ref_max
 
 
-def assert_close(actual, reference, dtype, name="out"):
+def assert_close(actual, reference, dtype, name="out", extra_nan=False):
     """Assert `actual` matches the float64 `reference` within ``tolerance(dtype)``.
 
     The criterion is ``max |a - r| <= atol + rtol * max |r|`` over finite
     reference entries; non-finite reference entries (``-inf`` lse of empty
-    rows) must be matched exactly, and `actual` must contain no NaN.
-    Shapes must be equal.  The failure message names `name`, the largest
-    error, where it is, both values there and the tolerance.
+    rows, NaN where a NaN input reaches) must be matched exactly, and
+    `actual` must have no NaN where the reference has none.  extra_nan=True
+    lets `actual` be NaN where the reference is finite too (the backward
+    kernels' gradients of positions that share a tile with a NaN input
+    without seeing it); its finite entries are still checked.  Shapes must
+    be equal.  The failure message names `name`, the largest error, where
+    it is, both values there and the tolerance.
     """
     a = to_numpy(actual)
     r = to_numpy(reference)
     if a.shape != r.shape:
         raise AssertionError(
             f"{name}: shape {a.shape} != reference shape {r.shape}")
-    if np.isnan(a).any():
-        idx = tuple(int(i) for i in np.argwhere(np.isnan(a))[0])
+    stray = np.isnan(a) & ~np.isnan(r)
+    if extra_nan:
+        a = np.where(stray, r, a)
+    elif stray.any():
+        idx = tuple(int(i) for i in np.argwhere(stray)[0])
         raise AssertionError(
-            f"{name}: {int(np.isnan(a).sum())} NaN values, first at {idx}")
+            f"{name}: {int(stray.sum())} NaN values where the reference has "
+            f"none, first at {idx}")
     special = ~np.isfinite(r)
-    if special.any() and not np.array_equal(a[special], r[special]):
-        bad = np.argwhere(special & (a != r))
+    if special.any() and not np.array_equal(a[special], r[special],
+                                            equal_nan=True):
+        bad = np.argwhere(special & (a != r) & ~(np.isnan(a) & np.isnan(r)))
         idx = tuple(int(i) for i in bad[0])
         raise AssertionError(
             f"{name}: {len(bad)} entries differ where the reference is not "
@@ -320,7 +334,8 @@ def _scores(qh, kh, scale, softcap):
     """Scaled scores (B, H, S_q, S_k), soft-capped when softcap is set:
     s -> softcap * tanh(s / softcap).  Also returns d capped / d s (None
     without a cap)."""
-    scores = scale * np.matmul(qh, kh.swapaxes(-1, -2))
+    with np.errstate(invalid="ignore", over="ignore"):   # inf * 0: NaN
+        scores = scale * np.matmul(qh, kh.swapaxes(-1, -2))
     if softcap is None:
         return scores, None
     t = np.tanh(scores / softcap)
@@ -328,21 +343,41 @@ def _scores(qh, kh, scale, softcap):
 
 
 def _probabilities(qh, kh, scale, bias, softcap=None):
-    """Softmax probabilities P (B, H, S_q, S_k) and lse (B, H, S_q).
+    """Softmax probabilities P (B, H, S_q, S_k), lse (B, H, S_q) and `touch`
+    (B or 1, H or 1, S_q, S_k) bool: the pairs whose score takes part (key
+    visible and score not -inf; a NaN score takes part).
 
-    Rows whose every score is -inf get P = 0 and lse = -inf.
+    Rows whose every score is -inf get P = 0 and lse = -inf.  A NaN score
+    (or +inf, whose weight is inf / inf) makes the row's P and lse NaN
+    where it takes part; P is exactly 0 elsewhere.
     """
-    scores = _scores(qh, kh, scale, softcap)[0] + bias
+    with np.errstate(invalid="ignore"):
+        raw = _scores(qh, kh, scale, softcap)[0]
+        scores = np.where(np.isneginf(bias), -np.inf, raw + bias)
+    touch = ~np.isneginf(scores)
     row_max = scores.max(axis=-1, keepdims=True) if scores.shape[-1] else \
         np.full(scores.shape[:-1] + (1,), -np.inf)
-    empty = ~np.isfinite(row_max)
+    empty = np.isneginf(row_max)
     shift = np.where(empty, 0.0, row_max)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        weights = np.exp(scores - shift)
+        weights = np.where(touch, np.exp(scores - shift), 0.0)
         denom = weights.sum(axis=-1, keepdims=True)
         lse = np.where(empty, -np.inf, shift + np.log(np.where(empty, 1.0, denom)))
-        probs = np.where(empty, 0.0, weights / np.where(empty, 1.0, denom))
-    return probs, lse[..., 0]
+        probs = np.where(touch, weights / np.where(empty, 1.0, denom), 0.0)
+    return probs, lse[..., 0], touch
+
+
+def _touching_matmul(a, b, touch):
+    """a @ b over the last two axes, summing a[..., i, j] * b[..., j, :]
+    only where touch[..., i, j] (a is 0 elsewhere): a NaN or infinity in
+    row j of b reaches the rows i that touch j, not the others (a plain
+    matmul would make 0 * NaN = NaN of them)."""
+    if np.isfinite(b).all():
+        return np.matmul(a, b)
+    touch = np.broadcast_to(touch, a.shape)
+    with np.errstate(invalid="ignore", over="ignore"):
+        terms = a[..., :, :, None] * b[..., None, :, :]
+        return np.where(touch[..., None], terms, 0.0).sum(axis=-2)
 
 
 def ref_attention(q, k, v, causal=False, scale=None, q_pos=None, k_pos=None,
@@ -366,8 +401,9 @@ def ref_attention(q, k, v, causal=False, scale=None, q_pos=None, k_pos=None,
     masks = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                  window=window)
     total_bias = _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias, masks)
-    probs, lse = _probabilities(qh, kh, scale, total_bias, softcap)
-    out = np.matmul(probs, vh).transpose(0, 2, 1, 3)           # (B, S_q, H, D)
+    probs, lse, touch = _probabilities(qh, kh, scale, total_bias, softcap)
+    with np.errstate(invalid="ignore", over="ignore"):      # NaN rows
+        out = _touching_matmul(probs, vh, touch).transpose(0, 2, 1, 3)  # (B, S_q, H, D)
     return np.ascontiguousarray(out), lse
 
 
@@ -406,8 +442,20 @@ def ref_attention_backward(dout, q, k, v, causal=False, scale=None, q_pos=None,
     masks = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                  window=window)
     total_bias = _score_bias(B, H, S_q, S_k, causal, q_pos, k_pos, bias, masks)
-    probs, _ = _probabilities(qh, kh, scale, total_bias, softcap)
-    dprobs = np.matmul(doh, vh.swapaxes(-1, -2))               # (B, H, S_q, S_k)
+    probs, _, touch = _probabilities(qh, kh, scale, total_bias, softcap)
+    # NaN and infinities of the inputs go where the module docstring says
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _backward_from(probs, touch, doh, qh, kh, vh, scale, softcap,
+                              out, dlse, group)
+
+
+def _backward_from(probs, touch, doh, qh, kh, vh, scale, softcap, out, dlse,
+                   group):
+    """ref_attention_backward's arithmetic from the probabilities on."""
+    B, H, S_q, D = qh.shape
+    S_k, H_kv = kh.shape[2], H // group
+    # (B, H, S_q, S_k); a non-finite v reaches only the pairs in touch
+    dprobs = np.where(touch, np.matmul(doh, vh.swapaxes(-1, -2)), 0.0)
     if out is None:
         delta = (probs * dprobs).sum(axis=-1, keepdims=True)
     else:
@@ -418,12 +466,13 @@ def ref_attention_backward(dout, q, k, v, causal=False, scale=None, q_pos=None,
         delta = (doh * out_h.transpose(0, 2, 1, 3)).sum(axis=-1)[..., None]
     if dlse is not None:
         delta = delta - to_numpy(dlse).astype(np.float64)[..., None]
-    dscores = probs * (dprobs - delta)
+    dscores = np.where(touch, probs * (dprobs - delta), 0.0)
     if softcap is not None:
-        dscores = dscores * _scores(qh, kh, scale, softcap)[1]
-    dq = scale * np.matmul(dscores, kh)                        # (B, H, S_q, D)
-    dk = scale * np.matmul(dscores.swapaxes(-1, -2), qh)       # (B, H, S_k, D)
-    dv = np.matmul(probs.swapaxes(-1, -2), doh)
+        dscores = np.where(touch, dscores * _scores(qh, kh, scale, softcap)[1], 0.0)
+    touch_t = np.broadcast_to(touch, dscores.shape).swapaxes(-1, -2)
+    dq = scale * _touching_matmul(dscores, kh, touch)          # (B, H, S_q, D)
+    dk = scale * _touching_matmul(dscores.swapaxes(-1, -2), qh, touch_t)  # (B, H, S_k, D)
+    dv = _touching_matmul(probs.swapaxes(-1, -2), doh, touch_t)
     dk = dk.reshape(B, H_kv, group, S_k, D).sum(axis=2)
     dv = dv.reshape(B, H_kv, group, S_k, D).sum(axis=2)
     return (np.ascontiguousarray(dq.transpose(0, 2, 1, 3)),
@@ -449,7 +498,8 @@ def ref_merge(out1, lse1, out2, lse2):
     if l1.shape != (B, H, S) or l2.shape != (B, H, S):
         raise ValueError(
             f"lse1, lse2: expected shape {(B, H, S)}, got {l1.shape}, {l2.shape}")
-    lse = np.logaddexp(l1, l2)
+    with np.errstate(invalid="ignore"):     # a NaN part: a NaN row
+        lse = np.logaddexp(l1, l2)
     empty = np.isneginf(lse)
     safe = np.where(empty, 0.0, lse)
     with np.errstate(invalid="ignore", over="ignore"):

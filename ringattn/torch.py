@@ -123,11 +123,15 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *,
 
 def ring_attention(q, k, v, comm, *, causal=False, scale=None,
                    layout="contiguous", seq_len=None, return_lse=False,
-                   segment_ids=None, window=None, softcap=None):
+                   segment_ids=None, window=None, softcap=None, ulysses=1):
     """Differentiable ``ringattn.ring_attention`` on this rank's shard
-    (segment_ids: this shard's ids; masks as there)."""
+    (segment_ids: this shard's ids; masks as there).  ulysses=u: Ulysses
+    inside groups of u ranks, the ring across them (shards from
+    ``ra.shard(..., ulysses=u)``); the backward moves dout, q, k, v to the
+    heads' layout again (the forward keeps no second copy of them)."""
     kw = dict(causal=causal, scale=scale, layout=layout, seq_len=seq_len,
-              segment_ids=segment_ids, window=window, softcap=softcap)
+              segment_ids=segment_ids, window=window, softcap=softcap,
+              ulysses=ulysses)
     return _apply(
         q, k, v,
         lambda q, k, v: _ring.ring_attention(q, k, v, comm, return_lse=True,

@@ -1,5 +1,6 @@
 """Runs ``ringattn.jax.ring_attention`` under ``jax.shard_map`` on p CPU
-devices, for tests/test_jax_ring.py.
+devices (with ``ulysses_axis`` on a 2-D mesh for the Ulysses cases), for
+tests/test_jax_ring.py.
 
 A separate process because XLA_FLAGS=--xla_force_host_platform_device_count
 must be set before JAX is imported, and the rest of the test suite must
@@ -31,21 +32,32 @@ def run_case(case, arrays):
     q, k, v, dout = (arrays[f"{case['name']}/{x}"] for x in ("q", "k", "v", "dout"))
     dt = np_dtype(case["dtype"])
     n = q.shape[1]
-    order = np.concatenate(ra.shard_indices(n, p, layout))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:p]), ("sp",))
-    spec = P(None, "sp")
+    # ulysses=u: a (p / u, u) mesh, the sequence over both axes, Ulysses
+    # minor; "pure": no ring axis in the call
+    u = case.get("ulysses", 1)
+    order = np.concatenate(ra.shard_indices(n, p, layout, ulysses=u))
+    devices = np.array(jax.devices()[:p])
+    if u > 1:
+        mesh = jax.sharding.Mesh(devices.reshape(p // u, u), ("sp", "ul"))
+        seq = ("sp", "ul")
+        axes = dict(axis_name=None if case.get("pure") else "sp",
+                    ulysses_axis="ul")
+    else:
+        mesh = jax.sharding.Mesh(devices, ("sp",))
+        seq, axes = "sp", dict(axis_name="sp")
+    spec = P(None, seq)
     place = lambda x: jax.device_put(jnp.asarray(x[:, order].astype(dt)),
                                      NamedSharding(mesh, spec))
     with_lse = case.get("lse", False)
     # lse (B, H, n_r) is sharded along its last dim
-    lse_spec = P(None, None, "sp")
+    lse_spec = P(None, None, seq)
     masks = {key: tuple(case[key]) if key == "window" else case[key]
              for key in ("window", "softcap") if key in case}
     ids = arrays.get(f"{case['name']}/ids")
     ring = shard_map(lambda q, k, v, *ids: rj.ring_attention(
-        q, k, v, axis_name="sp", causal=case["causal"], layout=layout,
+        q, k, v, causal=case["causal"], layout=layout,
         seq_len=n, return_lse=with_lse,
-        segment_ids=ids[0] if ids else None, **masks), mesh,
+        segment_ids=ids[0] if ids else None, **axes, **masks), mesh,
         (spec,) * (3 + (ids is not None)),
         (spec, lse_spec) if with_lse else spec)
     placed_ids = () if ids is None else (jax.device_put(
@@ -80,6 +92,7 @@ def run_case(case, arrays):
         "ringattn_attn_bwd", "ringattn_attn_bwd_acc") if f"@{t}(" in text}))
     got["callbacks"] = np.array("callback" in text)
     got["permutes"] = np.array(text.count("collective_permute"))
+    got["all_to_alls"] = np.array(text.count("all_to_all"))
     got["calls"] = np.array(text.count("@ringattn_attn_fwd_acc(") +
                             text.count("@ringattn_attn_bwd_acc("))
     return got

@@ -629,3 +629,115 @@ def test_a_checker_report_fails_a_passing_test(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "1 failed" in out, out
     assert "emulated GPU's checker reported" in out and "attn_fwd" in out, out
+
+
+# ---- NaN and infinities (DESIGN 2), with ringattn's own device arrays ------
+# The cases of tests/test_nan.py on the device: a NaN score makes the rows
+# that see it NaN (forward exactly; the backward may NaN more of a tile),
+# rows that see nothing stay (0, -inf).  SIMT kernels (float32/float64,
+# D 8) and tensor-core kernels (16-bit, D 64 and 128), plain and masked,
+# one call and as ring steps (accumulate), and the device merge.
+
+import test_nan  # noqa: E402
+
+
+def close_nan(got, ref, dtype, extra_nan=False):
+    """`close` where both are finite; every NaN of ref in got (and, unless
+    extra_nan, no other)."""
+    got, ref = to_host(got), np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.isnan(got[np.isnan(ref)]).all(), "a NaN of the reference is missing"
+    if not extra_nan:
+        assert not np.isnan(got[~np.isnan(ref)]).any(), "NaN where the reference has none"
+    keep = ~np.isnan(ref) & ~np.isnan(got)
+    close(got[keep], ref[keep], dtype)
+
+
+def _nan_problem(case, dtype, D):
+    rng = np.random.default_rng(zlib.crc32(repr((case, dtype, D)).encode()))
+    q, k, v = testing.random_qkv(rng, 2, test_nan.N_Q, test_nan.N_K, 4, 2, D, "float64")
+    q, k, v = test_nan._spoil(case, q, k, v)
+    dt = testing.np_dtype(dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        host = [x.astype(dt) for x in (q, k, v, rng.standard_normal(q.shape))]
+    return host, [ra.to_device(x, "cuda") for x in host]
+
+
+def _device_masks(mask):
+    kw = test_nan.MASKS[mask]
+    return {key: ra.to_device(np.ascontiguousarray(x, np.int32), "cuda")
+            if key.endswith("ids") else x for key, x in kw.items()}, kw
+
+
+NAN_KERNELS = [("float32", 8), ("float64", 8), ("float16", 64), ("bfloat16", 64),
+               ("bfloat16", 128)]
+
+
+@pytest.mark.parametrize("dtype, D", NAN_KERNELS)
+@pytest.mark.parametrize("mask", ["full", "causal", "masked"])
+@pytest.mark.parametrize("case", ["q_nan", "k_nan", "inf_times_zero", "plus_inf"])
+def test_nan_reaches_the_rows_that_see_it_on_the_device(case, mask, dtype, D):
+    (q, k, v, do), (qd, kd, vd, dod) = _nan_problem(case, dtype, D)
+    dkw, kw = _device_masks(mask)
+    out, lse = ra.attention(qd, kd, vd, return_lse=True, **dkw)
+    grads = ra.attention_backward(dod, qd, kd, vd, out, lse, **dkw)
+    out_h = ra.to_device(out, "cpu").numpy()
+    ref_out, ref_lse = testing.ref_attention(q, k, v, **kw)
+    capped_inf = case == "plus_inf" and kw.get("softcap")
+    assert np.isnan(ref_out).any() != bool(capped_inf)
+    close_nan(out_h, ref_out, dtype)
+    close_nan(ra.to_device(lse, "cpu").numpy(), ref_lse, dtype)
+    refs = testing.ref_attention_backward(do, q, k, v, out=out_h, **kw)
+    for g, r in zip(grads, refs):
+        close_nan(ra.to_device(g, "cpu").numpy(), r, dtype, extra_nan=True)
+
+
+@pytest.mark.parametrize("dtype, D", NAN_KERNELS)
+def test_nan_survives_ring_steps_on_the_device(dtype, D):
+    """Three accumulate steps over key chunks: a NaN of the first chunk
+    stays NaN when later chunks merge into the running state, and a chunk
+    that adds nothing to a row leaves its NaN (and its emptiness) alone."""
+    (q, k, v, _), (qd, kd, vd, _) = _nan_problem("k_nan", dtype, D)
+    B, Sq, H, _ = q.shape
+    acc = "float64" if dtype == "float64" else "float32"
+    out = ra.zeros((B, Sq, H, D), acc, "cuda")
+    lse = ra.to_device(np.full((B, H, Sq), -np.inf, acc), "cuda")
+    for lo, hi in ((0, 50), (50, 100), (100, test_nan.N_K)):
+        ra._C.attn_fwd(qd, kd.narrow(1, lo, hi - lo), vd.narrow(1, lo, hi - lo),
+                       causal=True, out=out, lse=lse, accumulate=True,
+                       q_pos_offset=test_nan.N_K - Sq, k_pos_offset=lo)
+    ref_out, ref_lse = testing.ref_attention(q, k, v, causal=True)
+    close_nan(ra.to_device(out, "cpu").numpy(), ref_out, dtype)
+    close_nan(ra.to_device(lse, "cpu").numpy(), ref_lse, dtype)
+
+
+def test_device_merge_keeps_nan():
+    rng = np.random.default_rng(21)
+    o1, o2 = rng.standard_normal((2, 1, 3, 1, 4)).astype(np.float32)
+    l1 = np.array([[[np.nan, np.nan, 0.5]]], np.float32)
+    l2 = np.array([[[-np.inf, 0.3, np.nan]]], np.float32)
+    out, lse = ra.merge(*(ra.to_device(x, "cuda") for x in (o1, l1, o2, l2)))
+    ref_out, ref_lse = testing.ref_merge(o1, l1, o2, l2)
+    close_nan(ra.to_device(out, "cpu").numpy(), ref_out, "float32")
+    close_nan(ra.to_device(lse, "cpu").numpy(), ref_lse, "float32")
+
+
+# ---- Buffer.copy_ between overlapping device views ------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32"])
+def test_overlapping_device_copy_is_copyto(dtype):
+    """As on the host (tests/test_buffer_copy.py): as if through a
+    temporary, never a kernel that reads what it has written."""
+    dt = testing.np_dtype(dtype)
+    base = (np.arange(6 * 5 * 8) % 97).reshape(6, 5, 8).astype(dt)
+    dev = ra.to_device(base, "cuda")
+    dev.narrow(0, 1, 5).copy_(dev.narrow(0, 0, 5))      # y[1:] = y[:-1]
+    want = base.copy()
+    np.copyto(want[1:], want[:-1])
+    np.testing.assert_array_equal(ra.to_device(dev, "cpu").numpy(), want)
+    if dtype != "int32":                                # raw copies need contiguity
+        dev = ra.to_device(base, "cuda")
+        dev.narrow(2, 1, 7).copy_(dev.narrow(2, 0, 7))  # strided rows, shifted
+        want = base.copy()
+        np.copyto(want[:, :, 1:], want[:, :, :-1])
+        np.testing.assert_array_equal(ra.to_device(dev, "cpu").numpy(), want)

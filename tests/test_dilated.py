@@ -225,6 +225,9 @@ BAD_CONFIGS = [
     ([], [], "segment_lengths"),
     (4, [1], "segment_lengths"),
     ([4], 1, "dilation_rates"),
+    ([2**63], [1], "segment_lengths"),          # past int64
+    ([4], [2**64], "dilation_rates"),
+    ([4] * 17, [1] * 17, "segment_lengths"),    # more than MAX_BRANCHES
 ]
 BAD_IDS = [f"{s!r}-{r!r}" for s, r, _ in BAD_CONFIGS]
 
@@ -264,11 +267,68 @@ def test_bad_configuration_raises_value_error(entry, segs, rates, argname):
         ENTRY_POINTS[entry](segs, rates)
 
 
+@pytest.mark.parametrize("segs,rates,argname", BAD_CONFIGS, ids=BAD_IDS)
+def test_bad_configuration_in_jax_before_tracing(jax_module, segs, rates, argname):
+    """ringattn.jax.dilated_attention checks as ra does, eagerly and under
+    jit (not an OverflowError, nor an XLA error when the program runs)."""
+    jax = jax_module
+    import ringattn.jax as rj
+
+    x = jax.numpy.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match=argname):
+        rj.dilated_attention(x, x, x, segs, rates)
+    with pytest.raises(ValueError, match=argname):
+        jax.jit(lambda x: rj.dilated_attention(x, x, x, segs, rates))(x)
+
+
+# ---- huge rates and lengths --------------------------------------------------
+
+# rates and lengths past the sequence (up to int64's end): a rate at or past
+# the segment selects one position per segment (offset h mod r), a length
+# past the sequence makes one segment; the reference takes them capped at
+# 10**6, which selects the same rows of these 37 positions
+HUGE = [([4], [2**62]), ([4, 2**62], [2**62, 3]), ([2**63 - 1], [2**63 - 1]),
+        ([5, 7, 9], [2**40, 2**62, 2]), ([37], [2**62 + 1])]
+
+
+def _capped(values):
+    return [min(x, 10**6) for x in values]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("segs,rates", HUGE, ids=[f"{s}-{r}" for s, r in HUGE])
+def test_huge_rates_and_lengths(rng, segs, rates, causal):
+    """No overflow in the kernels' strides (a UBSan report before), and the
+    reference's answer, locally and through ringattn.jax."""
+    q, k, v, dout = problem(rng, 37, 8, 2)
+    got, _ = run_dilated(q, k, v, dout, segs, rates, causal)
+    _, ref = run_dilated(q, k, v, dout, _capped(segs), _capped(rates), causal)
+    bad = mismatches(got, ref, "float64")
+    assert not bad, "\n".join(bad)
+
+
+def test_huge_rates_and_lengths_through_jax(jax_module, rng):
+    jax = jax_module
+    import ringattn.jax as rj
+
+    q, k, v, dout = problem(rng, 37, 8, 2)
+    for segs, rates in HUGE:
+        f = jax.jit(lambda q, k, v: rj.dilated_attention(q, k, v, segs, rates,
+                                                         causal=True))
+        out, pullback = jax.vjp(f, q, k, v)
+        ref = ref_dilated_attention(q, k, v, _capped(segs), _capped(rates), causal=True)
+        assert_close(np.asarray(out), ref[0], "float64")
+        refs = ref_dilated_attention_backward(dout, q, k, v, _capped(segs),
+                                              _capped(rates), causal=True)
+        for name, g, r in zip(("dq", "dk", "dv"), pullback(dout), refs):
+            assert_close(np.asarray(g), r, "float64", name)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("segs,rates,argname",
                          [BAD_CONFIGS[0], BAD_CONFIGS[2], BAD_CONFIGS[6],
-                          BAD_CONFIGS[12]],
-                         ids=[BAD_IDS[i] for i in (0, 2, 6, 12)])
+                          BAD_CONFIGS[12], BAD_CONFIGS[15], BAD_CONFIGS[17]],
+                         ids=[BAD_IDS[i] for i in (0, 2, 6, 12, 15, 17)])
 def test_bad_configuration_in_the_ring(segs, rates, argname):
     """The ring checks the configuration too; launch carries the message."""
     with pytest.raises(ra.LaunchError, match=f"ValueError: {argname}"):

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ringattn.__file__)))  # w
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "examples")
 NOTEBOOK = os.path.join(EXAMPLES, "ring_on_threads.ipynb")
-SCRIPTS = ["ring_threads.py", "dilated_ring.py"]
+SCRIPTS = ["ring_threads.py", "dilated_ring.py", "ulysses_threads.py"]
 
 # run an example with ra.unshard returning results 1% off: a wrong answer
 BREAK_UNSHARD = """

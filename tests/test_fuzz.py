@@ -7,6 +7,12 @@ a result that matches the float64 reference (``ringattn.testing``, the
 dtype's tolerance), with no NaN for finite input.  A crash or a hang fails
 the run (pytest-timeout bounds each test).
 
+The last section holds the input classes of the second hardening round:
+copies between overlapping views, NaN / +-inf inputs (NaN goes where the
+reference says), 64-bit segment ids and window scalars under jax.jit, and
+dilation rates, segment lengths, positions and window sides up to the ends
+of int64 -- so that CI's ASan/UBSan stage runs them too.
+
 The examples are derandomized (the same on every run, so CI is
 reproducible) and few: the whole file takes a few seconds.
 """
@@ -453,3 +459,179 @@ def test_from_dlpack(meta):
     # may claim more than it holds)
     assert buf.shape == tuple(meta["shape"])
     assert min(meta["shape"], default=0) >= 0
+
+
+# ---- hardening, round 2: overlap, NaN/inf, wide ids and windows, huge values --
+
+VIEWS = [np.s_[:], np.s_[1:], np.s_[:-1], np.s_[::-1], np.s_[::2], np.s_[1::2],
+         np.s_[:, 1:], np.s_[:, :-1], np.s_[:, ::-1], np.s_[2:, ::2]]
+
+
+@pytest.mark.timeout(120)
+@fuzz(60)
+@given(dtype=st.sampled_from(DTYPES + ["int32", "int64", "uint8"]),
+       rows=st.integers(2, 7), cols=st.integers(2, 9),
+       dst=st.sampled_from(VIEWS), src=st.sampled_from(VIEWS),
+       transpose=st.booleans(), seed=st.integers(0, 99))
+def test_overlapping_copies(dtype, rows, cols, dst, src, transpose, seed):
+    """Two views of one array: np.copyto's answer (as through a temporary),
+    or a ValueError when their shapes differ."""
+    base = (np.random.default_rng(seed).integers(0, 100, (rows, cols))
+            .astype(rt.np_dtype(dtype)))
+    want = base.copy()
+    d_want, s_want = want[dst], want[src]
+    d, s = base[dst], base[src]
+    if transpose:
+        d_want, d = d_want.T, d.T
+    if d.shape != s.shape:
+        with pytest.raises(ValueError, match="shape"):
+            ra.from_dlpack(d).copy_(s)
+        return
+    np.copyto(d_want, s_want)
+    ra.from_dlpack(d).copy_(s)
+    np.testing.assert_array_equal(base, want)
+
+
+NON_FINITE = [np.nan, np.inf, -np.inf]
+
+
+@st.composite
+def non_finite_calls(draw):
+    """A small masked attention with a few NaN / +-inf entries in q, k or v."""
+    B, Sq, Sk = draw(st.integers(1, 2)), draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    H, D = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 4, 8]))
+    dtype = draw(st.sampled_from(["float32", "float64"]))
+    q, k, v = arrays(draw(st.integers(0, 2**31)),
+                     [(B, Sq, H, D), (B, Sk, H, D), (B, Sk, H, D)], "float64")
+    for _ in range(draw(st.integers(1, 3))):
+        x = draw(st.sampled_from([q, k, v]))
+        idx = tuple(draw(st.integers(0, n - 1)) for n in x.shape)
+        x[idx] = draw(st.sampled_from(NON_FINITE))
+    if draw(st.booleans()):                     # inf * 0 somewhere
+        k[..., 0] = 0.0
+    kw = {"causal": draw(st.booleans())}
+    if draw(st.booleans()):
+        kw["window"] = (draw(st.sampled_from([0, 1, 3, None])),
+                        draw(st.sampled_from([0, 2, None])))
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([0.5, 3.0]))
+    if draw(st.booleans()) and Sq == Sk:
+        kw["segment_ids"] = np.sort(np.random.default_rng(Sq).integers(0, 3, (B, Sq)),
+                                    axis=1).astype(np.int32)
+    dt = rt.np_dtype(dtype)
+    dout = np.random.default_rng(Sk).standard_normal(q.shape).astype(dt)
+    return q.astype(dt), k.astype(dt), v.astype(dt), dout, kw, dtype
+
+
+@pytest.mark.timeout(120)
+@fuzz(60)
+@given(non_finite_calls())
+def test_nan_and_inf_reach_the_rows_that_see_them(call):
+    """The reference's NaN (DESIGN 2: a row that sees a NaN score is NaN,
+    one that sees nothing is (0, -inf)); the backward may NaN more of a
+    tile, never less."""
+    q, k, v, dout, kw, dtype = call
+    out, lse = ra.attention(q, k, v, return_lse=True, **kw)
+    ref_out, ref_lse = rt.ref_attention(q, k, v, **kw)
+    v_bad = not np.isfinite(v).all()
+    rt.assert_close(out, ref_out, dtype, "out", extra_nan=v_bad)
+    rt.assert_close(lse, ref_lse, dtype, "lse")
+    grads = ra.attention_backward(dout, q, k, v, out, lse, **kw)
+    ref_grads = rt.ref_attention_backward(dout, q, k, v, out=out, **kw)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        rt.assert_close(g, r, dtype, name, extra_nan=True)
+
+
+@pytest.mark.timeout(300)
+@fuzz(25)
+@given(dtype=st.sampled_from(["int64", "uint64", "uint32", "int32"]),
+       bad=st.sampled_from([None, None, 2**31, 2**32, -2**31 - 1, 2**63 + 7]),
+       left=st.sampled_from([0, 2, np.int64(3), np.uint8(1), "jnp", None, 2**63]),
+       right=st.sampled_from([0, np.int32(1), None, 2**61]),
+       seed=st.integers(0, 99))
+def test_wide_ids_and_window_scalars_under_jit(jax_module, dtype, bad, left, right,
+                                                seed):
+    """64-bit (and uint32) ids under jit: the reference, or an error naming
+    segment_ids when one is outside int32 (never truncated); window sides
+    from NumPy / JAX scalars read as ints, past every position unbounded."""
+    jax, jnp = jax_module, jax_module.numpy
+    import ringattn.jax as rj
+
+    info = np.iinfo(dtype)
+    if bad is not None and not info.min <= bad <= info.max:
+        bad = None
+    q, k, v = arrays(seed, [(1, 10, 2, 8)] * 3, "float64")
+    ids = np.sort(np.random.default_rng(seed).integers(0, 3, (1, 10))).astype(dtype)
+    if bad is not None:
+        ids[0, 7:] = bad
+    left = jnp.int32(2) if isinstance(left, str) else left
+    window = (left, right)
+    f = jax.jit(lambda q, ids: rj.attention(q, k, v, causal=True, window=window,
+                                            segment_ids=ids))
+    outside = bad is not None and not -2**31 <= bad < 2**31
+    if outside:
+        with pytest.raises(Exception, match="segment_ids: expected ids that fit in int32"):
+            np.asarray(f(q, jnp.asarray(ids)))
+        return
+    sides = tuple(None if s is None or int(s) >= 2**61 else int(s) for s in window)
+    ref, _ = rt.ref_attention(q, k, v, causal=True, window=sides, segment_ids=ids)
+    rt.assert_close(np.asarray(f(q, jnp.asarray(ids))), ref, "float64")
+
+
+HUGE = [1, 2, 3, 7, 2**31, 2**40, 2**61, 2**62, 2**63 - 1]
+
+
+@pytest.mark.timeout(120)
+@fuzz(40)
+@given(m=st.integers(1, 3), data=st.data(), n=st.integers(1, 12),
+       offset=st.sampled_from([0, 3, 2**40, 2**59, 2**60 - 40]),
+       causal=st.booleans(), seed=st.integers(0, 99))
+def test_huge_dilation_rates_lengths_and_offsets(m, data, n, offset, causal, seed):
+    """Rates and segment lengths up to int64's end, rows far along the
+    sequence: the dense reference with the bias of the selections at those
+    positions (no stride or position arithmetic may overflow: the sanitizer
+    build runs this)."""
+    segs = data.draw(st.lists(st.sampled_from(HUGE), min_size=m, max_size=m))
+    rates = data.draw(st.lists(st.sampled_from(HUGE), min_size=m, max_size=m))
+    H = 4
+    q, k, v = arrays(seed, [(1, n, H, 8), (1, n, 2, 8), (1, n, 2, 8)], "float64")
+    out, lse = ra._C.dilated_fwd(q, k, v, segs, rates, causal=causal,
+                                 q_pos_offset=offset, k_pos_offset=offset)
+    pos = offset + np.arange(n, dtype=np.int64)
+    count = np.zeros((H, n, n))
+    for w, r in zip(segs, rates):
+        seg = pos // w
+        for h in range(H):
+            sel = (pos - seg * w) % r == h % r
+            count[h] += (seg[:, None] == seg[None, :]) & sel[:, None] & sel[None, :]
+    with np.errstate(divide="ignore"):
+        bias = np.log(count)
+    ref_out, ref_lse = rt.ref_attention(q, k, v, causal=causal, bias=bias,
+                                        q_pos=pos, k_pos=pos)
+    close([out, lse], [ref_out, ref_lse], "float64", ["out", "lse"])
+
+
+@pytest.mark.timeout(120)
+@fuzz(40)
+@given(q_off=st.sampled_from([0, -5, 2**59, 2**60 - 50, -(2**60) + 50]),
+       k_off=st.sampled_from([0, 7, 2**59, 2**60 - 50, -(2**60) + 50]),
+       q_st=st.sampled_from([1, 2, 2**40]), k_st=st.sampled_from([1, 3]),
+       window=st.sampled_from([None, (0, 0), (2**61, 0), (5, 2**63), (None, 3),
+                               (2**62 - 1, 2**62 - 1)]),
+       causal=st.booleans(), seed=st.integers(0, 99))
+def test_positions_near_the_bound(q_off, k_off, q_st, k_st, window, causal, seed):
+    """Positions at the +-2^60 bound with huge window sides and strides:
+    the reference, or a ValueError naming the positions."""
+    q, k, v = arrays(seed, [(1, 5, 2, 8), (1, 6, 2, 8), (1, 6, 2, 8)], "float64")
+    got = attempt(lambda: ra._C.attn_fwd(q, k, v, causal=causal, window=window,
+                                         q_pos_offset=q_off, q_pos_stride=q_st,
+                                         k_pos_offset=k_off, k_pos_stride=k_st),
+                  ["q_pos_offset", "k_pos_offset"])
+    if got is None:
+        return
+    qp = q_off + q_st * np.arange(5, dtype=np.int64)
+    kp = k_off + k_st * np.arange(6, dtype=np.int64)
+    sides = None if window is None else \
+        tuple(None if s is None or s >= 2**61 else s for s in window)
+    ref = rt.ref_attention(q, k, v, causal=causal, q_pos=qp, k_pos=kp, window=sides)
+    close(list(got), list(ref), "float64", ["out", "lse"])

@@ -167,8 +167,39 @@ CASES += [
           "ringattn_attn_bwd: " + THREADS, attrs={"num_threads": 2 ** 40}),
 ]
 
+# the run-time range check of 64-bit segment ids (csrc/xla/ffi_ids.c):
+# ids (..., B, S) int32 and a report (..., 4) in, the ids out
+IDS = [[N, 1, 8], "int32"]
+REPORT = [[N, 4], "int32"]
+CHECK = "ringattn_ids_check: segment_ids: expected int32 ids, an int32 report"
+CASES += [
+    _case("ids-result-lead-1", "ringattn_ids_check", [IDS, REPORT],
+          [[[1, 1, 8], "int32"]], CHECK),
+    _case("ids-result-longer", "ringattn_ids_check", [IDS, REPORT],
+          [[[N, 1, 9], "int32"]], CHECK),
+    _case("ids-result-int64", "ringattn_ids_check", [IDS, REPORT],
+          [[[N, 1, 8], "int64"]], CHECK),
+    _case("ids-report-short", "ringattn_ids_check", [IDS, [[N, 3], "int32"]],
+          [IDS], CHECK),
+    _case("ids-report-lead-1", "ringattn_ids_check", [IDS, [[1, 4], "int32"]],
+          [IDS], CHECK),
+    # a report that counts values outside int32: refused, naming the first
+    _case("ids-report-outside", "ringattn_ids_check",
+          [IDS, [[N, 4], "int32", [0] * 12 + [2, 2, 0, 5]]], [IDS],
+          "segment_ids: expected ids that fit in int32, got 2 outside it "
+          "(the first at [0, 5])"),
+    _case("ids-report-other-device", "ringattn_ids_check",
+          [IDS, [[N, 4], "int32", [3, 0, 0, 0] + [0] * 12]], [IDS],
+          "ringattn_ids_check: kv_segment_ids: expected ids that fit in int32, "
+          "got 3 outside it on another device", attrs={"which": 1}),
+]
+
 # the same calls with good results succeed (the checks refuse only bad ones)
 GOOD = [
+    _case("ids-check-good", "ringattn_ids_check", [IDS, REPORT], [IDS], None,
+          aliases={0: 0}),
+    _case("ids-check-unaliased-good", "ringattn_ids_check", [IDS, REPORT], [IDS],
+          None),
     _case("fwd-good", "ringattn_attn_fwd", QKV, [_rows(), _bhs()], None),
     _case("merge-good", "ringattn_merge", [_rows(), _bhs(), _rows(), _bhs()],
           [_rows(), _bhs()], None),

@@ -1,7 +1,8 @@
 """``ringattn.jax.ring_attention`` under ``jax.shard_map`` on 1-4 CPU devices
 against the float64 reference: every layout, causal and not, GQA, forward
 and gradients, several dtypes and odd shard lengths; masks (documents,
-windows, soft-capping) on every layout and p, and the hops a window takes.
+windows, soft-capping) on every layout and p, the hops a window takes, and
+Ulysses / hybrid parallelism over a second mesh axis (``ulysses_axis``).
 
 The rings run in one subprocess (tests/jax_ring_worker.py) started with
 XLA_FLAGS=--xla_force_host_platform_device_count=4, so this process and
@@ -58,9 +59,32 @@ def _cases():
                               dtype="float64"))
     cases.append(dict(p=4, layout="contiguous", causal=True, window=[3, 0],
                       m=9, H=2, Hkv=1, D=8, dtype="float32", docs=True))
+    # NaN in q and k: it reaches the rows that see it across ring steps
+    # (the gradients may be NaN on more of a tile: extra_nan)
+    cases.append(dict(p=3, layout="zigzag", causal=True, m=7, H=4, Hkv=2, D=8,
+                      dtype="float64", nan=True))
+    cases.append(dict(p=2, layout="contiguous", causal=True, m=9, H=2, Hkv=1, D=8,
+                      dtype="float32", window=[5, 0], docs=True, lse=True, nan=True))
+    # Ulysses: heads all-to-all'd over a second mesh axis (H_kv = 1 and 2
+    # below u: replicated); equal shards need n divisible by 2 r and p
+    for layout in ("contiguous", "zigzag", "striped"):
+        for causal in (False, True):
+            cases.append(dict(p=4, ulysses=2, layout=layout, causal=causal,
+                              m=6, H=4, Hkv=1, D=8, dtype="float64"))
+    cases.append(dict(p=4, ulysses=4, pure=True, layout="zigzag", causal=True,
+                      m=5, H=4, Hkv=2, D=8, dtype="float64"))
+    cases.append(dict(p=2, ulysses=2, layout="striped", causal=True, m=7,
+                      H=2, Hkv=2, D=8, dtype="float64", lse=True))
+    cases.append(dict(p=4, ulysses=2, layout="zigzag", causal=True, m=6, H=4,
+                      Hkv=2, D=8, dtype="float64", window=[5, 0], docs=True,
+                      lse=True))
+    cases.append(dict(p=4, ulysses=4, layout="contiguous", causal=False,
+                      m=4, H=8, Hkv=2, D=16, dtype="float32", softcap=2.0))
     for c in cases:
-        tags = "".join(f"-{key}" for key in ("lse", "window", "softcap", "docs")
+        tags = "".join(f"-{key}" for key in ("lse", "window", "softcap", "docs", "nan")
                        if c.get(key))
+        if c.get("ulysses"):
+            tags += f"-u{c['ulysses']}{'-pure' if c.get('pure') else ''}"
         c["name"] = (f"p{c['p']}-{c['layout']}-{'causal' if c['causal'] else 'full'}"
                      f"-n{c['p'] * c['m']}-h{c['H']}/{c['Hkv']}-{c['dtype']}"
                      f"{tags}")
@@ -82,6 +106,9 @@ def ring_runs(tmp_path_factory):
                 if c.get("lse") else None)
         if c.get("softcap"):
             q = q * 6                   # large scores: the cap bites
+        if c.get("nan"):
+            q[0, 11, 1, 2] = np.nan
+            k[1, 3, 0, 0] = np.nan
         n = c["p"] * c["m"]
         ids = np.stack([ref_segment_ids([0, 1, n // 3, n // 3 + 2], n)[0],
                         ref_segment_ids([0, n // 2], n)[0]]) \
@@ -119,14 +146,18 @@ def test_ring_matches_reference(ring_runs, case):
     refs = (ref_out,) + grads
     if dlse is not None:
         names, refs = ("lse",) + names, (ref_lse,) + refs
+    if case.get("nan"):
+        assert np.isnan(ref_out).any() and not np.isnan(ref_out).all()
     for name, ref in zip(names, refs):
-        assert_close(results[f"{case['name']}/{name}"], ref, case["dtype"], name)
+        assert_close(results[f"{case['name']}/{name}"], ref, case["dtype"], name,
+                     extra_nan=bool(case.get("nan")) and name.startswith("d"))
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", [c for c in CASES if c["dtype"] == "float64"
                                   and c["layout"] == "zigzag"
-                                  and not c.get("window")],
+                                  and not c.get("window")
+                                  and not c.get("ulysses")],
                          ids=lambda c: c["name"])
 def test_ring_program_is_custom_calls_and_permutes(ring_runs, case):
     """The lowered forward+backward is FFI custom calls and ppermutes: no
@@ -151,3 +182,16 @@ def test_window_ring_takes_only_the_hops_it_needs(ring_runs):
             and c.get("window")][0]
     # forward: one block step; backward: one block step
     assert int(results[f"{name}/calls"]) == 2, int(results[f"{name}/calls"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", [c for c in CASES if c.get("ulysses")],
+                         ids=lambda c: c["name"])
+def test_ulysses_program_is_all_to_alls_and_custom_calls(ring_runs, case):
+    """Ulysses inside the program: XLA all-to-alls (q, k, v and out in, and
+    their transposes back), ringattn's FFI kernels, no host callback."""
+    _, results = ring_runs
+    assert not results[f"{case['name']}/callbacks"]
+    assert int(results[f"{case['name']}/all_to_alls"]) >= 4
+    targets = set(results[f"{case['name']}/targets"].tolist())
+    assert {"ringattn_attn_fwd", "ringattn_attn_bwd"} <= targets

@@ -548,3 +548,134 @@ def test_killed_rank_ends_launch(monkeypatch):
         assert waited < 2.0 + 1.0, f"rank {f['rank']} took {waited:.1f} s"
     assert time.monotonic() - start < 60
     assert mp.active_children() == []
+
+
+# ---- sub-communicators, all-to-all and Ulysses on NCCL ----------------------
+# (ringattn's own device arrays, ra.to_device: no framework needed)
+
+def _host(x):
+    return ra.to_device(x, "cpu").numpy()
+
+
+def test_world_size_1_split_and_alltoall(comm1):
+    """A split of one rank is a new NCCL communicator; the all-to-all's
+    block to self is a device copy."""
+    sub = comm1.split(0)
+    assert (sub.backend, sub.rank, sub.size) == ("nccl", 0, 1)
+    assert comm1.split(None) is None
+    x = ra.to_device(np.arange(99, dtype=np.float32), comm1.device)
+    y = ra.to_device(np.zeros(99, np.float32), comm1.device)
+    sub.alltoall([x], [y])
+    np.testing.assert_array_equal(_host(y), np.arange(99))
+    comm1.close()
+    assert sub.closed
+
+
+def split_alltoall_rank(comm):
+    """Halves of the world (fresh NCCL communicators from unique ids shared
+    over the world), blocks of (sender, receiver)-dependent size, zero
+    included, on the device."""
+    half = comm.split(comm.rank // 2, key=-comm.rank)
+    r, p, dev = half.rank, half.size, comm.device
+    sends = [ra.to_device(np.arange((r + 2 * i) % 3, dtype=np.float64) +
+                          10 * comm.rank, dev) for i in range(p)]
+    recvs = [ra.to_device(np.zeros((j + 2 * r) % 3), dev) for j in range(p)]
+    half.alltoall(sends, recvs)
+    got = [_host(x).tolist() for x in recvs]
+    world = [ra.to_device(np.full(2, float(comm.rank)), dev)
+             for _ in range(comm.size)]
+    back = [ra.to_device(np.zeros(2), dev) for _ in range(comm.size)]
+    comm.alltoall(world, back)
+    half.barrier()
+    return (half.rank, half.size, got, [_host(x)[0] for x in back],
+            half.allgather(bytes([comm.rank])))
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_split_and_alltoall_across_ranks(p, monkeypatch):
+    if not _multi_rank_ok(p, monkeypatch):
+        pytest.skip(f"{p} ranks need {p} GPUs or NCCL >= 2.30")
+    results = ra.launch(split_alltoall_rank, p, backend="nccl",
+                        timeout=LAUNCH_TIMEOUT)
+    for world_rank, (r, size, got, back, names) in enumerate(results):
+        members = sorted(range(world_rank // 2 * 2,
+                               min(p, world_rank // 2 * 2 + 2)),
+                         key=lambda x: -x)
+        assert (size, r) == (len(members), members.index(world_rank))
+        assert names == [bytes([m]) for m in members]
+        assert got == [(np.arange((j + 2 * r) % 3) + 10 * members[j]).tolist()
+                       for j in range(size)]
+        assert back == [float(i) for i in range(p)]
+
+
+def ulysses_rank(comm, q, k, v, dout, layout, causal, u):
+    r, p, dev = comm.rank, comm.size, comm.device
+    qs, ks, vs, ds = (ra.to_device(ra.shard(x, r, p, layout, ulysses=u), dev)
+                      for x in (q, k, v, dout))
+    out, lse = ra.ring_attention(qs, ks, vs, comm, causal=causal,
+                                 layout=layout, return_lse=True, ulysses=u)
+    grads = ra.ring_attention_backward(ds, qs, ks, vs, out, lse, comm,
+                                       causal=causal, layout=layout,
+                                       ulysses=u)
+    res = tuple(_host(x) for x in (out, lse) + tuple(grads))
+    comm.barrier()
+    return res
+
+
+def every_ulysses_rank(comm, q, k, v, dout, factorisations):
+    return {(u, layout, causal): ulysses_rank(comm, q, k, v, dout, layout,
+                                              causal, u)
+            for u in factorisations for layout in LAYOUTS
+            for causal in (False, True)}
+
+
+@pytest.mark.parametrize("p,us", [(2, (2,)), (4, (2, 4))])
+def test_ulysses_matches_reference(p, us, monkeypatch):
+    """Hybrid and pure Ulysses on NCCL, every layout, causal and not, H_kv = 2
+    (replicated for u = 4), odd n: forward and backward vs float64."""
+    if not _multi_rank_ok(p, monkeypatch):
+        pytest.skip(f"{p} ranks need {p} GPUs or NCCL >= 2.30")
+    q, k, v, dout = problem(p + 40, 101, "float32")
+    results = ra.launch(every_ulysses_rank, p, args=(q, k, v, dout, us),
+                        backend="nccl", timeout=LAUNCH_TIMEOUT)
+    for u in us:
+        for layout in LAYOUTS:
+            for causal in (False, True):
+                per_rank = [res[(u, layout, causal)] for res in results]
+                got = [ra.unshard([x[i] for x in per_rank], layout,
+                                  axis=2 if i == 1 else 1, ulysses=u)
+                       for i in range(5)]
+                for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got,
+                                      reference(q, k, v, dout, causal)):
+                    assert_gpu_close(f"{name} [u={u}, {layout}, causal="
+                                     f"{causal}]", g, e, "float32")
+
+
+def die_in_ulysses(comm, q, k, v, dout):
+    """Rank 1 is killed before the second call; the others raise CommError
+    within the communicator's timeout (RINGATTN_TIMEOUT)."""
+    for it in range(3):
+        if it == 1 and comm.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            ulysses_rank(comm, q, k, v, dout, "zigzag", True, 2)
+        except ra.CommError as e:
+            raise ra.CommError(f"{e} [after {time.monotonic() - start:.2f} s]")
+    return "finished"
+
+
+def test_killed_rank_in_ulysses_ends_launch(monkeypatch):
+    if not _multi_rank_ok(2, monkeypatch):
+        pytest.skip("2 ranks need 2 GPUs or NCCL >= 2.30")
+    monkeypatch.setenv("RINGATTN_TIMEOUT", "5")
+    q, k, v, dout = problem(6, 64, "float32")
+    with pytest.raises(LaunchError) as info:
+        ra.launch(die_in_ulysses, 2, args=(q, k, v, dout),
+                  backend="nccl", timeout=LAUNCH_TIMEOUT)
+    assert info.value.rank == 1 and "SIGKILL" in str(info.value)
+    (other,) = [f for f in info.value.failures if f["rank"] != 1]
+    assert other["exc_type"] == "CommError", other
+    waited = float(other["message"].rsplit("[after ", 1)[1].split(" s]")[0])
+    assert waited < 5.0 + 5.0, other
+    assert mp.active_children() == []

@@ -92,6 +92,20 @@ def test_ring_dilated_matches_reference(rng, p, layout, causal):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ring_dilated_huge_rates_and_lengths(rng, layout):
+    """Rates and lengths up to int64's end (past the 23 positions: the
+    reference takes them capped at 10**6, which selects the same rows): no
+    step of a one-row selection leaves the positions' int64 bound."""
+    q, k, v, dout = problem(rng, 23, 8, 2)
+    segs, rates = [4, 2**62, 2**63 - 1], [2**62, 3, 2**63 - 1]
+    got = run_ring(q, k, v, dout, segs, rates, 3, layout, True)
+    capped = [[min(x, 10**6) for x in xs] for xs in (segs, rates)]
+    bad = close_failures(got, reference(q, k, v, dout, *capped, True), "float64")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("H,H_kv", [(8, 8), (8, 2), (4, 1)],
                          ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -441,6 +441,25 @@ def test_bad_masks_raise_before_any_communication(what, error, name, op):
                for r in results), results
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("window", [(2**63, 0), (10**30, 2**62), (2**61, 3)])
+def test_window_past_every_position_is_unbounded_in_the_ring(window):
+    """A side at or past 2**61 (even past int64) reaches every position: the
+    ring takes it as unbounded, as ra.attention does, and its agreement
+    record carries it (it was a struct.error)."""
+    rng = np.random.default_rng(5)
+    q, k, v, dout = random_problem(rng, 1, 17, 2, 1, 8, "float64")
+    got, _, _ = run_masked(q, k, v, dout, None, 3, "zigzag", True,
+                           dict(window=window))
+    sides = tuple(None if side >= 2**61 else side for side in window)
+    assert not close_failures(got, reference(q, k, v, dout, None, True,
+                                             dict(window=sides), out=got[0]),
+                              "float64")
+    local = ra.attention(q, k, v, causal=True, window=window)
+    assert not close_failures([local], [ref_attention(
+        q, k, v, causal=True, window=sides)[0]], "float64")
+
+
 def differing_call(comm, what):
     """One mask argument differs on rank 1; return what this rank raised."""
     odd = comm.rank == 1

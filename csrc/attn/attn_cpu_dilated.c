@@ -42,9 +42,25 @@ static int64_t select_rows(int64_t lo, int64_t n, int64_t s, int64_t w,
     int64_t a = lo > seg_lo ? lo : seg_lo, e = lo + n < seg_hi ? lo + n : seg_hi;
     if (o >= w) return 0;
     int64_t f = seg_lo + o;
-    if (f < a) f += ra_cpu_cdiv(a - f, r) * r;
+    if (f < a) {
+        /* a rate past the range selects nothing more (and r may be huge:
+         * f + r would overflow) */
+        if (r >= e - f) return 0;
+        f += ra_cpu_cdiv(a - f, r) * r;
+    }
     *first = f;
     return f < e ? (e - 1 - f) / r + 1 : 0;
+}
+
+/* The step between the rows a branch of rate r selects (strides and
+ * positions are multiplied by it).  A rate at or past the segment length w
+ * or the local rows n selects at most one row of a segment here, so no
+ * step is ever taken: it is capped there, which keeps every stride times
+ * step inside int64 (a rate of 2**62 would overflow). */
+static int64_t row_step(int64_t r, int64_t w, int64_t n) {
+    int64_t s = r < w ? r : w;
+    if (s > n) s = n > 0 ? n : 1;
+    return s;
 }
 
 static ra_status check_cfg(const ra_dilated_config *cfg, int64_t qps,
@@ -145,6 +161,7 @@ ra_status ra_cpu_dilated_fwd(const ra_attn_fwd_params *p,
 
     for (int br = 0; br < cfg->n_branches; br++) {
         const int64_t w = cfg->segment_lengths[br], r = cfg->dilation_rates[br];
+        const int64_t rstep = row_step(r, w, Sq > Sk ? Sq : Sk);
         int64_t s_lo = 0;
         const int64_t nseg = seg_range(p->q_pos_offset, Sq, p->k_pos_offset, Sk, w, &s_lo);
         const int64_t n_items = nseg * B * H;
@@ -168,23 +185,23 @@ ra_status ra_cpu_dilated_fwd(const ra_attn_fwd_params *p,
                 char *vr = kvp + (size_t)(nkb * D * BK) * rs;
                 for (int64_t kb = 0; kb < nkb; kb++) {
                     const int64_t j0 = kb * BK, n = nk - j0 < BK ? nk - j0 : BK;
-                    const int64_t row = kj + j0 * r;
+                    const int64_t row = kj + j0 * rstep;
                     kn->pack_t(ra_cpu_at(p->k, b * p->k_batch_stride + g * p->k_head_stride +
                                                    row * p->k_seq_stride, p->dtype),
-                               p->k_seq_stride * r, p->dtype, n, D,
+                               p->k_seq_stride * rstep, p->dtype, n, D,
                                kvp + (size_t)(kb * D * BK) * rs);
                     kn->pack_r(ra_cpu_at(p->v, b * p->v_batch_stride + g * p->v_head_stride +
                                                    row * p->v_seq_stride, p->dtype),
-                               p->v_seq_stride * r, p->dtype, n, D, Dp, 1.0,
+                               p->v_seq_stride * rstep, p->dtype, n, D, Dp, 1.0,
                                vr + (size_t)(j0 * Dp) * rs);
                 }
                 for (int64_t i0 = 0; i0 < nq; i0 += RA_CPU_BQ) {
-                    const int64_t row = qi + i0 * r;
+                    const int64_t row = qi + i0 * rstep;
                     ra_fwd_blk fb;
                     memset(&fb, 0, sizeof fb);
                     fb.q = ra_cpu_at(p->q, b * p->q_batch_stride + h * p->q_head_stride +
                                                row * p->q_seq_stride, p->dtype);
-                    fb.q_ss = p->q_seq_stride * r;
+                    fb.q_ss = p->q_seq_stride * rstep;
                     fb.dtype = p->dtype;
                     fb.nq = nq - i0 < RA_CPU_BQ ? nq - i0 : RA_CPU_BQ;
                     fb.D = D;
@@ -192,19 +209,19 @@ ra_status ra_cpu_dilated_fwd(const ra_attn_fwd_params *p,
                     fb.kt = kvp;
                     fb.vr = vr;
                     fb.nk = nk;
-                    fb.qpos0 = fq + i0 * r;
-                    fb.qpos_st = r;
+                    fb.qpos0 = fq + i0 * rstep;
+                    fb.qpos_st = rstep;
                     fb.kpos0 = fk;
-                    fb.kpos_st = r;
+                    fb.kpos_st = rstep;
                     fb.m.has_hi = p->causal;  /* hi_off 0: causal */
                     fb.scale = p->scale;
                     fb.out = ra_cpu_atw(so, b * so_bs + h * so_hs + row * so_ss, acc);
-                    fb.out_ss = so_ss * r;
+                    fb.out_ss = so_ss * rstep;
                     fb.out_dtype = acc;
                     fb.lse = ra_cpu_atw(p->lse, b * p->lse_batch_stride +
                                                     h * p->lse_head_stride +
                                                     row * p->lse_seq_stride, acc);
-                    fb.lse_ss = p->lse_seq_stride * r;
+                    fb.lse_ss = p->lse_seq_stride * rstep;
                     fb.lse_dtype = acc;
                     fb.accumulate = 1;
                     kn->fwd_block(&fb, my);
@@ -292,6 +309,7 @@ ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
 
     for (int br = 0; br < cfg->n_branches; br++) {
         const int64_t w = cfg->segment_lengths[br], r = cfg->dilation_rates[br];
+        const int64_t rstep = row_step(r, w, Sq > Sk ? Sq : Sk);
         int64_t s_lo = 0;
         const int64_t nseg = seg_range(p->q_pos_offset, Sq, p->k_pos_offset, Sk, w, &s_lo);
         const int64_t n_items = nseg * B * Hkv;
@@ -322,21 +340,21 @@ ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
                                        qi * p->lse_seq_stride;
                     kn->pack_r(ra_cpu_at(p->q, b * p->q_batch_stride + h * p->q_head_stride +
                                                    qi * p->q_seq_stride, p->dtype),
-                               p->q_seq_stride * r, p->dtype, nq, D, Dp,
+                               p->q_seq_stride * rstep, p->dtype, nq, D, Dp,
                                p->scale * RA_LOG2E, qp);   /* as the forward */
                     kn->pack_r(ra_cpu_at(p->dout, b * p->dout_batch_stride +
                                                       h * p->dout_head_stride +
                                                       qi * p->dout_seq_stride, p->out_dtype),
-                               p->dout_seq_stride * r, p->out_dtype, nq, D, Dp, 1.0, dop);
-                    kn->pack_r(ra_cpu_at(p->lse, lo, acc), p->lse_seq_stride * r, acc, nq,
+                               p->dout_seq_stride * rstep, p->out_dtype, nq, D, Dp, 1.0, dop);
+                    kn->pack_r(ra_cpu_at(p->lse, lo, acc), p->lse_seq_stride * rstep, acc, nq,
                                1, 1, RA_LOG2E, l2p);
-                    kn->pack_r(ra_cpu_at(p->delta, lo, acc), p->lse_seq_stride * r, acc,
+                    kn->pack_r(ra_cpu_at(p->delta, lo, acc), p->lse_seq_stride * rstep, acc,
                                nq, 1, 1, 1.0, dlp);
                     memset(dqp, 0, (size_t)(nq * Dp) * rs);
                     const int64_t nkb = ra_cpu_cdiv(nk, BK);
                     for (int64_t kb = 0; kb < nkb; kb++) {
                         const int64_t j0 = kb * BK, n = nk - j0 < BK ? nk - j0 : BK;
-                        const int64_t row = kj + j0 * r;
+                        const int64_t row = kj + j0 * rstep;
                         char *blk = kvp + (size_t)(kb * BK * (2 * D + Dp)) * rs;
                         const void *ks = ra_cpu_at(p->k, b * p->k_batch_stride +
                                                              g * p->k_head_stride +
@@ -344,34 +362,34 @@ ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
                         const void *vs = ra_cpu_at(p->v, b * p->v_batch_stride +
                                                              g * p->v_head_stride +
                                                              row * p->v_seq_stride, p->dtype);
-                        kn->pack_t(ks, p->k_seq_stride * r, p->dtype, n, D, blk);
-                        kn->pack_t(vs, p->v_seq_stride * r, p->dtype, n, D,
+                        kn->pack_t(ks, p->k_seq_stride * rstep, p->dtype, n, D, blk);
+                        kn->pack_t(vs, p->v_seq_stride * rstep, p->dtype, n, D,
                                    blk + (size_t)(D * BK) * rs);
-                        kn->pack_r(ks, p->k_seq_stride * r, p->dtype, n, D, Dp, 1.0,
+                        kn->pack_r(ks, p->k_seq_stride * rstep, p->dtype, n, D, Dp, 1.0,
                                    blk + (size_t)(2 * D * BK) * rs);
                         memset(dkb, 0, (size_t)(2 * BK * Dp) * rs);
                         ra_bwd_blk bb;
                         memset(&bb, 0, sizeof bb);
                         bb.q = qp; bb.dout = dop; bb.lse2 = l2p; bb.delta = dlp; bb.dq = dqp;
-                        bb.nq = nq; bb.qpos0 = fq; bb.qpos_st = r;
+                        bb.nq = nq; bb.qpos0 = fq; bb.qpos_st = rstep;
                         bb.kt = blk;
                         bb.vt = blk + (size_t)(D * BK) * rs;
                         bb.kr = blk + (size_t)(2 * D * BK) * rs;
-                        bb.nk = n; bb.kpos0 = fk + j0 * r; bb.kpos_st = r;
+                        bb.nk = n; bb.kpos0 = fk + j0 * rstep; bb.kpos_st = rstep;
                         bb.dk = dkb; bb.dv = dvb; bb.D = D; bb.Dp = Dp;
                         bb.m.has_hi = p->causal;
                         bb.branches = cfg; bb.head = h;
                         kn->bwd_kblock(&bb, my);
                         kn->store_rows(dkb, n, D, Dp, RA_LN2,   /* q was scaled */
                                        ra_cpu_atw(tk.ptr, b * tk.bs + g * tk.hs + row * tk.ss, acc),
-                                       tk.ss * r, acc, 1);
+                                       tk.ss * rstep, acc, 1);
                         kn->store_rows(dvb, n, D, Dp, 1.0,
                                        ra_cpu_atw(tv.ptr, b * tv.bs + g * tv.hs + row * tv.ss, acc),
-                                       tv.ss * r, acc, 1);
+                                       tv.ss * rstep, acc, 1);
                     }
                     kn->store_rows(dqp, nq, D, Dp, p->scale,
                                    ra_cpu_atw(tq.ptr, b * tq.bs + h * tq.hs + qi * tq.ss, acc),
-                                   tq.ss * r, acc, 1);
+                                   tq.ss * rstep, acc, 1);
                 }
             }
         }

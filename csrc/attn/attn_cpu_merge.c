@@ -9,7 +9,8 @@
  *
  * Computed in double, row by row (a row is (b, s, h)), rows shared among
  * OpenMP threads.  Each row reads both inputs before writing, so out/lse may
- * alias out1/lse1 (or out2/lse2).  Two empty rows (-inf, -inf) give (0, -inf).
+ * alias out1/lse1 (or out2/lse2).  Two empty rows (-inf, -inf) give (0, -inf);
+ * a NaN lse on either side gives a NaN row.
  */
 #include "attn/attn_cpu.h"
 #include "attn/attn_cpu_kern.h"
@@ -42,9 +43,11 @@ ra_status ra_cpu_merge(const ra_merge_params *p) {
         const double l2 = ra_cpu_ld(p->lse2, b * p->lse2_batch_stride +
                                                  h * p->lse2_head_stride +
                                                  s * p->lse2_seq_stride, ld);
-        const double m = l1 > l2 ? l1 : l2;
+        /* a NaN max is taken too: NaN lse and weights (a NaN part makes
+         * the row NaN); only two empty parts give the empty row */
+        const double m = l1 > l2 || l1 != l1 ? l1 : l2;
         double w1 = 0.0, w2 = 0.0, lse = -INFINITY;
-        if (m > -INFINITY) {
+        if (!(l1 == -INFINITY && l2 == -INFINITY)) {
             const double e1 = exp(l1 - m), e2 = exp(l2 - m), sum = e1 + e2;
             lse = m + log(sum);
             w1 = e1 / sum;

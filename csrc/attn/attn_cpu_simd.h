@@ -11,7 +11,8 @@
  *
  * Provides
  *   rv / ri            vector of reals / of same-width integers
- *   v_exp2(x)          2^x elementwise, exact 0 below the smallest normal
+ *   v_exp2(x)          2^x elementwise, exact 0 below the smallest normal,
+ *                      NaN for NaN
  *   v_exp2_le0(x)      the same for x <= 0 only (cheaper: no clamping)
  *   v_tanh(x, &sech2)  tanh elementwise, and 1 - tanh^2 without cancellation
  *   ra_gemm(...)       C (+)= A * B for small packed panels, where A is read
@@ -97,10 +98,19 @@ RA_AI rv v_exp2_poly(rv f) {
     return p;
 }
 
+/* NaN lanes of x passed through to r: the integer work on the exponent
+ * field would turn a NaN into some number (or the clamps of v_exp2 into
+ * 2^lo), and a NaN score must reach the result (DESIGN 2) */
+RA_AI rv v_keep_nan(rv x, ru r) {
+    const ri nan = x != x;
+    return (rv)((r & ~(ru)nan) | ((ru)x & (ru)nan));
+}
+
 /* 2^x: x = n + f with n = round(x), |f| <= 1/2; 2^f by the polynomial, 2^n
  * by adding n to the exponent field.  Inputs below the smallest normal
- * exponent (including -inf) give exactly 0. */
+ * exponent (including -inf) give exactly 0; NaN gives NaN. */
 RA_AI rv v_exp2(rv x) {
+    const rv x0 = x;
     ri dead = x < v_set1(ra_exp2_lo);
     x = v_max(x, v_set1(ra_exp2_lo));
     x = -v_max(-x, v_set1(-ra_exp2_hi));
@@ -109,20 +119,21 @@ RA_AI rv v_exp2(rv x) {
     rv p = v_exp2_poly(x - n);
     ru ni = (ru)t - (ru)v_set1(ra_exp2_magic);  /* the integer n */
     ru r = (ru)p + (ni << RA_EXP2_SHIFT);
-    return (rv)(r & ~(ru)dead);
+    return v_keep_nan(x0, r & ~(ru)dead);
 }
 
 /* 2^x for x <= 0 (the softmax case: scores minus their running max), with
  * the same polynomial as v_exp2 but no clamping: the exponent n is read
  * straight from the rounded sum t = x + magic (the bits of magic vanish
  * when shifted into the exponent field), and every lane below the smallest
- * normal exponent, -inf included, is forced to exactly 0. */
+ * normal exponent, -inf included, is forced to exactly 0.  NaN (a NaN
+ * score, or +inf minus a running max of +inf) gives NaN. */
 RA_AI rv v_exp2_le0(rv x) {
     ri dead = x < v_set1(ra_exp2_lo);
     rv t = x + v_set1(ra_exp2_magic);
     rv p = v_exp2_poly(x - (t - v_set1(ra_exp2_magic)));
     ru r = (ru)p + ((ru)t << RA_EXP2_SHIFT);
-    return (rv)(r & ~(ru)dead);
+    return v_keep_nan(x, r & ~(ru)dead);
 }
 
 /* tanh(x) and sech(x)^2 = 1 - tanh(x)^2 (soft-capping, DESIGN 2).

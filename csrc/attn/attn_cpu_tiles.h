@@ -16,6 +16,8 @@
  *     m' = max(m, rowmax S); P = 2^(S - m'); l = l 2^(m - m') + rowsum P
  *     O  = O 2^(m - m') + P V_kb                      (nq, Dp)  ra_gemm
  *   out = O / l, lse = (m + log2 l) ln 2; rows that saw nothing: 0, -inf.
+ * A NaN score (NaN in q or k, or +inf - +inf) makes P, l, O and so out
+ * and lse NaN: the empty-row tests compare with -inf and 0 exactly.
  * In accumulate mode the state starts from (out, lse): m = lse log2(e),
  * l = 1, O = out, so merging happens by the same online rule.  Without
  * masks the per-block and per-row tests all fall through: the unmasked
@@ -180,9 +182,10 @@ static void k_fwd_block(const ra_fwd_blk *fb, void *scratch) {
         real lse_old = RA_NEG_INF;
         if (fb->accumulate)
             lse_old = (real)ra_cpu_ld(fb->lse, i * fb->lse_ss, fb->lse_dtype);
-        if (lse_old > RA_NEG_INF) {
+        if (lse_old != RA_NEG_INF) {
+            /* a NaN lse stays NaN: l = NaN is never rescaled away */
             mrow[i] = lse_old * (real)RA_LOG2E;
-            lrow[i] = 1;
+            lrow[i] = lse_old == lse_old ? 1 : lse_old;
             ld_row(ra_cpu_at(fb->out, i * fb->out_ss, fb->out_dtype),
                    fb->out_dtype, D, 1, ot + i * Dp);
             for (int64_t d = D; d < Dp; d++) ot[i * Dp + d] = 0;
@@ -259,8 +262,12 @@ static void k_fwd_block(const ra_fwd_blk *fb, void *scratch) {
             for (int64_t j = VW; j < NB; j += VW) mx = v_max(mx, v_ld(row + j));
             const real m_old = mrow[i];
             real m_new = v_hmax(mx);
-            if (m_old > m_new) m_new = m_old;
-            if (!(m_new > RA_NEG_INF)) {    /* nothing seen yet, nor here */
+            if (m_old > m_new || m_old != m_old) m_new = m_old;
+            /* a NaN score makes the row NaN (DESIGN 2): a NaN max goes on,
+             * and so does a NaN that v_max passed over beside -inf */
+            for (int64_t j = lo; m_new == RA_NEG_INF && j < hi; j++)
+                if (row[j] != row[j]) m_new = row[j];
+            if (m_new == RA_NEG_INF) {    /* nothing seen yet, nor here */
                 memset(row, 0, sizeof(real) * (size_t)NB);
                 continue;
             }
@@ -289,7 +296,7 @@ static void k_fwd_block(const ra_fwd_blk *fb, void *scratch) {
     for (int64_t i = 0; i < nq; i++) {
         void *orow = ra_cpu_atw(fb->out, i * fb->out_ss, fb->out_dtype);
         real *o = ot + i * Dp;
-        if (!(lrow[i] > 0)) {
+        if (lrow[i] == 0) {    /* saw no key (a NaN l is not empty) */
             memset(o, 0, sizeof(real) * (size_t)Dp);
             st_row(o, D, 1, orow, fb->out_dtype, 0);
             ra_cpu_st(fb->lse, i * fb->lse_ss, fb->lse_dtype, -INFINITY);
@@ -398,7 +405,7 @@ static void k_bwd_kblock(const ra_bwd_blk *bb, void *scratch) {
             if (edge)
                 ra_row_limits(m, qa + i * qst, kfirst, bb->kpos_st, nk, &lo,
                               &hi);
-            if (lo >= hi || !(L > RA_NEG_INF)) {
+            if (lo >= hi || L == RA_NEG_INF) {   /* a NaN L goes on */
                 memset(prow, 0, sizeof(real) * (size_t)NB);
                 memset(drow, 0, sizeof(real) * (size_t)NB);
                 continue;

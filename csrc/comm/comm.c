@@ -13,7 +13,9 @@
 #include "core/buffer.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
+#include <structmember.h>
 
 /* ---- helpers ----------------------------------------------------------- */
 
@@ -46,7 +48,7 @@ int ra_parse_timeout(PyObject *obj, double *out) {
     return 0;
 }
 
-static int comm_usable(CommObject *self, const char *op) {
+int ra_comm_usable(CommObject *self, const char *op) {
     if (self->comm == NULL) {
         ra_module_state *st = ra_state_get();
         PyErr_Format(st ? st->CommError : PyExc_RuntimeError,
@@ -83,9 +85,8 @@ static int parse_peer(PyObject *obj, const char *name, int size, int *out) {
     return 0;
 }
 
-/* Array-like -> Buffer the backend can move. */
-static ra_buffer *parse_buffer(CommObject *self, PyObject *obj,
-                               const char *name, int writable) {
+ra_buffer *ra_comm_parse_buffer(CommObject *self, PyObject *obj,
+                                const char *name, int writable) {
     ra_buffer *b = ra_buffer_from_object(obj, name, -1);
     if (b == NULL) return NULL;
     const ra_comm_vtable *vt = self->comm->vt;
@@ -138,6 +139,7 @@ PyObject *ra_comm_wrap(ra_comm *c, PyObject *group) {
     }
     self->comm = c;
     self->group = Py_XNewRef(group);
+    self->parent = self->children = self->dict = NULL;
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
@@ -150,13 +152,13 @@ static RequestObject *comm_start(CommObject *self, PyObject *args,
     long long step = -1;
     double timeout;
     char fmt[64];
-    snprintf(fmt, sizeof fmt, "OOOO|$LO:%s", fname);
+    ra_snprintf(fmt, sizeof fmt, "OOOO|$LO:%s", fname);
     if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &send_obj,
                                      &dst_obj, &recv_obj, &src_obj, &step,
                                      &tobj))
         return NULL;
     if (ra_parse_timeout(tobj, &timeout) < 0) return NULL;
-    if (comm_usable(self, fname) < 0) return NULL;
+    if (ra_comm_usable(self, fname) < 0) return NULL;
     ra_comm *c = self->comm;
     ra_xfer x;
     memset(&x, 0, sizeof x);
@@ -199,7 +201,7 @@ static RequestObject *comm_start(CommObject *self, PyObject *args,
     req->req = NULL;
     PyObject_GC_Track(req);
     if (send_obj != Py_None) {
-        ra_buffer *b = parse_buffer(self, send_obj, "send", 0);
+        ra_buffer *b = ra_comm_parse_buffer(self, send_obj, "send", 0);
         if (b == NULL) goto fail;
         req->send = (PyObject *)b;
         x.send = b->data;
@@ -207,7 +209,7 @@ static RequestObject *comm_start(CommObject *self, PyObject *args,
         x.device_id = b->device_id;
     }
     if (recv_obj != Py_None) {
-        ra_buffer *b = parse_buffer(self, recv_obj, "recv", 1);
+        ra_buffer *b = ra_comm_parse_buffer(self, recv_obj, "recv", 1);
         if (b == NULL) goto fail;
         req->recv = (PyObject *)b;
         x.recv = b->data;
@@ -252,7 +254,7 @@ static PyObject *comm_barrier(CommObject *self, PyObject *args,
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:barrier", kwlist, &tobj))
         return NULL;
     if (ra_parse_timeout(tobj, &timeout) < 0) return NULL;
-    if (comm_usable(self, "barrier") < 0) return NULL;
+    if (ra_comm_usable(self, "barrier") < 0) return NULL;
     ra_status st;
     Py_BEGIN_ALLOW_THREADS
     st = ra_comm_barrier(self->comm, timeout);
@@ -275,7 +277,7 @@ static PyObject *comm_allgather(CommObject *self, PyObject *args,
     void *all = NULL;
     size_t total = 0;
     if (ra_parse_timeout(tobj, &timeout) < 0 ||
-        comm_usable(self, "allgather") < 0)
+        ra_comm_usable(self, "allgather") < 0)
         goto out;
     if ((size_t)view.len > RA_ALLGATHER_MAX) {
         PyErr_Format(PyExc_ValueError,
@@ -333,6 +335,18 @@ static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *comm_close(CommObject *self, PyObject *unused) {
     (void)unused;
+    /* the communicators split from this one first (an nccl split has
+     * resources of its own) */
+    if (self->children != NULL) {
+        PyObject *kids = self->children;
+        self->children = NULL;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(kids); i++) {
+            PyObject *r = comm_close((CommObject *)PyList_GET_ITEM(kids, i),
+                                     NULL);
+            Py_XDECREF(r);
+        }
+        Py_DECREF(kids);
+    }
     if (self->comm != NULL) {
         Py_BEGIN_ALLOW_THREADS
         ra_comm_close(self->comm);
@@ -388,7 +402,7 @@ static PyObject *comm_get_closed(CommObject *self, void *x) {
 }
 static PyObject *comm_get_failed(CommObject *self, void *x) {
     (void)x;
-    return PyBool_FromLong(atomic_load(&self->comm->failed));
+    return PyBool_FromLong(ra_comm_is_failed(self->comm));
 }
 static PyObject *comm_get_timeout(CommObject *self, void *x) {
     (void)x;
@@ -400,13 +414,24 @@ static PyObject *comm_repr(CommObject *self) {
     return PyUnicode_FromFormat("<ringattn.Comm backend='%s' rank=%d size=%d%s>",
                                 c->vt->name, c->rank, c->size,
                                 atomic_load(&c->closed)   ? " closed"
-                                : atomic_load(&c->failed) ? " failed"
+                                : ra_comm_is_failed(c)    ? " failed"
                                                           : "");
 }
 
 static int comm_traverse(CommObject *self, visitproc visit, void *arg) {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->group);
+    Py_VISIT(self->parent);
+    Py_VISIT(self->children);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+/* Breaks cycles through the children and attributes; the parent stays
+ * until dealloc, since a split's communicator runs on its parent's. */
+static int comm_clear(CommObject *self) {
+    Py_CLEAR(self->children);
+    Py_CLEAR(self->dict);
     return 0;
 }
 
@@ -421,6 +446,9 @@ static void comm_dealloc(CommObject *self) {
         Py_END_ALLOW_THREADS
     }
     Py_CLEAR(self->group);
+    Py_CLEAR(self->children);
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->parent);      /* after the split's own comm is freed */
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -456,6 +484,22 @@ static PyMethodDef comm_methods[] = {
      "stop transfers, tell the peers.  Later calls raise CommError."},
     {"close", (PyCFunction)comm_close, METH_NOARGS,
      "close()\n--\n\nRelease the connections (idempotent, bounded time)."},
+    {"split", (PyCFunction)(void (*)(void))ra_comm_split_py,
+     METH_VARARGS | METH_KEYWORDS,
+     "split(color, key=None, *, timeout=None)\n--\n\nCollective: the ranks "
+     "that pass the same color (an int >= 0) form a new Comm, ranked by "
+     "(key, rank); key defaults to this rank.  color=None: this rank joins "
+     "none and gets None.  host/threads: the new Comm runs on this one's "
+     "connections (a failure or abort of either fails both; closing it "
+     "leaves this one open); nccl: a new NCCL communicator.  Closing this "
+     "Comm closes its splits."},
+    {"alltoall", (PyCFunction)(void (*)(void))ra_comm_alltoall_py,
+     METH_VARARGS | METH_KEYWORDS,
+     "alltoall(sends, recvs, *, timeout=None)\n--\n\nSend sends[i] to rank "
+     "i and receive recvs[i] from rank i, for every rank at once (size "
+     "entries each; None: nothing).  Blocks may differ in size; recvs[i] "
+     "must hold exactly what rank i sends.  Arrays as sendrecv's; every "
+     "block moves before the deadline or CommError."},
     {"stats", (PyCFunction)comm_stats, METH_NOARGS,
      "stats()\n--\n\n{'bytes_sent', 'bytes_received', 'messages'} of this "
      "communicator (payload bytes; messages = sends)."},
@@ -481,9 +525,17 @@ static PyGetSetDef comm_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static PyMemberDef comm_members[] = {
+    {"__dictoffset__", T_PYSSIZET, offsetof(CommObject, dict), READONLY,
+     NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyType_Slot comm_slots[] = {
     {Py_tp_dealloc, comm_dealloc},
     {Py_tp_traverse, comm_traverse},
+    {Py_tp_clear, comm_clear},
+    {Py_tp_members, comm_members},
     {Py_tp_repr, comm_repr},
     {Py_tp_methods, comm_methods},
     {Py_tp_getset, comm_getset},

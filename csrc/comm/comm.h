@@ -10,9 +10,12 @@
  * Layers (files of csrc/comm/, which uses csrc/core/ and nothing of attn/):
  *   comm.c          Python type Comm: argument checks, GIL handling,
  *                   dispatch through the vtable (comm_py.h shares it with
- *                   comm_request.c, Request, and comm_create.c,
- *                   ThreadsGroup and the host_comm/nccl_comm constructors)
+ *                   comm_request.c, Request, comm_create.c, ThreadsGroup
+ *                   and the host_comm/nccl_comm constructors, and
+ *                   comm_groups.c, Comm.split and Comm.alltoall)
  *   comm_core.c     failure state, deadlines, generic collectives
+ *                   (barrier, allgather, alltoall from sendrecv)
+ *   comm_split.c    sub-communicators: ra_comm_split
  *   comm_host.c     TCP backend ("host"): framed transport, progress
  *                   thread; comm_host_boot.c joins its full mesh
  *   comm_threads.c  in-process backend ("threads")
@@ -47,8 +50,16 @@ extern "C" {
 typedef enum ra_xfer_kind {
     RA_XFER_DATA = 1,
     RA_XFER_BARRIER = 2,
-    RA_XFER_GATHER = 3
+    RA_XFER_GATHER = 3,
+    RA_XFER_ALLTOALL = 4
 } ra_xfer_kind;
+
+/* The kind on the wire: the ra_xfer_kind in the low bits, and above them
+ * the context of a split that shares its parent's transport (comm_split.c),
+ * so that transfers of two communicators never match each other. */
+#define RA_XFER_KIND_BITS 8
+#define RA_XFER_KIND_MASK ((1 << RA_XFER_KIND_BITS) - 1)
+#define RA_XFER_MAX_CONTEXT ((1u << (31 - RA_XFER_KIND_BITS)) - 1)
 
 /* One sendrecv: either side may be absent (peer < 0).  Pointers are host
  * memory for host/threads, device memory of `device_id` for nccl.  nccl:
@@ -79,6 +90,20 @@ typedef enum ra_req_state {
 
 typedef struct ra_comm ra_comm;
 
+/* One all-to-all: block i of `send` goes to rank i and block i of `recv`
+ * comes from rank i (arrays of `size` entries; a block may be empty; the
+ * sizes a pair exchanges must agree, and a mismatch fails both ranks
+ * where the backend can see it).  Memory as in ra_xfer. */
+typedef struct ra_a2a {
+    const void *const *send;
+    const size_t *send_nbytes;
+    void *const *recv;
+    const size_t *recv_nbytes;
+    int device_type;          /* ra_device_type */
+    int device_id;
+    void *stream;             /* nccl: as ra_xfer.stream */
+} ra_a2a;
+
 /* A request in flight.  Owned by two parties (the caller and the backend
  * that progresses it); freed when both released it.  Memory comes from
  * PyMem_RawMalloc-compatible ra_host_alloc since threads without the GIL
@@ -86,7 +111,8 @@ typedef struct ra_comm ra_comm;
 typedef struct ra_req {
     ra_comm *comm;
     ra_xfer x;
-    const char *op;           /* "sendrecv", "barrier", "allgather" */
+    const char *op;           /* "sendrecv", "barrier", "allgather",
+                               * "alltoall" */
     double timeout;           /* seconds, for messages */
     double deadline;          /* absolute, ra_now() clock */
     _Atomic int state;        /* ra_req_state */
@@ -121,6 +147,10 @@ typedef struct ra_comm_vtable {
     ra_status (*allgather)(ra_comm *c, const void *in, size_t nbytes,
                            void **out, size_t *out_total, size_t *lens,
                            double timeout);
+    /* Optional; NULL = pairwise sendrecv steps in comm_core.c.  Called
+     * with the communicator usable and timeout > 0; on failure the
+     * communicator is failed and the error set (ra_set_error). */
+    ra_status (*alltoall)(ra_comm *c, const ra_a2a *a, double timeout);
     /* Wake every waiter and stop all transfers (the comm is already marked
      * failed); safe from any thread, repeatable. */
     void (*abort)(ra_comm *c);
@@ -139,6 +169,17 @@ struct ra_comm {
     int size;
     int device_id;
     double default_timeout;
+    /* A split that runs on its parent's transport (host, threads;
+     * comm_split.c): every transfer is started on `transport` with peers
+     * mapped through members[] (ranks of `transport`) and the kind tagged
+     * with `context`.  NULL for a communicator with a transport of its
+     * own. */
+    ra_comm *transport;
+    int *members;
+    uint32_t context;
+    /* on a communicator with its own transport: the context the next
+     * split may take (the ranks agree on the largest, comm_split.c) */
+    _Atomic uint32_t next_context;
     pthread_mutex_t mu;       /* failure state, request completion */
     pthread_cond_t cv;
     _Atomic int failed;
@@ -203,9 +244,27 @@ ra_status ra_comm_allgather(ra_comm *c, const void *in, size_t nbytes,
                             void **out, size_t *out_total, size_t *lens,
                             double timeout);
 
+/* Every block of `a` to its rank and from it, under one deadline; the
+ * backend's own all-to-all or pairwise sendrecv steps (step s: send to
+ * rank + s, receive from rank - s). */
+ra_status ra_comm_alltoall(ra_comm *c, const ra_a2a *a, double timeout);
+/* 1 when c, or the transport it runs on, has failed. */
+int ra_comm_is_failed(ra_comm *c);
+
 /* "rank R: op step S: " prefix for messages */
 void ra_comm_prefix(char *buf, size_t n, int rank, const char *op,
                     int64_t step);
+
+/* ---- comm_split.c ------------------------------------------------------ */
+
+/* Collective over c: the ranks that pass the same color >= 0 form a new
+ * communicator, ranked by (key, rank in c); color < 0: this rank joins
+ * none (*out = NULL).  host/threads: the new communicator runs on c's
+ * transport (ra_comm.transport); nccl: a new NCCL communicator from a
+ * fresh unique id that the group's first rank hands out over c.  The new
+ * one has c's default timeout; `timeout` bounds the split. */
+ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
+                        ra_comm **out);
 
 /* ---- backends ---------------------------------------------------------- */
 

@@ -1,8 +1,10 @@
 /*
  * comm_core.c -- what every communicator backend shares: the failure state
  * ("after an error the communicator refuses all work"), requests and their
- * deadlines, local copies to self, and barrier/allgather built from
- * sendrecv.  Python-free; runs without the GIL.
+ * deadlines, local copies to self, barrier/allgather/alltoall built from
+ * sendrecv, and the hand-over of a split's transfers to the transport it
+ * shares (ra_comm.transport, comm_split.c).  Python-free; runs without the
+ * GIL.
  */
 #include "comm/comm.h"
 
@@ -30,6 +32,7 @@ ra_status ra_comm_init_base(ra_comm *c, const ra_comm_vtable *vt, int rank,
     c->rank = rank;
     c->size = size;
     c->default_timeout = timeout > 0 ? timeout : ra_comm_env_timeout();
+    atomic_store(&c->next_context, 1);    /* 0: the transport's own */
     pthread_condattr_t ca;
     if (pthread_condattr_init(&ca) != 0) {
         ra_set_error(RA_ERR_SYSTEM, "pthread_condattr_init failed");
@@ -53,16 +56,16 @@ void ra_comm_destroy_base(ra_comm *c) {
 void ra_comm_prefix(char *buf, size_t n, int rank, const char *op,
                     int64_t step) {
     if (step >= 0)
-        snprintf(buf, n, "rank %d: %s step %lld: ", rank, op,
-                 (long long)step);
+        ra_snprintf(buf, n, "rank %d: %s step %lld: ", rank, op,
+                    (long long)step);
     else
-        snprintf(buf, n, "rank %d: %s: ", rank, op);
+        ra_snprintf(buf, n, "rank %d: %s: ", rank, op);
 }
 
 void ra_comm_mark_failed(ra_comm *c, const char *msg) {
     pthread_mutex_lock(&c->mu);
     if (!atomic_load(&c->failed)) {
-        snprintf(c->fail_msg, sizeof c->fail_msg, "%s", msg);
+        ra_snprintf(c->fail_msg, sizeof c->fail_msg, "%s", msg);
         atomic_store(&c->failed, 1);
     }
     pthread_cond_broadcast(&c->cv);
@@ -76,6 +79,8 @@ ra_status ra_comm_fail(ra_comm *c, ra_status st, const char *msg) {
 }
 
 ra_status ra_comm_check_usable(ra_comm *c, const char *op) {
+    /* a split is usable while the transport it runs on is */
+    if (c->transport != NULL) RA_CHECK(ra_comm_check_usable(c->transport, op));
     if (atomic_load(&c->closed)) {
         ra_set_error(RA_ERR_COMM, "rank %d: %s: communicator is closed",
                      c->rank, op);
@@ -92,12 +97,17 @@ ra_status ra_comm_check_usable(ra_comm *c, const char *op) {
     return RA_OK;
 }
 
+int ra_comm_is_failed(ra_comm *c) {
+    return atomic_load(&c->failed) ||
+           (c->transport != NULL && atomic_load(&c->transport->failed));
+}
+
 void ra_comm_abort(ra_comm *c, const char *reason) {
     char msg[RA_COMM_MSG_LEN];
     if (reason != NULL && *reason != '\0')
-        snprintf(msg, sizeof msg, "rank %d: aborted: %s", c->rank, reason);
+        ra_snprintf(msg, sizeof msg, "rank %d: aborted: %s", c->rank, reason);
     else
-        snprintf(msg, sizeof msg, "rank %d: aborted by the caller", c->rank);
+        ra_snprintf(msg, sizeof msg, "rank %d: aborted by the caller", c->rank);
     ra_comm_fail(c, RA_ERR_COMM, msg);
 }
 
@@ -144,7 +154,7 @@ void ra_req_finish_locked(ra_req *r, ra_status st, const char *msg) {
     if (atomic_load(&r->state) != RA_REQ_PENDING) return;
     r->status = st;
     if (st != RA_OK && msg != r->msg)
-        snprintf(r->msg, sizeof r->msg, "%s", msg ? msg : "failed");
+        ra_snprintf(r->msg, sizeof r->msg, "%s", msg ? msg : "failed");
     atomic_store(&r->state, st == RA_OK ? RA_REQ_DONE : RA_REQ_FAILED);
     pthread_cond_broadcast(&r->comm->cv);
 }
@@ -161,18 +171,18 @@ static ra_status self_copy(ra_comm *c, ra_req *r) {
     ra_comm_prefix(pre, sizeof pre, c->rank, r->op, r->x.step);
     if (r->x.dst != c->rank || r->x.src != c->rank) {
         char msg[RA_COMM_MSG_LEN];
-        snprintf(msg, sizeof msg,
-                 "%sa send to self needs a receive from self "
-                 "(dst=%d, src=%d)", pre, r->x.dst, r->x.src);
+        ra_snprintf(msg, sizeof msg,
+                    "%sa send to self needs a receive from self "
+                    "(dst=%d, src=%d)", pre, r->x.dst, r->x.src);
         req_fail_now(r, RA_ERR_VALUE, msg);
         return RA_ERR_VALUE;
     }
     if (r->x.send_nbytes != r->x.recv_nbytes) {
         char msg[RA_COMM_MSG_LEN];
-        snprintf(msg, sizeof msg,
-                 "%ssize mismatch: rank %d sends %zu bytes but the receive "
-                 "buffer holds %zu bytes", pre, c->rank, r->x.send_nbytes,
-                 r->x.recv_nbytes);
+        ra_snprintf(msg, sizeof msg,
+                    "%ssize mismatch: rank %d sends %zu bytes but the receive "
+                    "buffer holds %zu bytes", pre, c->rank, r->x.send_nbytes,
+                    r->x.recv_nbytes);
         req_fail_now(r, RA_ERR_COMM, msg);
         return RA_ERR_COMM;
     }
@@ -196,12 +206,27 @@ static ra_status start_deadline(ra_comm *c, const ra_xfer *x, const char *op,
                      c->size - 1);
         return RA_ERR_VALUE;
     }
+    int local = (x->dst == c->rank || x->src == c->rank) &&
+                c->vt->device_type != RA_DEV_CUDA;
+    if (c->transport != NULL && !local && (x->dst >= 0 || x->src >= 0)) {
+        /* a split: the same transfer between the members' ranks of the
+         * transport, tagged with the split's context */
+        ra_xfer y = *x;
+        y.dst = x->dst < 0 ? -1 : c->members[x->dst];
+        y.src = x->src < 0 ? -1 : c->members[x->src];
+        y.kind = (x->kind & RA_XFER_KIND_MASK) |
+                 (int)(c->context << RA_XFER_KIND_BITS);
+        if (x->dst >= 0) atomic_fetch_add(&c->bytes_sent, x->send_nbytes);
+        if (x->src >= 0)
+            atomic_fetch_add(&c->bytes_received, x->recv_nbytes);
+        atomic_fetch_add(&c->messages, 1);
+        return start_deadline(c->transport, &y, op, msg_timeout, deadline,
+                              out);
+    }
     ra_req *r = ra_req_new(c, x, op, msg_timeout);
     if (r == NULL) return RA_ERR_NOMEM;
     r->deadline = deadline;
     ra_status st;
-    int local = (x->dst == c->rank || x->src == c->rank) &&
-                c->vt->device_type != RA_DEV_CUDA;
     if (local) {
         st = self_copy(c, r);
         ra_req_release(r);    /* the backend's reference */
@@ -265,8 +290,9 @@ static ra_status wait_deadline(ra_req *r, double deadline,
         pthread_mutex_lock(&c->mu);
         int peer = !r->recv_done ? r->x.src : r->x.dst;
         pthread_mutex_unlock(&c->mu);
-        snprintf(msg, sizeof msg, "%stimed out after %.1f s waiting for rank %d",
-                 pre, msg_timeout, peer);
+        ra_snprintf(msg, sizeof msg,
+                    "%stimed out after %.1f s waiting for rank %d", pre,
+                    msg_timeout, peer);
         ra_comm_fail(c, RA_ERR_TIMEOUT, msg);
         /* the backend finishes every pending request promptly on abort */
         pthread_mutex_lock(&c->mu);
@@ -428,10 +454,10 @@ ra_status ra_comm_allgather(ra_comm *c, const void *in, size_t nbytes,
     for (int i = 0; i < p; i++) {
         if (len64[i] > RA_ALLGATHER_MAX) {
             char msg[RA_COMM_MSG_LEN];
-            snprintf(msg, sizeof msg,
-                     "rank %d: allgather: rank %d announced %llu bytes, "
-                     "more than the limit of %zu", me, i,
-                     (unsigned long long)len64[i], RA_ALLGATHER_MAX);
+            ra_snprintf(msg, sizeof msg,
+                        "rank %d: allgather: rank %d announced %llu bytes, "
+                        "more than the limit of %zu", me, i,
+                        (unsigned long long)len64[i], RA_ALLGATHER_MAX);
             ra_set_error(RA_ERR_COMM, "%s", msg);
             st = ra_comm_fail(c, RA_ERR_COMM, msg);
             goto fail;
@@ -468,4 +494,68 @@ fail:
     ra_host_free(offs, sizeof(size_t) * (size_t)(p + 1));
     ra_host_free(len64, sizeof(uint64_t) * (size_t)p);
     return st;
+}
+
+/* Pairwise steps: in step s every rank sends its block for rank + s and
+ * receives the block of rank - s, so each step is a shift that never
+ * deadlocks; all steps are started at once and waited on under one
+ * deadline.  The block to self is a copy. */
+static ra_status generic_alltoall(ra_comm *c, const ra_a2a *a,
+                                  double timeout) {
+    int p = c->size, me = c->rank;
+    double deadline = ra_now() + timeout;
+    if (a->send_nbytes[me] != a->recv_nbytes[me]) {
+        ra_set_error(RA_ERR_VALUE,
+                     "rank %d: alltoall: the block to itself has %zu bytes "
+                     "but its receive block holds %zu bytes", me,
+                     a->send_nbytes[me], a->recv_nbytes[me]);
+        return RA_ERR_VALUE;
+    }
+    if (a->send_nbytes[me] > 0 && a->send[me] != a->recv[me])
+        memmove(a->recv[me], a->send[me], a->send_nbytes[me]);
+    if (p == 1) return RA_OK;
+    ra_req **reqs = ra_host_calloc(sizeof(ra_req *) * (size_t)p);
+    if (reqs == NULL) return RA_ERR_NOMEM;
+    ra_status st = RA_OK;
+    char first[RA_COMM_MSG_LEN] = "";
+    for (int s = 1; s < p && st == RA_OK; s++) {
+        int dst = (me + s) % p, src = (me - s + p) % p;
+        ra_xfer x;
+        memset(&x, 0, sizeof x);
+        x.kind = RA_XFER_ALLTOALL;
+        x.step = s;
+        x.send = a->send[dst];
+        x.send_nbytes = a->send_nbytes[dst];
+        x.dst = dst;
+        x.recv = a->recv[src];
+        x.recv_nbytes = a->recv_nbytes[src];
+        x.src = src;
+        x.device_type = a->device_type;
+        x.device_id = a->device_id;
+        x.stream = a->stream;
+        st = start_deadline(c, &x, "alltoall", timeout, deadline, &reqs[s]);
+        if (st != RA_OK) ra_snprintf(first, sizeof first, "%s", ra_last_error());
+    }
+    /* wait for every started step, also after a failure (which fails the
+     * communicator, so the others finish at once): their memory is the
+     * caller's */
+    for (int s = 1; s < p; s++) {
+        if (reqs[s] == NULL) continue;
+        ra_status ws = wait_deadline(reqs[s], deadline, timeout);
+        if (ws != RA_OK && st == RA_OK) {
+            st = ws;
+            ra_snprintf(first, sizeof first, "%s", ra_last_error());
+        }
+        ra_req_release(reqs[s]);
+    }
+    ra_host_free(reqs, sizeof(ra_req *) * (size_t)p);
+    if (st != RA_OK) ra_set_error(st, "%s", first);
+    return st;
+}
+
+ra_status ra_comm_alltoall(ra_comm *c, const ra_a2a *a, double timeout) {
+    RA_CHECK(ra_comm_check_usable(c, "alltoall"));
+    if (!(timeout > 0)) timeout = c->default_timeout;
+    if (c->vt->alltoall != NULL) return c->vt->alltoall(c, a, timeout);
+    return generic_alltoall(c, a, timeout);
 }

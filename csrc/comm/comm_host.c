@@ -58,11 +58,12 @@ static void wake_thread(host_impl *h) {
 }
 
 static const char *kind_name(uint32_t k) {
-    switch (k) {
+    if (k == FRAME_ABORT) return "abort";
+    switch (k & RA_XFER_KIND_MASK) {   /* above: a split's context */
     case RA_XFER_DATA: return "sendrecv";
     case RA_XFER_BARRIER: return "barrier";
     case RA_XFER_GATHER: return "allgather";
-    case FRAME_ABORT: return "abort";
+    case RA_XFER_ALLTOALL: return "alltoall";
     default: return "unknown";
     }
 }
@@ -74,15 +75,19 @@ typedef struct xfer_state {
     size_t hin_got;
 } xfer_state;
 
-/* Read a peer's ABORT reason (small; sent in one piece) for the message. */
-static void read_abort_reason(int fd, uint64_t n, char *out, size_t outlen) {
+/* Read a peer's ABORT reason (small; sent in one piece) for the message:
+ * at most `keep` bytes of it, cut on a UTF-8 character boundary (other
+ * bytes a peer sends stay: the Python boundary decodes with replacement). */
+static void read_abort_reason(int fd, uint64_t n, char *out, size_t outlen,
+                              size_t keep) {
     char buf[ABORT_REASON_MAX + 1];
     if (n > ABORT_REASON_MAX) n = ABORT_REASON_MAX;
     int err;
     if (ra_host_io_all(fd, buf, (size_t)n, 0, ra_now() + 1.0, &err) != IO_OK)
         n = 0;
     buf[n] = '\0';
-    snprintf(out, outlen, "%s", n ? buf : "(no reason given)");
+    if (strlen(buf) > keep) buf[ra_utf8_cut(buf, keep)] = '\0';
+    ra_snprintf(out, outlen, "%s", n ? buf : "(no reason given)");
 }
 
 /* One step of the receive side.  Returns RA_OK (progress or would block)
@@ -104,8 +109,8 @@ static ra_status recv_some(ra_comm *c, host_impl *h, ra_req *r,
         }
         if (k == 0) {
             h->broken[src] = 1;
-            snprintf(msg, mlen, "%speer rank %d closed the connection", pre,
-                     src);
+            ra_snprintf(msg, mlen, "%speer rank %d closed the connection", pre,
+                        src);
             return RA_ERR_COMM;
         }
         if (k < 0) {
@@ -113,11 +118,11 @@ static ra_status recv_some(ra_comm *c, host_impl *h, ra_req *r,
             if (errno == EAGAIN || errno == EWOULDBLOCK) return RA_OK;
             h->broken[src] = 1;
             if (errno == ECONNRESET)
-                snprintf(msg, mlen, "%speer rank %d closed the connection",
-                         pre, src);
+                ra_snprintf(msg, mlen, "%speer rank %d closed the connection",
+                            pre, src);
             else
-                snprintf(msg, mlen, "%sconnection to rank %d failed: %s",
-                         pre, src, strerror(errno));
+                ra_snprintf(msg, mlen, "%sconnection to rank %d failed: %s",
+                            pre, src, strerror(errno));
             return RA_ERR_COMM;
         }
         if (xs->hin_got < FRAME_HDR) {
@@ -127,37 +132,49 @@ static ra_status recv_some(ra_comm *c, host_impl *h, ra_req *r,
             int64_t step = (int64_t)get64(xs->hin + 8);
             uint64_t n = get64(xs->hin + 16);
             if (magic != FRAME_MAGIC) {
-                snprintf(msg, mlen, "%scorrupt frame from rank %d (bad magic)",
-                         pre, src);
+                ra_snprintf(msg, mlen,
+                            "%scorrupt frame from rank %d (bad magic)", pre,
+                            src);
                 return RA_ERR_COMM;
             }
             if (kind == FRAME_ABORT) {
                 char why[ABORT_REASON_MAX + 1];
-                read_abort_reason(fd, n, why, sizeof why);
+                read_abort_reason(fd, n, why, sizeof why, 360);
                 h->broken[src] = 1;
-                snprintf(msg, mlen, "%speer rank %d failed: %.360s", pre,
-                         src, why);
+                ra_snprintf(msg, mlen, "%speer rank %d failed: %s", pre, src,
+                            why);
+                return RA_ERR_COMM;
+            }
+            if (kind != (uint32_t)r->x.kind &&
+                (kind & RA_XFER_KIND_MASK) ==
+                    ((uint32_t)r->x.kind & RA_XFER_KIND_MASK)) {
+                ra_snprintf(msg, mlen,
+                         "%scommunicator mismatch: rank %d sent a %s message "
+                         "of another communicator (context %u, this one "
+                         "%u)", pre, src, kind_name(kind),
+                         kind >> RA_XFER_KIND_BITS,
+                         (uint32_t)r->x.kind >> RA_XFER_KIND_BITS);
                 return RA_ERR_COMM;
             }
             if (kind != (uint32_t)r->x.kind) {
-                snprintf(msg, mlen,
-                         "%soperation mismatch: rank %d sent a %s message "
-                         "while this rank expects %s", pre, src,
-                         kind_name(kind), kind_name((uint32_t)r->x.kind));
+                ra_snprintf(msg, mlen,
+                            "%soperation mismatch: rank %d sent a %s message "
+                            "while this rank expects %s", pre, src,
+                            kind_name(kind), kind_name((uint32_t)r->x.kind));
                 return RA_ERR_COMM;
             }
             if (step != r->x.step) {
-                snprintf(msg, mlen,
-                         "%sstep mismatch: rank %d sent step %lld, this rank "
-                         "expects step %lld", pre, src, (long long)step,
-                         (long long)r->x.step);
+                ra_snprintf(msg, mlen,
+                            "%sstep mismatch: rank %d sent step %lld, this "
+                            "rank expects step %lld", pre, src, (long long)step,
+                            (long long)r->x.step);
                 return RA_ERR_COMM;
             }
             if (n != (uint64_t)r->x.recv_nbytes) {
-                snprintf(msg, mlen,
-                         "%ssize mismatch: rank %d sends %llu bytes but the "
-                         "receive buffer holds %zu bytes", pre, src,
-                         (unsigned long long)n, r->x.recv_nbytes);
+                ra_snprintf(msg, mlen,
+                            "%ssize mismatch: rank %d sends %llu bytes but the "
+                            "receive buffer holds %zu bytes", pre, src,
+                            (unsigned long long)n, r->x.recv_nbytes);
                 return RA_ERR_COMM;
             }
         } else {
@@ -190,11 +207,11 @@ static ra_status send_some(ra_comm *c, host_impl *h, ra_req *r,
             if (errno == EAGAIN || errno == EWOULDBLOCK) return RA_OK;
             h->broken[dst] = 1;
             if (errno == EPIPE || errno == ECONNRESET)
-                snprintf(msg, mlen, "%speer rank %d closed the connection",
-                         pre, dst);
+                ra_snprintf(msg, mlen, "%speer rank %d closed the connection",
+                            pre, dst);
             else
-                snprintf(msg, mlen, "%sconnection to rank %d failed: %s",
-                         pre, dst, strerror(errno));
+                ra_snprintf(msg, mlen, "%sconnection to rank %d failed: %s",
+                            pre, dst, strerror(errno));
             return RA_ERR_COMM;
         }
         h->out_midframe[dst] = 1;
@@ -223,7 +240,7 @@ static ra_status run_request(ra_comm *c, host_impl *h, ra_req *r, char *msg,
     while (!send_done || !recv_done) {
         if (atomic_load(&c->failed)) {
             pthread_mutex_lock(&c->mu);
-            snprintf(msg, mlen, "%s", c->fail_msg);
+            ra_snprintf(msg, mlen, "%s", c->fail_msg);
             pthread_mutex_unlock(&c->mu);
             return RA_ERR_COMM;
         }
@@ -247,7 +264,7 @@ static ra_status run_request(ra_comm *c, host_impl *h, ra_req *r, char *msg,
         int rc = poll(pfd, (nfds_t)n, 1000);
         if (rc < 0) {
             if (errno == EINTR) continue;
-            snprintf(msg, mlen, "%spoll failed: %s", pre, strerror(errno));
+            ra_snprintf(msg, mlen, "%spoll failed: %s", pre, strerror(errno));
             return RA_ERR_COMM;
         }
         if (pfd[0].revents) {
@@ -285,7 +302,7 @@ static void handle_failure(ra_comm *c, host_impl *h) {
     h->failure_handled = 1;
     char reason[RA_COMM_MSG_LEN];
     pthread_mutex_lock(&c->mu);
-    snprintf(reason, sizeof reason, "%s", c->fail_msg);
+    ra_snprintf(reason, sizeof reason, "%s", c->fail_msg);
     pthread_mutex_unlock(&c->mu);
     size_t n = strlen(reason);
     unsigned char frame[FRAME_HDR + RA_COMM_MSG_LEN];

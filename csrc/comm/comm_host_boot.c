@@ -379,12 +379,19 @@ static hs_step hs_advance(hs_conn *h, const char *token, int rank,
             unsigned char mac[32];
             hs_mac(token, 'c', h->na, h->msg + 8, prank, psize, mac);
             if (!ra_consttime_eq(mac, h->msg + 24, 32)) return HS_REFUSED;
-            if ((int)psize != size || prank >= (uint32_t)size) {
-                /* authenticated but misconfigured: fatal */
+            /* authenticated but misconfigured: fatal */
+            if ((int)psize != size) {
                 ra_set_error(RA_ERR_COMM,
-                             "rank %d: init: peer claims rank %u of world "
-                             "size %u, expected world size %d",
-                             rank, prank, psize, size);
+                             "rank %d: init: peer claims world size %u, "
+                             "expected %d (it says it is rank %u)",
+                             rank, psize, size, prank);
+                return HS_FATAL;
+            }
+            if (prank >= (uint32_t)size) {
+                ra_set_error(RA_ERR_COMM,
+                             "rank %d: init: peer claims rank %u, out of "
+                             "range for world size %d (ranks 0..%d)",
+                             rank, prank, size, size - 1);
                 return HS_FATAL;
             }
             h->peer = (int)prank;

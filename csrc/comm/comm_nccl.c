@@ -56,7 +56,7 @@ static void *watchdog_main(void *arg) {
         const ra_req *oldest = NULL;
         int64_t o_step = -1;
         const char *o_op = "sendrecv";
-        int o_peer = -1;
+        char o_peer[32] = "", peer[32];
         nccl_op **link = &nc->ops;
         while (*link != NULL) {
             nccl_op *op = *link;
@@ -75,23 +75,25 @@ static void *watchdog_main(void *arg) {
             if (q != cudaErrorNotReady) {
                 (void)cudaGetLastError();
                 fst = RA_ERR_CUDA;
-                snprintf(msg, sizeof msg,
-                         "%sCUDA error while the transfer with rank %d ran: "
-                         "%s", pre, op_peer(op->req), cudaGetErrorString(q));
+                ra_snprintf(msg, sizeof msg,
+                         "%sCUDA error while the transfer with %s ran: %s",
+                         pre, op_peer_text(op->req, peer, sizeof peer),
+                         cudaGetErrorString(q));
                 break;
             }
             if (ra_now() >= op->req->deadline) {
                 fst = RA_ERR_TIMEOUT;
-                snprintf(msg, sizeof msg,
-                         "%stimed out after %.1f s waiting for rank %d (the "
+                ra_snprintf(msg, sizeof msg,
+                         "%stimed out after %.1f s waiting for %s (the "
                          "NCCL transfer did not complete)", pre,
-                         op->req->timeout, op_peer(op->req));
+                         op->req->timeout,
+                         op_peer_text(op->req, peer, sizeof peer));
                 break;
             }
             oldest = op->req;
             o_step = op->req->x.step;
             o_op = op->req->op;
-            o_peer = op_peer(op->req);
+            op_peer_text(op->req, o_peer, sizeof o_peer);
             link = &op->next;
         }
         int busy = nc->ops != NULL;
@@ -112,11 +114,11 @@ static void *watchdog_main(void *arg) {
                 fst = RA_ERR_NCCL;
                 ra_comm_prefix(pre, sizeof pre, c->rank, o_op, o_step);
                 if (oldest != NULL)
-                    snprintf(msg, sizeof msg,
-                             "%sNCCL error in the transfer with rank %d: %s",
+                    ra_snprintf(msg, sizeof msg,
+                             "%sNCCL error in the transfer with %s: %s",
                              pre, o_peer, d);
                 else
-                    snprintf(msg, sizeof msg, "%sNCCL error: %s", pre, d);
+                    ra_snprintf(msg, sizeof msg, "%sNCCL error: %s", pre, d);
             }
         }
         if (fst != RA_OK) ra_comm_fail(c, fst, msg);
@@ -136,7 +138,7 @@ static void *watchdog_main(void *arg) {
 static ra_status host_result(ra_comm *c, ra_status st) {
     if (st == RA_OK) return RA_OK;
     char msg[RA_COMM_MSG_LEN];
-    snprintf(msg, sizeof msg, "%s", ra_last_error());
+    ra_snprintf(msg, sizeof msg, "%s", ra_last_error());
     if (st != RA_ERR_VALUE) ra_comm_fail(c, st, msg);
     ra_set_error(st, "%s", msg);
     return st;
@@ -171,7 +173,7 @@ static void nccl_abort(ra_comm *c) {
     }
     pthread_mutex_unlock(&nc->nccl_mu);
     pthread_mutex_lock(&c->mu);
-    snprintf(msg, sizeof msg, "%s", c->fail_msg);
+    ra_snprintf(msg, sizeof msg, "%s", c->fail_msg);
     pthread_mutex_unlock(&c->mu);
     ra_nccl_fail_all_ops(nc, msg);
     /* the host transport tells the peers at once */
@@ -221,8 +223,8 @@ static void nccl_close(ra_comm *c) {
     pthread_mutex_unlock(&nc->issue_mu);
     /* what already completed counts as done; the rest failed */
     ra_comm_prefix(pre, sizeof pre, c->rank, "close", -1);
-    snprintf(msg, sizeof msg, "%scommunicator closed before the transfer "
-             "completed", pre);
+    ra_snprintf(msg, sizeof msg, "%scommunicator closed before the transfer "
+                "completed", pre);
     pthread_mutex_lock(&nc->lock);
     nccl_op *op = nc->ops;
     nc->ops = NULL;
@@ -273,6 +275,7 @@ static const ra_comm_vtable nccl_vtable_host = {
     .wait = ra_nccl_wait,
     .barrier = nccl_host_barrier,
     .allgather = nccl_host_allgather,
+    .alltoall = ra_nccl_alltoall,
     .abort = nccl_abort,
     .close = nccl_close,
     .destroy = nccl_destroy,
@@ -285,6 +288,7 @@ static const ra_comm_vtable nccl_vtable_plain = {
     .wait = ra_nccl_wait,
     .barrier = NULL,
     .allgather = NULL,
+    .alltoall = ra_nccl_alltoall,
     .abort = nccl_abort,
     .close = nccl_close,
     .destroy = nccl_destroy,
@@ -436,7 +440,7 @@ fail:
     {
         /* keep the message: teardown may call CUDA */
         char msg[RA_COMM_MSG_LEN];
-        snprintf(msg, sizeof msg, "%s", ra_last_error());
+        ra_snprintf(msg, sizeof msg, "%s", ra_last_error());
         nccl_state_free(nc);
         if (c != NULL) ra_host_free(c, sizeof *c);
         ra_set_error(st, "%s", msg);

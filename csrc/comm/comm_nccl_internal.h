@@ -15,6 +15,8 @@
 
 #include "comm/nccl_loader.h"   /* comm.h, and the stubs' message without CUDA */
 
+#include <stdio.h>
+
 #ifdef RA_WITH_NCCL
 
 #include <cuda_runtime.h>
@@ -52,6 +54,16 @@ static inline int op_peer(const ra_req *r) {
     return r->x.src >= 0 ? r->x.src : r->x.dst;
 }
 
+/* "rank N", or for an all-to-all (no single peer) "its peers" */
+static inline const char *op_peer_text(const ra_req *r, char *buf,
+                                       size_t n) {
+    if (op_peer(r) < 0)
+        snprintf(buf, n, "its peers");
+    else
+        snprintf(buf, n, "rank %d", op_peer(r));
+    return buf;
+}
+
 /* ---- comm_nccl_xfer.c --------------------------------------------------- */
 
 /* Wait until the non-blocking communicator left ncclInProgress.  On failure
@@ -64,9 +76,10 @@ void ra_nccl_op_retire_locked(nccl_state *nc, nccl_op *op, ra_status st,
                               const char *msg);
 /* Fail every op still listed (abort, close). */
 void ra_nccl_fail_all_ops(nccl_state *nc, const char *msg);
-/* The vtable's sendrecv_start and wait. */
+/* The vtable's sendrecv_start, wait and alltoall. */
 ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r);
 ra_status ra_nccl_wait(ra_comm *c, ra_req *r, double deadline);
+ra_status ra_nccl_alltoall(ra_comm *c, const ra_a2a *a, double timeout);
 
 #endif /* RA_WITH_NCCL */
 #endif /* RA_COMM_NCCL_INTERNAL_H */

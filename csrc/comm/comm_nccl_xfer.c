@@ -10,6 +10,11 @@
  * the same stream.  wait() makes the compute stream wait for the completion
  * event: the host never blocks on a transfer.
  *
+ * An all-to-all is one op too: the block to self is a device copy on the
+ * comm stream, and every other block one ncclSend/ncclRecv of a single
+ * group (blocks of 0 bytes are left out on both sides, which agree on the
+ * sizes), with one completion event.
+ *
  * Staged transfers carry host memory (comm_core.c's generic barrier and
  * allgather) through device scratch; the waiting caller polls their event
  * and copies the received bytes out.  Device transfers are retired by the
@@ -60,7 +65,7 @@ static int lock_live(nccl_state *nc, char *err, size_t n) {
     pthread_mutex_lock(&nc->nccl_mu);
     if (nc->nccl != NULL) return 0;
     pthread_mutex_unlock(&nc->nccl_mu);
-    snprintf(err, n, "the NCCL communicator was aborted");
+    ra_snprintf(err, n, "the NCCL communicator was aborted");
     return -1;
 }
 
@@ -78,16 +83,16 @@ ra_status ra_nccl_settle(nccl_state *nc, double deadline, double timeout,
             ra_nccl_describe(state, nc->nccl, d, sizeof d);
         pthread_mutex_unlock(&nc->nccl_mu);
         if (r != ncclSuccess) {
-            snprintf(err, n, "ncclCommGetAsyncError failed: %s", d);
+            ra_snprintf(err, n, "ncclCommGetAsyncError failed: %s", d);
             return RA_ERR_NCCL;
         }
         if (state == ncclSuccess) return RA_OK;
         if (state != ncclInProgress) {
-            snprintf(err, n, "NCCL error: %s", d);
+            ra_snprintf(err, n, "NCCL error: %s", d);
             return RA_ERR_NCCL;
         }
         if (ra_now() >= deadline) {
-            snprintf(err, n, "timed out after %.1f s", timeout);
+            ra_snprintf(err, n, "timed out after %.1f s", timeout);
             return RA_ERR_TIMEOUT;
         }
         backoff(&spins);
@@ -170,10 +175,83 @@ static ra_status start_fail(ra_comm *c, ra_req *r, ra_status st,
     return st;
 }
 
-/* Enqueue the transfer of `r` on the comm stream; `op` gets its event.
- * Runs with issue_mu held and the device entered. */
-static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
-                       size_t n) {
+/* The NCCL calls of an all-to-all, between GroupStart and GroupEnd
+ * (caller holds nccl_mu with the handle alive). */
+static ncclResult_t group_alltoall(nccl_state *nc, const ra_a2a *a) {
+    ra_comm *c = nc->c;
+    ncclResult_t r = ncclSuccess;
+    for (int i = 0; i < c->size && (r == ncclSuccess ||
+                                    r == ncclInProgress); i++) {
+        if (i == c->rank) continue;
+        if (a->send_nbytes[i] > 0)
+            r = ra_nccl_lib.Send(a->send[i], a->send_nbytes[i], ncclUint8, i,
+                                 nc->nccl, nc->stream);
+        if ((r == ncclSuccess || r == ncclInProgress) &&
+            a->recv_nbytes[i] > 0)
+            r = ra_nccl_lib.Recv(a->recv[i], a->recv_nbytes[i], ncclUint8, i,
+                                 nc->nccl, nc->stream);
+    }
+    return r;
+}
+
+/* The send and receive of a sendrecv (caller holds nccl_mu). */
+static ncclResult_t group_sendrecv(nccl_state *nc, const ra_xfer *x,
+                                   const void *send, void *recv) {
+    ncclResult_t r = ncclSuccess;
+    if (x->dst >= 0)
+        r = ra_nccl_lib.Send(send, x->send_nbytes, ncclUint8, x->dst,
+                             nc->nccl, nc->stream);
+    if ((r == ncclSuccess || r == ncclInProgress) && x->src >= 0)
+        r = ra_nccl_lib.Recv(recv, x->recv_nbytes, ncclUint8, x->src,
+                             nc->nccl, nc->stream);
+    return r;
+}
+
+/* One NCCL group on the comm stream: the sendrecv of `r` (send/recv: its
+ * device pointers) or the all-to-all `a2a`.  On a non-blocking
+ * communicator the kernels may not be on the stream when GroupEnd
+ * returns: the group settles first, so the completion event comes after
+ * them. */
+static ra_status issue_group(nccl_state *nc, ra_req *r, const void *send,
+                             void *recv, const ra_a2a *a2a, char *err,
+                             size_t n) {
+    char peer[32], d[256] = "";
+    op_peer_text(r, peer, sizeof peer);
+    if (lock_live(nc, err, n) < 0) return RA_ERR_COMM;
+    ncclResult_t r0 = ra_nccl_lib.GroupStart(), r1 = ncclSuccess, r2;
+    if (r0 == ncclSuccess)
+        r1 = a2a != NULL ? group_alltoall(nc, a2a)
+                         : group_sendrecv(nc, &r->x, send, recv);
+    /* always close a group that was opened */
+    r2 = r0 == ncclSuccess ? ra_nccl_lib.GroupEnd() : r0;
+    ncclResult_t bad = r0 != ncclSuccess ? r0
+                       : r1 != ncclSuccess && r1 != ncclInProgress ? r1
+                       : r2;
+    if (bad != ncclSuccess && bad != ncclInProgress)
+        ra_nccl_describe(bad, nc->nccl, d, sizeof d);
+    pthread_mutex_unlock(&nc->nccl_mu);
+    if (bad != ncclSuccess && bad != ncclInProgress) {
+        ra_snprintf(err, n, "NCCL error with %s: %s", peer, d);
+        return RA_ERR_NCCL;
+    }
+    if (bad == ncclInProgress) {
+        char why[256];
+        ra_status st = ra_nccl_settle(nc, r->deadline, r->timeout, why,
+                                      sizeof why);
+        if (st != RA_OK) {
+            ra_snprintf(err, n, "%s while starting the transfer with %s", why,
+                     peer);
+            return st;
+        }
+    }
+    return RA_OK;
+}
+
+/* Enqueue the transfer of `r` (or the all-to-all `a2a`) on the comm
+ * stream; `op` gets its event.  Runs with issue_mu held and the device
+ * entered. */
+static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op,
+                       const ra_a2a *a2a, char *err, size_t n) {
     ra_comm *c = nc->c;
     ra_xfer *x = &r->x;
     ra_status st = RA_OK;
@@ -185,13 +263,13 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
         e = (call);                                                           \
         if (e != cudaSuccess) {                                               \
             st = ra_cuda_status((int)e, #call, __FILE__, __LINE__);           \
-            snprintf(err, n, "%s", ra_last_error());                          \
+            ra_snprintf(err, n, "%s", ra_last_error());                       \
             return st;                                                        \
         }                                                                     \
     } while (0)
     st = event_get(nc, &op->done);
     if (st != RA_OK) {
-        snprintf(err, n, "%s", ra_last_error());
+        ra_snprintf(err, n, "%s", ra_last_error());
         return st;
     }
     /* the comm stream first waits for the work that came before: on the
@@ -202,7 +280,7 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
     if (before == NULL) {
         st = ra_cuda_compute_stream(nc->device, &before);
         if (st != RA_OK) {
-            snprintf(err, n, "%s", ra_last_error());
+            ra_snprintf(err, n, "%s", ra_last_error());
             return st;
         }
     }
@@ -216,7 +294,7 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
         st = ra_cuda_malloc(nc->device, op->scratch_bytes, &op->scratch);
         if (st != RA_OK) {
             op->scratch = NULL;
-            snprintf(err, n, "%s", ra_last_error());
+            ra_snprintf(err, n, "%s", ra_last_error());
             return st;
         }
         send = op->scratch;
@@ -225,73 +303,50 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op, char *err,
             ISSUE_CUDA(cudaMemcpyAsync(op->scratch, x->send, x->send_nbytes,
                                        cudaMemcpyHostToDevice, nc->stream));
     }
-    if (x->dst == c->rank) {
+    if (a2a != NULL) {
+        const int me = c->rank;
+        if (a2a->send_nbytes[me] > 0 && a2a->send[me] != a2a->recv[me])
+            ISSUE_CUDA(cudaMemcpyAsync(a2a->recv[me], a2a->send[me],
+                                       a2a->send_nbytes[me],
+                                       cudaMemcpyDeviceToDevice, nc->stream));
+        RA_CHECK(issue_group(nc, r, NULL, NULL, a2a, err, n));
+    } else if (x->dst == c->rank) {
         if (x->send_nbytes > 0 && send != recv)
             ISSUE_CUDA(cudaMemcpyAsync(recv, send, x->send_nbytes,
                                        cudaMemcpyDeviceToDevice, nc->stream));
     } else {
-        ncclResult_t r1 = ncclSuccess, r2 = ncclSuccess, r3, r0;
-        char d[256] = "";
-        if (lock_live(nc, err, n) < 0) return RA_ERR_COMM;
-        r0 = ra_nccl_lib.GroupStart();
-        if (r0 == ncclSuccess && x->dst >= 0)
-            r1 = ra_nccl_lib.Send(send, x->send_nbytes, ncclUint8, x->dst,
-                                  nc->nccl, nc->stream);
-        if (r0 == ncclSuccess && x->src >= 0)
-            r2 = ra_nccl_lib.Recv(recv, x->recv_nbytes, ncclUint8, x->src,
-                                  nc->nccl, nc->stream);
-        /* always close a group that was opened */
-        r3 = r0 == ncclSuccess ? ra_nccl_lib.GroupEnd() : r0;
-        ncclResult_t bad = r0 != ncclSuccess ? r0
-                           : r1 != ncclSuccess && r1 != ncclInProgress ? r1
-                           : r2 != ncclSuccess && r2 != ncclInProgress ? r2
-                           : r3;
-        if (bad != ncclSuccess && bad != ncclInProgress)
-            ra_nccl_describe(bad, nc->nccl, d, sizeof d);
-        pthread_mutex_unlock(&nc->nccl_mu);
-        if (bad != ncclSuccess && bad != ncclInProgress) {
-            snprintf(err, n, "NCCL error with rank %d: %s", op_peer(r), d);
-            return RA_ERR_NCCL;
-        }
-        /* on a non-blocking communicator the kernels may not be on the
-         * stream yet: the completion event must come after them */
-        if (bad == ncclInProgress) {
-            char why[256];
-            st = ra_nccl_settle(nc, r->deadline, r->timeout, why, sizeof why);
-            if (st != RA_OK) {
-                snprintf(err, n, "%s while starting the transfer with rank %d",
-                         why, op_peer(r));
-                return st;
-            }
-        }
+        RA_CHECK(issue_group(nc, r, send, recv, NULL, err, n));
     }
     ISSUE_CUDA(cudaEventRecord(op->done, nc->stream));
 #undef ISSUE_CUDA
     return RA_OK;
 }
 
-ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r) {
+/* Issue `r` (a sendrecv, or the all-to-all `a2a`) and list it for the
+ * watchdog; on failure `r` is finished with the message.  Takes the
+ * backend's reference of r. */
+static ra_status start_op(ra_comm *c, ra_req *r, const ra_a2a *a2a) {
     nccl_state *nc = (nccl_state *)c->impl;
     ra_xfer *x = &r->x;
     char pre[128], err[RA_COMM_MSG_LEN - 128], msg[RA_COMM_MSG_LEN];
     ra_comm_prefix(pre, sizeof pre, c->rank, r->op, x->step);
     int staged = x->device_type != RA_DEV_CUDA;
     if (x->dst == c->rank && x->send_nbytes != x->recv_nbytes) {
-        snprintf(msg, sizeof msg,
-                 "%ssize mismatch: rank %d sends %zu bytes but the receive "
-                 "buffer holds %zu bytes", pre, c->rank, x->send_nbytes,
-                 x->recv_nbytes);
+        ra_snprintf(msg, sizeof msg,
+                    "%ssize mismatch: rank %d sends %zu bytes but the receive "
+                    "buffer holds %zu bytes", pre, c->rank, x->send_nbytes,
+                    x->recv_nbytes);
         return start_fail(c, r, RA_ERR_VALUE, msg);
     }
     if (!staged && x->device_id != nc->device) {
-        snprintf(msg, sizeof msg,
-                 "%sbuffers are on CUDA device %d but this communicator "
-                 "uses device %d", pre, x->device_id, nc->device);
+        ra_snprintf(msg, sizeof msg,
+                    "%sbuffers are on CUDA device %d but this communicator "
+                    "uses device %d", pre, x->device_id, nc->device);
         return start_fail(c, r, RA_ERR_VALUE, msg);
     }
     nccl_op *op = ra_host_calloc(sizeof *op);
     if (op == NULL) {
-        snprintf(msg, sizeof msg, "%sout of host memory", pre);
+        ra_snprintf(msg, sizeof msg, "%sout of host memory", pre);
         return start_fail(c, r, RA_ERR_NOMEM, msg);
     }
     op->req = r;
@@ -301,14 +356,14 @@ ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r) {
     pthread_mutex_lock(&nc->issue_mu);
     st = ra_cuda_enter_device(nc->device, &prev);
     if (st == RA_OK) {
-        st = issue(nc, r, op, err, sizeof err);
+        st = issue(nc, r, op, a2a, err, sizeof err);
         ra_cuda_leave_device(nc->device, prev);
     } else {
-        snprintf(err, sizeof err, "%s", ra_last_error());
+        ra_snprintf(err, sizeof err, "%s", ra_last_error());
     }
     pthread_mutex_unlock(&nc->issue_mu);
     if (st != RA_OK) {
-        snprintf(msg, sizeof msg, "%s%s", pre, err);
+        ra_snprintf(msg, sizeof msg, "%s%s", pre, err);
         /* part of the op may be queued on the comm stream: mark its end and
          * let the compute stream wait for it before the scratch is reused */
         if (op->done != NULL &&
@@ -328,11 +383,16 @@ ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r) {
         atomic_fetch_add(&c->bytes_sent, (uint64_t)x->send_nbytes);
     if (x->src >= 0 && x->src != c->rank)
         atomic_fetch_add(&c->bytes_received, (uint64_t)x->recv_nbytes);
+    for (int i = 0; a2a != NULL && i < c->size; i++) {
+        if (i == c->rank) continue;
+        atomic_fetch_add(&c->bytes_sent, (uint64_t)a2a->send_nbytes[i]);
+        atomic_fetch_add(&c->bytes_received, (uint64_t)a2a->recv_nbytes[i]);
+    }
     pthread_mutex_lock(&nc->lock);
     if (atomic_load(&c->failed)) {
         /* an abort drained the list while we issued: fail it now */
         pthread_mutex_lock(&c->mu);
-        snprintf(msg, sizeof msg, "%s", c->fail_msg);
+        ra_snprintf(msg, sizeof msg, "%s", c->fail_msg);
         pthread_mutex_unlock(&c->mu);
         ra_nccl_op_retire_locked(nc, op, RA_ERR_COMM, msg);
     } else {
@@ -343,6 +403,41 @@ ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r) {
     }
     pthread_mutex_unlock(&nc->lock);
     return RA_OK;
+}
+
+ra_status ra_nccl_sendrecv_start(ra_comm *c, ra_req *r) {
+    return start_op(c, r, NULL);
+}
+
+ra_status ra_nccl_alltoall(ra_comm *c, const ra_a2a *a, double timeout) {
+    char pre[128];
+    ra_comm_prefix(pre, sizeof pre, c->rank, "alltoall", -1);
+    if (a->device_type != RA_DEV_CUDA) {
+        ra_set_error(RA_ERR_VALUE, "%sthe nccl backend moves CUDA device "
+                     "memory, got host memory", pre);
+        return RA_ERR_VALUE;
+    }
+    ra_xfer x;
+    memset(&x, 0, sizeof x);
+    x.kind = RA_XFER_ALLTOALL;
+    x.step = -1;
+    x.dst = x.src = -1;            /* every peer: see op_peer */
+    x.device_type = RA_DEV_CUDA;
+    x.device_id = a->device_id;
+    x.stream = a->stream;
+    ra_req *r = ra_req_new(c, &x, "alltoall", timeout);
+    if (r == NULL) return RA_ERR_NOMEM;
+    ra_status st = start_op(c, r, a);     /* takes the backend reference */
+    if (st == RA_OK) st = ra_nccl_wait(c, r, r->deadline);
+    if (atomic_load(&r->state) == RA_REQ_FAILED || st != RA_OK) {
+        if (st == RA_OK) st = r->status != RA_OK ? r->status : RA_ERR_COMM;
+        char msg[RA_COMM_MSG_LEN];
+        ra_snprintf(msg, sizeof msg, "%s", r->msg[0] ? r->msg : "failed");
+        if (st != RA_ERR_VALUE) ra_comm_fail(c, st, msg);
+        ra_set_error(st, "%s", msg);
+    }
+    ra_req_release(r);
+    return st;
 }
 
 /* Device transfer: order the caller's stream after it and call it done
@@ -380,7 +475,7 @@ ra_status ra_nccl_wait(ra_comm *c, ra_req *r, double deadline) {
             } else {
                 char pre[128], msg[RA_COMM_MSG_LEN];
                 ra_comm_prefix(pre, sizeof pre, c->rank, r->op, r->x.step);
-                snprintf(msg, sizeof msg, "%s%s", pre, ra_last_error());
+                ra_snprintf(msg, sizeof msg, "%s%s", pre, ra_last_error());
                 ra_req_finish_locked(r, st, msg);
             }
             pthread_mutex_unlock(&c->mu);
@@ -422,7 +517,7 @@ ra_status ra_nccl_wait(ra_comm *c, ra_req *r, double deadline) {
         if (st != RA_OK) {
             char pre[128];
             ra_comm_prefix(pre, sizeof pre, c->rank, r->op, r->x.step);
-            snprintf(msg, sizeof msg, "%s%s", pre, ra_last_error());
+            ra_snprintf(msg, sizeof msg, "%s%s", pre, ra_last_error());
         }
         pthread_mutex_lock(&nc->lock);
         ra_nccl_op_retire_locked(nc, op, st, msg);

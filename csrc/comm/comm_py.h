@@ -1,8 +1,9 @@
 /*
  * comm_py.h -- what the Python face of the communicators shares between
  * its files: comm.c (the Comm type and ra_comm_exec), comm_request.c (the
- * Request type) and comm_create.c (ThreadsGroup and the module functions
- * that make communicators).  Internal; the C core is comm.h.
+ * Request type), comm_create.c (ThreadsGroup and the module functions
+ * that make communicators) and comm_groups.c (Comm.split, Comm.alltoall).
+ * Internal; the C core is comm.h.
  */
 #ifndef RA_COMM_PY_H
 #define RA_COMM_PY_H
@@ -14,6 +15,10 @@ typedef struct CommObject {
     PyObject_HEAD
     ra_comm *comm;
     PyObject *group;          /* ThreadsGroup keeping a threads comm's group */
+    PyObject *parent;         /* the Comm split from (its transport), or NULL */
+    PyObject *children;       /* list of the Comms split from this one, or
+                               * NULL; closed with it */
+    PyObject *dict;           /* instance attributes (e.g. cached splits) */
 } CommObject;
 
 typedef struct RequestObject {
@@ -37,6 +42,19 @@ int ra_parse_timeout(PyObject *obj, double *out);
 /* A new Comm owning `c` (freed here if that fails); `group` (or NULL) is
  * kept alive with it. */
 PyObject *ra_comm_wrap(ra_comm *c, PyObject *group);
+
+/* 0, or -1 with CommError set when the communicator is closed or failed. */
+int ra_comm_usable(CommObject *self, const char *op);
+/* Array-like -> Buffer the communicator can move (its memory kind and
+ * device, contiguous, writable when asked). */
+struct ra_buffer *ra_comm_parse_buffer(CommObject *self, PyObject *obj,
+                                       const char *name, int writable);
+
+/* ---- comm_groups.c ------------------------------------------------------ */
+
+PyObject *ra_comm_split_py(CommObject *self, PyObject *args, PyObject *kw);
+PyObject *ra_comm_alltoall_py(CommObject *self, PyObject *args,
+                              PyObject *kw);
 
 /* ---- comm_request.c ----------------------------------------------------- */
 

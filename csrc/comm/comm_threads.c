@@ -103,7 +103,7 @@ static void fail_req(ra_tgroup *g, ra_req *r, ra_status st, const char *msg) {
     if (r->doomed || atomic_load(&r->state) != RA_REQ_PENDING) return;
     r->doomed = 1;
     r->status = st;
-    snprintf(r->msg, sizeof r->msg, "%s", msg);
+    ra_snprintf(r->msg, sizeof r->msg, "%s", msg);
     maybe_finish(r);
 }
 
@@ -132,11 +132,11 @@ static void kill_rank_locked(ra_tgroup *g, int d) {
         }
         char pre[128], msg[RA_COMM_MSG_LEN];
         ra_comm_prefix(pre, sizeof pre, owner, victim->op, victim->x.step);
-        snprintf(msg, sizeof msg, "%speer rank %d failed: %s", pre, d,
-                 DEAD_MSG(g, d));
+        ra_snprintf(msg, sizeof msg, "%speer rank %d failed: %s", pre, d,
+                    DEAD_MSG(g, d));
         fail_req(g, victim, RA_ERR_COMM, msg);
         if (!g->dead[owner] && !g->pending_kill[owner]) {
-            snprintf(DEAD_MSG(g, owner), RA_COMM_MSG_LEN, "%s", msg);
+            ra_snprintf(DEAD_MSG(g, owner), RA_COMM_MSG_LEN, "%s", msg);
             g->pending_kill[owner] = 1;
         }
     }
@@ -172,37 +172,43 @@ static int check_pair(ra_tgroup *g, ra_req *s, ra_req *r) {
     ra_comm_prefix(pre_s, sizeof pre_s, a, s->op, s->x.step);
     ra_comm_prefix(pre_r, sizeof pre_r, b, r->op, r->x.step);
     if (s->x.kind != r->x.kind) {
-        snprintf(ms, sizeof ms, "%soperation mismatch: rank %d is in %s",
-                 pre_s, b, r->op);
-        snprintf(mr, sizeof mr, "%soperation mismatch: rank %d is in %s",
-                 pre_r, a, s->op);
+        /* the same operation of two communicators that share this group
+         * (splits, comm_split.c) says so */
+        const char *what = strcmp(s->op, r->op) == 0 ? "communicator"
+                                                     : "operation";
+        ra_snprintf(ms, sizeof ms, "%s%s mismatch: rank %d is in %s of "
+                 "context %d", pre_s, what, b, r->op,
+                 r->x.kind >> RA_XFER_KIND_BITS);
+        ra_snprintf(mr, sizeof mr, "%s%s mismatch: rank %d is in %s of "
+                 "context %d", pre_r, what, a, s->op,
+                 s->x.kind >> RA_XFER_KIND_BITS);
     } else if (s->x.step != r->x.step) {
-        snprintf(ms, sizeof ms, "%sstep mismatch: rank %d expects step %lld",
-                 pre_s, b, (long long)r->x.step);
-        snprintf(mr, sizeof mr,
-                 "%sstep mismatch: rank %d sent step %lld, this rank expects "
-                 "step %lld", pre_r, a, (long long)s->x.step,
-                 (long long)r->x.step);
+        ra_snprintf(ms, sizeof ms, "%sstep mismatch: rank %d expects step %lld",
+                    pre_s, b, (long long)r->x.step);
+        ra_snprintf(mr, sizeof mr,
+                    "%sstep mismatch: rank %d sent step %lld, this rank "
+                    "expects step %lld", pre_r, a, (long long)s->x.step,
+                    (long long)r->x.step);
     } else if (s->x.send_nbytes != r->x.recv_nbytes) {
-        snprintf(ms, sizeof ms,
-                 "%ssize mismatch: this rank sends %zu bytes but rank %d's "
-                 "receive buffer holds %zu bytes", pre_s, s->x.send_nbytes,
-                 b, r->x.recv_nbytes);
-        snprintf(mr, sizeof mr,
-                 "%ssize mismatch: rank %d sends %zu bytes but the receive "
-                 "buffer holds %zu bytes", pre_r, a, s->x.send_nbytes,
-                 r->x.recv_nbytes);
+        ra_snprintf(ms, sizeof ms,
+                    "%ssize mismatch: this rank sends %zu bytes but rank %d's "
+                    "receive buffer holds %zu bytes", pre_s, s->x.send_nbytes,
+                    b, r->x.recv_nbytes);
+        ra_snprintf(mr, sizeof mr,
+                    "%ssize mismatch: rank %d sends %zu bytes but the receive "
+                    "buffer holds %zu bytes", pre_r, a, s->x.send_nbytes,
+                    r->x.recv_nbytes);
     } else {
         return 1;
     }
     fail_req(g, s, RA_ERR_COMM, ms);
     fail_req(g, r, RA_ERR_COMM, mr);
     if (!g->dead[a]) {
-        snprintf(DEAD_MSG(g, a), RA_COMM_MSG_LEN, "%s", ms);
+        ra_snprintf(DEAD_MSG(g, a), RA_COMM_MSG_LEN, "%s", ms);
         kill_rank_locked(g, a);
     }
     if (!g->dead[b]) {
-        snprintf(DEAD_MSG(g, b), RA_COMM_MSG_LEN, "%s", mr);
+        ra_snprintf(DEAD_MSG(g, b), RA_COMM_MSG_LEN, "%s", mr);
         kill_rank_locked(g, b);
     }
     return 0;
@@ -220,13 +226,13 @@ static ra_status threads_start(ra_comm *c, ra_req *q) {
                                : (src >= 0 && g->dead[src]) ? src : -1;
     if (bad >= 0) {
         if (bad == me)
-            snprintf(msg, sizeof msg, "%s", DEAD_MSG(g, me));
+            ra_snprintf(msg, sizeof msg, "%s", DEAD_MSG(g, me));
         else
-            snprintf(msg, sizeof msg, "%speer rank %d failed: %s", pre, bad,
-                     DEAD_MSG(g, bad));
+            ra_snprintf(msg, sizeof msg, "%speer rank %d failed: %s", pre, bad,
+                        DEAD_MSG(g, bad));
         fail_req(g, q, RA_ERR_COMM, msg);
         pthread_mutex_unlock(&g->mu);
-        snprintf(q->msg, sizeof q->msg, "%s", msg);
+        ra_snprintf(q->msg, sizeof q->msg, "%s", msg);
         return RA_ERR_COMM;
     }
     if (dst >= 0) {
@@ -288,7 +294,7 @@ static void threads_abort(ra_comm *c) {
     pthread_mutex_lock(&g->mu);
     if (!g->dead[c->rank]) {
         pthread_mutex_lock(&c->mu);
-        snprintf(DEAD_MSG(g, c->rank), RA_COMM_MSG_LEN, "%s", c->fail_msg);
+        ra_snprintf(DEAD_MSG(g, c->rank), RA_COMM_MSG_LEN, "%s", c->fail_msg);
         pthread_mutex_unlock(&c->mu);
         kill_rank_locked(g, c->rank);
     }
@@ -300,8 +306,8 @@ static void threads_close(ra_comm *c) {
     if (g == NULL) return;
     pthread_mutex_lock(&g->mu);
     if (!g->dead[c->rank]) {
-        snprintf(DEAD_MSG(g, c->rank), RA_COMM_MSG_LEN,
-                 "rank %d closed its communicator", c->rank);
+        ra_snprintf(DEAD_MSG(g, c->rank), RA_COMM_MSG_LEN,
+                    "rank %d closed its communicator", c->rank);
         kill_rank_locked(g, c->rank);
     }
     g->comms[c->rank] = NULL;
@@ -416,8 +422,8 @@ void ra_tgroup_abort(ra_tgroup *g, const char *reason) {
     pthread_mutex_lock(&g->mu);
     for (int r = 0; r < g->size; r++) {
         if (g->dead[r]) continue;
-        snprintf(DEAD_MSG(g, r), RA_COMM_MSG_LEN, "rank %d: aborted: %s", r,
-                 reason && *reason ? reason : "the group was aborted");
+        ra_snprintf(DEAD_MSG(g, r), RA_COMM_MSG_LEN, "rank %d: aborted: %s", r,
+                    reason && *reason ? reason : "the group was aborted");
         kill_rank_locked(g, r);
     }
     pthread_mutex_unlock(&g->mu);

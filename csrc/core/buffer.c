@@ -101,7 +101,7 @@ int ra_dtype_from_name(const char *name, ra_dtype *out) {
         {"float32", RA_FLOAT32}, {"float64", RA_FLOAT64},
         {"float16", RA_FLOAT16}, {"bfloat16", RA_BFLOAT16},
         {"f4", RA_FLOAT32},      {"f8", RA_FLOAT64},
-        {"f2", RA_FLOAT16},      {"float", RA_FLOAT32},
+        {"f2", RA_FLOAT16},      {"float", RA_FLOAT64},  /* as NumPy's */
         {"double", RA_FLOAT64},  {"half", RA_FLOAT16},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
@@ -334,6 +334,11 @@ ra_status ra_buffer_raw_contiguous(const ra_buffer *dst, const ra_buffer *src,
 }
 
 ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
+    return ra_buffer_copy_mode(dst, src, 0);
+}
+
+ra_status ra_buffer_copy_mode(ra_buffer *dst, ra_buffer *src,
+                              int accumulate) {
     if (dst->readonly) {
         ra_set_error(RA_ERR_VALUE, "copy: the destination is read-only");
         return RA_ERR_VALUE;
@@ -342,7 +347,7 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
     const int raw = dst->dtype == RA_DTYPE_OTHER &&
                     src->dtype == RA_DTYPE_OTHER &&
                     same_dl_dtype(dst->dl_dtype, src->dl_dtype);
-    if (!raw &&
+    if ((!raw || accumulate) &&
         (dst->dtype == RA_DTYPE_OTHER || src->dtype == RA_DTYPE_OTHER)) {
         char dn[32], sn[32];
         ra_dl_dtype_name(dst->dl_dtype, dn, sizeof dn);
@@ -361,7 +366,13 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
         (ra_buffer_on_host(dst) && ra_buffer_on_host(src)) ||
         (dst->device_type == src->device_type &&
          dst->device_id == src->device_id);
+    if (!same_memory && accumulate) {
+        ra_set_error(RA_ERR_VALUE, "add: both buffers must be on one device");
+        return RA_ERR_VALUE;
+    }
     if (!same_memory) return ra_buffer_copy_across(dst, src, raw);
+    if (ra_buffer_overlaps(dst, src))
+        return ra_buffer_copy_overlapping(dst, src);
     ra_copy_params p;
     memset(&p, 0, sizeof p);
     p.ndim = dst->ndim;
@@ -375,6 +386,7 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src) {
     p.src_dtype = src->dtype;
     p.dst_dtype = dst->dtype;
     p.other_elsize = raw ? ra_buffer_elsize(dst) : 0;
+    p.accumulate = accumulate;
     ra_status st;
     if (raw && dst->device_type == RA_DEV_CUDA) {
         /* the CUDA copy kernel converts floats; other elements move as
@@ -642,18 +654,10 @@ static PyObject *buffer_copy_(PyObject *self, PyObject *arg) {
 /* astype(dtype): new contiguous buffer with the elements converted */
 static PyObject *buffer_astype(PyObject *self, PyObject *arg) {
     ra_buffer *b = (ra_buffer *)self;
-    const char *name = PyUnicode_AsUTF8(arg);
-    ra_dtype t;
-    if (name == NULL) return NULL;
-    if (!ra_dtype_from_name(name, &t)) {
-        PyErr_Format(PyExc_TypeError,
-                     "dtype: expected one of float32, float64, float16, "
-                     "bfloat16, got %.100s",
-                     name);
-        return NULL;
-    }
-    ra_buffer *out =
-        ra_buffer_empty(b->ndim, b->shape, t, b->device_type, b->device_id, 0);
+    DLDataType dl;
+    if (!ra_dtype_arg(arg, "dtype", 1, &dl)) return NULL;
+    ra_buffer *out = ra_buffer_empty(b->ndim, b->shape, ra_dtype_from_dl(dl),
+                                     b->device_type, b->device_id, 0);
     if (out == NULL) return NULL;
     ra_status st = ra_buffer_copy_into(out, b);
     if (st != RA_OK) {

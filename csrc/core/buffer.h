@@ -82,9 +82,12 @@ ra_buffer *ra_buffer_from_object(PyObject *obj, const char *name,
  * (or one integer dtype on both sides, copied as it is; on or to a CUDA
  * device only between contiguous buffers), dst writable.  Same device: on
  * that device (the GIL released around the host copy).  Host <-> one CUDA
- * device: ra_buffer_copy_across.  RA_OK, or a status with ra_set_error's
+ * device: ra_buffer_copy_across.  Overlapping dst and src give the
+ * answer of a copy through a temporary.  RA_OK, or a status with ra_set_error's
  * message.  Holds the GIL (staging buffers are Buffer objects). */
 ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
+/* The same with accumulate: dst += src (float dtypes, one device). */
+ra_status ra_buffer_copy_mode(ra_buffer *dst, ra_buffer *src, int accumulate);
 /* The host <-> CUDA part of ra_buffer_copy_into (buffer_xfer.c): one
  * synchronised cudaMemcpy of contiguous bytes on the compute stream, with
  * same-device copies into or out of contiguous staging buffers where a
@@ -94,6 +97,17 @@ ra_status ra_buffer_copy_into(ra_buffer *dst, ra_buffer *src);
  * one non-float dtype on both sides.  Any other pair of devices (two CUDA
  * devices) is a ValueError. */
 ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw);
+/* A contiguous buffer shaped like `like`, of element type `dl`, on the
+ * given device; NULL with ra_set_error's message naming `what` copy needed
+ * it (never a Python error).  buffer_stage.c */
+ra_buffer *ra_buffer_staging(const ra_buffer *like, DLDataType dl,
+                             int device_type, int device_id,
+                             const char *what);
+/* 1 when a and b (in one memory) touch a common byte.  buffer_stage.c */
+int ra_buffer_overlaps(const ra_buffer *a, const ra_buffer *b);
+/* ra_buffer_copy_into for overlapping dst and src: as if through a
+ * temporary (np.copyto's answer), by way of a staging copy of src. */
+ra_status ra_buffer_copy_overlapping(ra_buffer *dst, ra_buffer *src);
 /* 1 for host memory: a CPU buffer (any device index) or CUDA pinned host
  * memory (buffer_xfer.c). */
 int ra_buffer_on_host(const ra_buffer *b);

@@ -6,11 +6,21 @@
 #include "core/buffer.h"
 #include "core/cuda_rt.h"
 #include "core/module.h"
+#include "core/ndarray.h"
 
 /* ---- module functions -------------------------------------------------- */
 
+/* shape: a sequence of ints, or one int (as NumPy takes it) */
 static int parse_shape(PyObject *obj, int *ndim, int64_t *shape) {
-    PyObject *seq = PySequence_Fast(obj, "shape: expected a sequence of ints");
+    PyObject *seq;
+    if (PyIndex_Check(obj) && !PyBool_Check(obj) && !PySequence_Check(obj)) {
+        PyObject *one = PyNumber_Index(obj);
+        seq = one != NULL ? PyTuple_Pack(1, one) : NULL;
+        Py_XDECREF(one);
+    } else {
+        seq = PySequence_Fast(obj, "shape: expected an int or a sequence of "
+                                   "ints");
+    }
     if (seq == NULL) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > RA_MAX_NDIM) {
@@ -22,15 +32,21 @@ static int parse_shape(PyObject *obj, int *ndim, int64_t *shape) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyLong_Check(item)) {
+        /* ints and NumPy integers (anything with __index__ but a bool) */
+        PyObject *idx = PyBool_Check(item) || !PyIndex_Check(item)
+                            ? NULL
+                            : PyNumber_Index(item);
+        if (idx == NULL) {
             Py_DECREF(seq);
+            PyErr_Clear();
             PyErr_Format(PyExc_TypeError,
                          "shape: expected ints, got %.100s at position %zd",
                          Py_TYPE(item)->tp_name, i);
             return -1;
         }
         int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
+        Py_DECREF(idx);
         if (overflow != 0 || (v == -1 && PyErr_Occurred())) {
             Py_DECREF(seq);
             PyErr_Clear();
@@ -56,24 +72,18 @@ static int parse_shape(PyObject *obj, int *ndim, int64_t *shape) {
 
 static PyObject *make_buffer(PyObject *args, PyObject *kwds, int zero) {
     static char *kwlist[] = {"shape", "dtype", "device_type", "device_id", NULL};
-    PyObject *shape_obj;
-    const char *dtype_name = "float32";
+    PyObject *shape_obj, *dtype_obj = NULL;
     int device_type = RA_DEV_CPU, device_id = 0;
     int ndim;
     int64_t shape[RA_MAX_NDIM];
-    DLDataType t;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|sii", kwlist, &shape_obj,
-                                     &dtype_name, &device_type, &device_id))
+    DLDataType t = {kDLFloat, 32, 1};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|Oii", kwlist, &shape_obj,
+                                     &dtype_obj, &device_type, &device_id))
         return NULL;
     if (parse_shape(shape_obj, &ndim, shape) < 0) return NULL;
-    if (!ra_dl_dtype_from_name(dtype_name, &t)) {
-        PyErr_Format(PyExc_TypeError,
-                     "dtype: expected one of float32, float64, float16, "
-                     "bfloat16, int8, int16, int32, int64, uint8, uint16, "
-                     "uint32, uint64, got %.100s",
-                     dtype_name);
+    if (dtype_obj != NULL && dtype_obj != Py_None &&
+        !ra_dtype_arg(dtype_obj, "dtype", 0, &t))
         return NULL;
-    }
     if (device_type != RA_DEV_CPU && device_type != RA_DEV_CUDA) {
         PyErr_Format(PyExc_ValueError,
                      "device: expected cpu (1) or cuda (2), got device type %d",
@@ -155,7 +165,31 @@ static PyObject *mod_reset_peak(PyObject *m, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* add_(dst, src): dst += src */
+static PyObject *mod_add_(PyObject *m, PyObject *args) {
+    (void)m;
+    PyObject *dst_obj, *src_obj;
+    if (!PyArg_ParseTuple(args, "OO:add_", &dst_obj, &src_obj)) return NULL;
+    ra_buffer *dst = ra_buffer_from_object(dst_obj, "dst", -1);
+    if (dst == NULL) return NULL;
+    ra_buffer *src = ra_buffer_from_object(src_obj, "src", -1);
+    if (src == NULL) {
+        Py_DECREF(dst);
+        return NULL;
+    }
+    ra_status st = ra_buffer_copy_mode(dst, src, 1);
+    Py_DECREF(src);
+    if (st != RA_OK) {
+        Py_DECREF(dst);
+        return ra_raise(st);
+    }
+    return (PyObject *)dst;
+}
+
 PyMethodDef ra_buffer_functions[] = {
+    {"add_", mod_add_, METH_VARARGS,
+     "add_(dst, src) -> dst: dst += src elementwise (same shape, one device, "
+     "float dtypes; float32 sums, float64 when a side is float64)"},
     {"empty", (PyCFunction)(void (*)(void))mod_empty,
      METH_VARARGS | METH_KEYWORDS,
      "empty(shape, dtype='float32', device_type=1, device_id=0) -> Buffer"},

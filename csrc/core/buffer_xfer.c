@@ -23,32 +23,6 @@ int ra_buffer_on_host(const ra_buffer *b) {
     return b->device_type == RA_DEV_CPU || b->device_type == RA_DEV_CUDA_HOST;
 }
 
-/* A contiguous buffer shaped like `like`, of element type `dl`, on the
- * given device; NULL with ra_set_error's message (never a Python error). */
-static ra_buffer *staging(const ra_buffer *like, DLDataType dl,
-                          int device_type, int device_id) {
-    ra_buffer *t = ra_buffer_empty_dl(like->ndim, like->shape, dl,
-                                      device_type, device_id, 0);
-    if (t == NULL) {
-        /* keep what the allocation said (a CUDA error, say) */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *text = value != NULL ? PyObject_Str(value) : NULL;
-        const char *msg = text != NULL ? PyUnicode_AsUTF8(text) : NULL;
-        if (msg == NULL) PyErr_Clear();
-        ra_set_error(RA_ERR_NOMEM,
-                     "copy: a %s staging buffer of the host<->device copy "
-                     "could not be allocated: %s",
-                     device_type == RA_DEV_CUDA ? "device" : "host",
-                     msg != NULL ? msg : "out of memory");
-        Py_XDECREF(text);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-    }
-    return t;
-}
-
 ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw) {
     const int to_device = dst->device_type == RA_DEV_CUDA;
     if (!(to_device ? ra_buffer_on_host(src)
@@ -80,13 +54,15 @@ ra_status ra_buffer_copy_across(ra_buffer *dst, ra_buffer *src, int raw) {
     const int src_ready = ra_buffer_is_contiguous(src) &&
                           (raw || src->dtype == dst->dtype);
     if (!src_ready) {
-        a = staging(src, dst->dl_dtype, src->device_type, src->device_id);
+        a = ra_buffer_staging(src, dst->dl_dtype, src->device_type,
+                              src->device_id, "host<->device copy");
         if (a == NULL) return RA_ERR_NOMEM;
         st = ra_buffer_copy_into(a, src);
         if (st != RA_OK) goto done;
     }
     if (!ra_buffer_is_contiguous(dst)) {
-        b = staging(dst, dst->dl_dtype, dst->device_type, dst->device_id);
+        b = ra_buffer_staging(dst, dst->dl_dtype, dst->device_type,
+                              dst->device_id, "host<->device copy");
         if (b == NULL) {
             st = RA_ERR_NOMEM;
             goto done;

@@ -2,7 +2,9 @@
  * copy.h -- strided n-d copy with dtype conversion (float types only; on
  * the host also elements of one other type copied as they are).  Used
  * to make inputs contiguous, to cast accumulators to the output dtype and to
- * stage ring blocks.  CPU version in copy_cpu.c, CUDA in cuda/copy.cu.
+ * stage ring blocks; with `accumulate`, dst += src (float types), which
+ * sums the gradients of kv heads that Ulysses replicated.  CPU version in
+ * copy_cpu.c, CUDA in cuda/copy.cu.
  */
 #ifndef RA_COPY_H
 #define RA_COPY_H
@@ -28,6 +30,9 @@ typedef struct ra_copy_params {
      * element, copied unchanged; the host copy only */
     size_t other_elsize;
     int num_threads;
+    /* dst = dst + src instead of dst = src (float dtypes; the sum in
+     * float32, or float64 when either side is float64) */
+    int accumulate;
 } ra_copy_params;
 
 ra_status ra_cpu_copy(const ra_copy_params *p);

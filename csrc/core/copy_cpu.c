@@ -38,6 +38,24 @@ static inline void store_elem(char *p, ra_dtype t, double x) {
     }
 }
 
+/* dst += src along one row (float dtypes): float32 arithmetic unless a
+ * side is float64. */
+static void add_row(char *dst, int64_t ds, ra_dtype dt, const char *src,
+                    int64_t ss, ra_dtype st, int64_t n) {
+    size_t dsz = ra_dtype_size(dt), ssz = ra_dtype_size(st);
+    if (dt == RA_FLOAT32 && st == RA_FLOAT32) {
+        for (int64_t i = 0; i < n; i++)
+            ((float *)dst)[i * ds] += ((const float *)src)[i * ss];
+        return;
+    }
+    const int wide = dt == RA_FLOAT64 || st == RA_FLOAT64;
+    for (int64_t i = 0; i < n; i++) {
+        char *d = dst + i * ds * (int64_t)dsz;
+        double v = load_elem(d, dt) + load_elem(src + i * ss * (int64_t)ssz, st);
+        store_elem(d, dt, wide ? v : (double)(float)v);
+    }
+}
+
 /* One row along the last dimension; elsize: the bytes of an element of
  * dtype RA_DTYPE_OTHER (then dt == st). */
 static void copy_row(char *dst, int64_t ds, ra_dtype dt, const char *src,
@@ -84,14 +102,18 @@ ra_status ra_cpu_copy(const ra_copy_params *p) {
     }
     const int raw = p->src_dtype == RA_DTYPE_OTHER &&
                     p->dst_dtype == RA_DTYPE_OTHER && p->other_elsize > 0;
-    if (!raw &&
+    if ((!raw || p->accumulate) &&
         (ra_dtype_size(p->src_dtype) == 0 || ra_dtype_size(p->dst_dtype) == 0)) {
         ra_set_error(RA_ERR_TYPE, "copy: expected float dtypes");
         return RA_ERR_TYPE;
     }
     if (p->ndim == 0) {
-        copy_row((char *)p->dst, 1, p->dst_dtype, (const char *)p->src, 1,
-                 p->src_dtype, 1, p->other_elsize);
+        if (p->accumulate)
+            add_row((char *)p->dst, 1, p->dst_dtype, (const char *)p->src, 1,
+                    p->src_dtype, 1);
+        else
+            copy_row((char *)p->dst, 1, p->dst_dtype, (const char *)p->src, 1,
+                     p->src_dtype, 1, p->other_elsize);
         return RA_OK;
     }
     int64_t rows = 1;
@@ -111,9 +133,14 @@ ra_status ra_cpu_copy(const ra_copy_params *p) {
             soff += idx * p->src_strides[i];
             doff += idx * p->dst_strides[i];
         }
-        copy_row((char *)p->dst + doff * (int64_t)dsz, p->dst_strides[last],
-                 p->dst_dtype, (const char *)p->src + soff * (int64_t)ssz,
-                 p->src_strides[last], p->src_dtype, n, p->other_elsize);
+        char *drow = (char *)p->dst + doff * (int64_t)dsz;
+        const char *srow = (const char *)p->src + soff * (int64_t)ssz;
+        if (p->accumulate)
+            add_row(drow, p->dst_strides[last], p->dst_dtype, srow,
+                    p->src_strides[last], p->src_dtype, n);
+        else
+            copy_row(drow, p->dst_strides[last], p->dst_dtype, srow,
+                     p->src_strides[last], p->src_dtype, n, p->other_elsize);
     }
     return RA_OK;
 }

@@ -5,6 +5,8 @@
  */
 #include "core/module.h"
 
+#include <string.h>
+
 PyObject *ra_raise_msg(ra_status st, const char *msg) {
     PyObject *exc;
     ra_module_state *state = ra_state_get();
@@ -29,9 +31,14 @@ PyObject *ra_raise_msg(ra_status st, const char *msg) {
     case RA_ERR_INTERNAL:
     default: exc = PyExc_RuntimeError; break;
     }
-    PyErr_SetString(exc, (msg != NULL && msg[0] != '\0')
-                             ? msg
-                             : "ringattn: unknown error");
+    if (msg == NULL || msg[0] == '\0') msg = "ringattn: unknown error";
+    /* a message may carry a peer's bytes (an abort reason): decoded with
+     * replacement, never a UnicodeDecodeError instead of the error */
+    PyObject *text =
+        PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "replace");
+    if (text == NULL) return NULL;
+    PyErr_SetObject(exc, text);
+    Py_DECREF(text);
     return NULL;
 }
 

@@ -25,6 +25,47 @@ int ra_ndarray_init(void) {
 
 int ra_is_ndarray(PyObject *obj) { return PyArray_Check(obj); }
 
+/* our own names first (NumPy does not know "bfloat16" without ml_dtypes),
+ * then whatever np.dtype() makes of obj, by its name */
+static int known_dtype(PyObject *obj, int float_only, DLDataType *out) {
+    if (PyUnicode_Check(obj)) {
+        const char *s = PyUnicode_AsUTF8(obj);
+        if (s == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (ra_dl_dtype_from_name(s, out))
+            return !float_only || ra_dtype_from_dl(*out) != RA_DTYPE_OTHER;
+    }
+    PyArray_Descr *descr = NULL;
+    if (obj == Py_None || !PyArray_DescrConverter2(obj, &descr) ||
+        descr == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *name = PyObject_GetAttrString((PyObject *)descr, "name");
+    Py_DECREF(descr);
+    const char *s = name != NULL ? PyUnicode_AsUTF8(name) : NULL;
+    int ok = s != NULL && ra_dl_dtype_from_name(s, out) &&
+             (!float_only || ra_dtype_from_dl(*out) != RA_DTYPE_OTHER);
+    Py_XDECREF(name);
+    PyErr_Clear();
+    return ok;
+}
+
+int ra_dtype_arg(PyObject *obj, const char *arg, int float_only,
+                 DLDataType *out) {
+    if (known_dtype(obj, float_only, out)) return 1;
+    PyErr_Format(PyExc_TypeError,
+                 "%s: expected one of float32, float64, float16, bfloat16%s "
+                 "(a name, a NumPy dtype or scalar type), got %.200R",
+                 arg,
+                 float_only ? "" : ", int8, int16, int32, int64, uint8, "
+                                   "uint16, uint32, uint64",
+                 obj);
+    return 0;
+}
+
 static int is_bfloat16_descr(PyArray_Descr *d) {
     if (d->kind != 'V') return 0;
     PyTypeObject *tp = d->typeobj;

@@ -40,6 +40,18 @@ void ra_set_error(ra_status st, const char *fmt, ...)
 const char *ra_last_error(void);
 void ra_clear_error(void);
 
+/* Messages hold user and peer text (an abort reason, say) and are cut to
+ * fixed buffers: a cut never splits a UTF-8 character.  ra_utf8_cut: the
+ * length of the longest prefix of s[0..n) that ends on a character
+ * boundary (n, unless s ends inside a multi-byte sequence).  ra_snprintf:
+ * snprintf whose cut is one (the return value is vsnprintf's). */
+size_t ra_utf8_cut(const char *s, size_t n);
+int ra_snprintf(char *dst, size_t cap, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
 /* CHECK: return the status of a failing call.  CHECKGOTO: keep the status in
  * `st` and jump to a cleanup label. */
 #define RA_CHECK(call)                                                        \

@@ -15,11 +15,38 @@
 
 static _Thread_local char ra_error_buf[1024];
 
+size_t ra_utf8_cut(const char *s, size_t n) {
+    const unsigned char *u = (const unsigned char *)s;
+    size_t j = n;
+    /* back over at most 3 continuation bytes to the sequence's lead */
+    while (j > 0 && n - j < 3 && (u[j - 1] & 0xC0) == 0x80) j--;
+    if (j == 0) return n;
+    const unsigned char lead = u[j - 1];
+    if (lead < 0xC0) return n;             /* ASCII or a stray byte: as is */
+    const size_t len = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2;
+    return j - 1 + len > n ? j - 1 : n;    /* incomplete: cut before it */
+}
+
+static int vformat(char *dst, size_t cap, const char *fmt, va_list ap) {
+    const int k = vsnprintf(dst, cap, fmt, ap);
+    if (cap > 0 && k >= 0 && (size_t)k >= cap)
+        dst[ra_utf8_cut(dst, cap - 1)] = '\0';
+    return k;
+}
+
+int ra_snprintf(char *dst, size_t cap, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    const int k = vformat(dst, cap, fmt, ap);
+    va_end(ap);
+    return k;
+}
+
 void ra_set_error(ra_status st, const char *fmt, ...) {
     (void)st;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(ra_error_buf, sizeof ra_error_buf, fmt, ap);
+    vformat(ra_error_buf, sizeof ra_error_buf, fmt, ap);
     va_end(ap);
 }
 

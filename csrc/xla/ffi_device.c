@@ -157,8 +157,11 @@ ra_status ra_xla_zero(const ra_xla_call *c, void *ptr, size_t nbytes) {
 #endif
 }
 
-ra_status ra_xla_copy(const ra_xla_call *c, void *dst, const void *src,
-                      size_t nbytes) {
+/* nbytes from src to dst: memmove on the CPU; on CUDA one cudaMemcpyAsync
+ * on the call's stream, on the device that owns the device side, waited
+ * for when to_host (the host side is then the caller's to free) */
+static ra_status move_bytes(const ra_xla_call *c, void *dst, const void *src,
+                            size_t nbytes, int to_host) {
     if (nbytes == 0 || dst == src) return RA_OK;
     if (!on_cuda(c)) {
         memmove(dst, src, nbytes);
@@ -166,15 +169,31 @@ ra_status ra_xla_copy(const ra_xla_call *c, void *dst, const void *src,
     }
 #ifdef RA_WITH_CUDA
     int dev = -1, prev = -1;
-    RA_CHECK(enter_device_of(dst, &dev, &prev));
-    cudaError_t e = cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice,
-                                    (cudaStream_t)c->stream);
+    RA_CHECK(enter_device_of(to_host ? src : dst, &dev, &prev));
+    cudaError_t e = cudaMemcpyAsync(
+        dst, src, nbytes,
+        to_host ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice,
+        (cudaStream_t)c->stream);
+    if (e == cudaSuccess && to_host)
+        e = cudaStreamSynchronize((cudaStream_t)c->stream);
     return leave_device(dev, prev,
-                        ra_cuda_status((int)e, "cudaMemcpyAsync", __FILE__,
-                                       __LINE__));
+                        ra_cuda_status((int)e,
+                                       to_host ? "cudaMemcpyAsync (to the host)"
+                                               : "cudaMemcpyAsync",
+                                       __FILE__, __LINE__));
 #else
     return no_cuda();
 #endif
+}
+
+ra_status ra_xla_copy(const ra_xla_call *c, void *dst, const void *src,
+                      size_t nbytes) {
+    return move_bytes(c, dst, src, nbytes, 0);
+}
+
+ra_status ra_xla_to_host(const ra_xla_call *c, void *dst, const void *src,
+                         size_t nbytes) {
+    return move_bytes(c, dst, src, nbytes, 1);
 }
 
 ra_status ra_xla_read_ints(const ra_xla_call *c, const void *src, int wide,
@@ -187,25 +206,9 @@ ra_status ra_xla_read_ints(const ra_xla_call *c, const void *src, int wide,
                      (long long)n);
         return RA_ERR_INTERNAL;
     }
-    if (!on_cuda(c)) {
-        memcpy(raw, src, nbytes);
-    } else {
-#ifdef RA_WITH_CUDA
-        /* The positions of a ring block depend on the rank, a value XLA
-         * holds on the device; the launch parameters need them on the host. */
-        int dev = -1, prev = -1;
-        RA_CHECK(enter_device_of(src, &dev, &prev));
-        cudaError_t e = cudaMemcpyAsync(raw, src, nbytes, cudaMemcpyDeviceToHost,
-                                        (cudaStream_t)c->stream);
-        if (e == cudaSuccess) e = cudaStreamSynchronize((cudaStream_t)c->stream);
-        RA_CHECK(leave_device(dev, prev,
-                              ra_cuda_status((int)e,
-                                             "reading positions (cudaMemcpyAsync)",
-                                             __FILE__, __LINE__)));
-#else
-        return no_cuda();
-#endif
-    }
+    /* The positions of a ring block depend on the rank, a value XLA holds
+     * on the device; the launch parameters need them on the host. */
+    RA_CHECK(ra_xla_to_host(c, raw, src, nbytes));
     for (int64_t i = 0; i < n; i++)
         dst[i] = wide ? raw[i] : (int64_t)((const int32_t *)raw)[i];
     return RA_OK;

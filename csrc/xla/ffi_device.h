@@ -32,6 +32,10 @@ ra_status ra_xla_fill_state(const ra_xla_call *c, void *out, void *lse,
 ra_status ra_xla_zero(const ra_xla_call *c, void *ptr, size_t nbytes);
 ra_status ra_xla_copy(const ra_xla_call *c, void *dst, const void *src,
                       size_t nbytes);
+/* nbytes of an operand into host memory: a plain copy on the CPU; on
+ * CUDA a copy on the call's stream and a wait for it. */
+ra_status ra_xla_to_host(const ra_xla_call *c, void *dst, const void *src,
+                         size_t nbytes);
 /* n integers of an operand (int64 if wide, else int32) into host memory as
  * int64 (on CUDA: a copy on the call's stream and a wait for it); n <= 64. */
 ra_status ra_xla_read_ints(const ra_xla_call *c, const void *src, int wide,

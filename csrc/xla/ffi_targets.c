@@ -49,6 +49,7 @@ RA_XLA_TARGET(attn_bwd_pre, ra_xla_bwd_preprocess, 2, 2, 1)
 RA_XLA_TARGET(attn_bwd, ra_xla_attn_bwd, 6, 9, 3)
 RA_XLA_TARGET(attn_bwd_acc, ra_xla_attn_bwd_acc, 9, 12, 3)
 RA_XLA_TARGET(merge, ra_xla_merge, 4, 4, 2)
+RA_XLA_TARGET(ids_check, ra_xla_ids_check, 2, 2, 1)
 RA_XLA_HANDLER(dilated_fwd_cpu, ra_xla_dilated_fwd, "ringattn_dilated_fwd",
                RA_DEV_CPU, 3, 3, 2)
 RA_XLA_HANDLER(dilated_bwd_cpu, ra_xla_dilated_bwd, "ringattn_dilated_bwd",
@@ -66,6 +67,7 @@ static const target targets[] = {
     {"ringattn_attn_bwd", attn_bwd_cpu, RA_CUDA_HANDLER(attn_bwd)},
     {"ringattn_attn_bwd_acc", attn_bwd_acc_cpu, RA_CUDA_HANDLER(attn_bwd_acc)},
     {"ringattn_merge", merge_cpu, RA_CUDA_HANDLER(merge)},
+    {"ringattn_ids_check", ids_check_cpu, RA_CUDA_HANDLER(ids_check)},
     {"ringattn_dilated_fwd", dilated_fwd_cpu, NULL},
     {"ringattn_dilated_bwd", dilated_bwd_cpu, NULL},
 };

@@ -6,6 +6,7 @@ host        --cpu (the CPU kernels against NumPy) and --ring (host ranks
 dilated     --dilated (LongNet dilated attention, local and over a ring)
 masks       --masks (documents and sliding windows against causal and SDPA)
 masks_ring  the sliding window over a ring of host ranks (part of --masks)
+ulysses     --ulysses (the ring, hybrid and pure Ulysses on 4 host ranks)
 gpu         --gpu (the CUDA kernels against PyTorch SDPA)
 gpu_ring    --ring --gpu (the NCCL ring)
 jax         --jax (ringattn.jax against JAX's attention and another ring)
@@ -27,7 +28,8 @@ def run(args):
 
     status = 0
     cpu_tables, ring_rows = [], []
-    if args.cpu or not (args.ring or args.dilated or args.gpu or args.masks):
+    if args.cpu or not (args.ring or args.dilated or args.gpu or args.masks
+                        or args.ulysses):
         code, cpu_tables = run_cpu(args)
         status |= code
     if args.ring and not args.gpu:
@@ -41,6 +43,10 @@ def run(args):
         from .masks import run as run_masks
 
         status |= run_masks(args)
+    if args.ulysses:
+        from .ulysses import run as run_ulysses
+
+        status |= run_ulysses(args)
     if args.gpu:
         if args.ring:
             from .gpu_ring import run as run_gpu

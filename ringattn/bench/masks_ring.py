@@ -14,11 +14,11 @@ rank.
 """
 
 import os
-import time
 
 import numpy as np
 
 from .masks import B, D, format_table
+from .timing import best_ring_step
 
 P, H = 4, 2
 
@@ -45,22 +45,7 @@ def _rank(comm, cfg):
     kw = dict(causal=True, layout="contiguous", num_threads=cfg["threads"])
     if cfg["window"] is not None:
         kw["window"] = cfg["window"]
-    best = None
-    for _ in range(cfg["repeat"]):
-        fwd, bwd = {}, {}
-        comm.barrier()
-        t0 = time.perf_counter()
-        out, lse = ra.ring_attention(q, k, v, comm, return_lse=True,
-                                     profile=fwd, **kw)
-        t1 = time.perf_counter()
-        comm.barrier()
-        t2 = time.perf_counter()
-        ra.ring_attention_backward(dout, q, k, v, out, lse, comm,
-                                   profile=bwd, **kw)
-        t3 = time.perf_counter()
-        if best is None or t1 - t0 + t3 - t2 < sum(best[:2]):
-            best = (t1 - t0, t3 - t2, fwd, bwd)
-    return best
+    return best_ring_step(comm, q, k, v, dout, kw, cfg["repeat"])
 
 
 def ring_rows(n, w, repeat):

@@ -72,6 +72,39 @@ static int body(ra_comm *c, int scenario) {
         off += lens[i];
     }
     ra_host_free(all, total);
+    if (scenario == 0) {            /* split by parity, alltoall on it */
+        ra_comm *half = NULL;
+        EXPECT(ra_comm_split(c, rank % 2, -rank, 10, &half) == RA_OK &&
+                   half != NULL, "split: %s", ra_last_error());
+        int hp = half->size, hr = half->rank;
+        EXPECT(hp == (p - rank % 2 + 1) / 2, "split size %d", hp);
+        const void *sends[16];
+        void *recvs[16];
+        size_t sn[16], rn[16];
+        unsigned char sbuf[16][8], rbuf[16][8];
+        for (int i = 0; i < hp; i++) {
+            sn[i] = (size_t)(hr + 2 * i) % 5;
+            rn[i] = (size_t)(i + 2 * hr) % 5;
+            memset(sbuf[i], 100 + rank, sizeof sbuf[i]);
+            memset(rbuf[i], 0, sizeof rbuf[i]);
+            sends[i] = sbuf[i];
+            recvs[i] = rbuf[i];
+        }
+        ra_a2a a = {sends, sn, recvs, rn, RA_DEV_CPU, 0, NULL};
+        EXPECT(ra_comm_alltoall(half, &a, 10) == RA_OK, "alltoall: %s",
+               ra_last_error());
+        for (int j = 0; j < hp; j++) {
+            /* member j of the split is the (j+1)-th highest of its parity */
+            int from = half->members[j];
+            for (size_t b = 0; b < rn[j]; b++)
+                EXPECT(rbuf[j][b] == 100 + from, "block %d byte %zu", j, b);
+        }
+        EXPECT(ra_comm_barrier(c, 10) == RA_OK, "barrier after split: %s",
+               ra_last_error());
+        ra_comm_free(half);
+        EXPECT(ra_comm_barrier(c, 10) == RA_OK, "barrier after free: %s",
+               ra_last_error());
+    }
     if (scenario == 1) {            /* size mismatch */
         char s[16], r[16];
         ra_xfer x = ring_xfer(c, s, r, 8, 99);

@@ -1,0 +1,335 @@
+/*
+ * comm_split.c -- sub-communicators: ra_comm_split(c, color, key).
+ *
+ * Collective over c.  Every rank sends one fixed-size record (below) with
+ * one allgather; the ranks whose color matches form the new communicator,
+ * ranked by (key, rank in c).  Nothing received is evaluated: a record of
+ * another size or magic, or a peer's field out of range, is a CommError
+ * naming the rank that sent it.
+ *
+ * host, threads: the new communicator runs on c's transport (the sockets,
+ * the threads group): ra_comm.transport points at it, members[] maps the
+ * new ranks to the transport's, and every transfer carries the split's
+ * context in its kind, so a message of one communicator never matches a
+ * receive of another.  The context must be the same on every member and
+ * unique among the communicators any two ranks share: each rank sends its
+ * transport's next_context, all take the largest and move next_context
+ * past it.  After a split every member holds the same next_context, so a
+ * later split that includes two ranks gives them a context neither has
+ * used.  A failure of the split fails the transport (and so every
+ * communicator on it); aborting a split aborts the transport; closing one
+ * leaves the transport open.
+ *
+ * nccl: a new NCCL communicator.  The group's first rank makes a fresh
+ * unique id and hands it to the others in a second allgather over c; the
+ * members then join with ncclCommInitRankConfig (comm_nccl.c).  With
+ * NCCL_COMM_ID set NCCL derives every id from that one address, so two
+ * groups would meet there: the split refuses it.
+ *
+ * Record (little-endian, RECORD_BYTES): magic "RAS1" | color i32 (-1: no
+ * group) | key i32 | next_context u32.
+ */
+#include "comm/comm.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RECORD_MAGIC "RAS1"
+#define RECORD_BYTES 16
+
+static void put_u32(unsigned char *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint32_t get_u32(const unsigned char *p) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+    return v;
+}
+
+typedef struct split_entry {
+    int rank;                 /* in c */
+    int color, key;
+    uint32_t context;
+} split_entry;
+
+/* ---- the split's communicator on its parent's transport ----------------- */
+
+static void view_abort(ra_comm *c) {
+    /* the peers learn through the transport */
+    char msg[RA_COMM_MSG_LEN];
+    pthread_mutex_lock(&c->mu);
+    ra_snprintf(msg, sizeof msg, "%s", c->fail_msg);
+    pthread_mutex_unlock(&c->mu);
+    if (!atomic_load(&c->transport->closed))
+        ra_comm_fail(c->transport, RA_ERR_COMM, msg);
+}
+
+static void view_close(ra_comm *c) {
+    (void)c;   /* the transport stays open for its other communicators */
+}
+
+static void view_destroy(ra_comm *c) {
+    ra_host_free(c->members, sizeof(int) * (size_t)c->size);
+    c->members = NULL;
+}
+
+/* sendrecv_start is never called: comm_core.c starts a split's transfers
+ * on its transport */
+static ra_status view_unreachable(ra_comm *c, ra_req *r) {
+    (void)c;
+    ra_snprintf(r->msg, sizeof r->msg, "internal error: a split's transfer "
+             "reached its own backend");
+    return RA_ERR_INTERNAL;
+}
+
+#define VIEW_VTABLE(backend)                                                  \
+    {                                                                         \
+        .name = backend, .device_type = RA_DEV_CPU,                           \
+        .sendrecv_start = view_unreachable, .wait = NULL, .barrier = NULL,   \
+        .allgather = NULL, .alltoall = NULL, .abort = view_abort,             \
+        .close = view_close, .destroy = view_destroy,                         \
+    }
+
+static const ra_comm_vtable view_vtables[] = {
+    VIEW_VTABLE("host"),
+    VIEW_VTABLE("threads"),
+};
+
+static const ra_comm_vtable *view_vtable(const char *backend) {
+    for (size_t i = 0; i < sizeof view_vtables / sizeof view_vtables[0]; i++)
+        if (strcmp(view_vtables[i].name, backend) == 0) return &view_vtables[i];
+    return NULL;
+}
+
+/* members: ranks of c, in the new order; mapped to the transport's. */
+static ra_status make_view(ra_comm *c, const int *members, int size,
+                           int new_rank, uint32_t context, ra_comm **out) {
+    ra_comm *root = c->transport != NULL ? c->transport : c;
+    const ra_comm_vtable *vt = view_vtable(root->vt->name);
+    if (vt == NULL) {
+        ra_set_error(RA_ERR_UNSUPPORTED, "rank %d: split: the '%s' backend "
+                     "cannot share its transport", c->rank, root->vt->name);
+        return RA_ERR_UNSUPPORTED;
+    }
+    ra_comm *v = ra_host_calloc(sizeof *v);
+    int *map = ra_host_alloc(sizeof(int) * (size_t)size);
+    ra_status st = RA_OK;
+    if (v == NULL || map == NULL) {
+        st = RA_ERR_NOMEM;
+        goto fail;
+    }
+    for (int i = 0; i < size; i++)
+        map[i] = c->transport != NULL ? c->members[members[i]] : members[i];
+    RA_CHECKGOTO(ra_comm_init_base(v, vt, new_rank, size,
+                                   c->default_timeout), st, fail);
+    v->device_id = c->device_id;
+    v->transport = root;
+    v->members = map;
+    v->context = context;
+    *out = v;
+    return RA_OK;
+fail:
+    ra_host_free(map, sizeof(int) * (size_t)size);
+    ra_host_free(v, sizeof *v);
+    return st;
+}
+
+/* ---- records ------------------------------------------------------------ */
+
+/* Fail the split with a CommError about a peer's record. */
+static ra_status bad_record(ra_comm *c, int from, const char *why) {
+    char msg[RA_COMM_MSG_LEN];
+    ra_snprintf(msg, sizeof msg, "rank %d: split: rank %d sent a malformed "
+             "record (%s); is every rank running the same ringattn?",
+             c->rank, from, why);
+    ra_set_error(RA_ERR_COMM, "%s", msg);
+    return ra_comm_fail(c, RA_ERR_COMM, msg);
+}
+
+/* Every rank's entry from the allgathered records. */
+static ra_status read_records(ra_comm *c, const unsigned char *all,
+                              const size_t *lens, split_entry *e) {
+    size_t off = 0;
+    for (int i = 0; i < c->size; i++) {
+        const unsigned char *rec = all + off;
+        off += lens[i];
+        if (lens[i] != RECORD_BYTES) return bad_record(c, i, "wrong size");
+        if (memcmp(rec, RECORD_MAGIC, 4) != 0)
+            return bad_record(c, i, "bad magic");
+        e[i].rank = i;
+        e[i].color = (int32_t)get_u32(rec + 4);
+        e[i].key = (int32_t)get_u32(rec + 8);
+        e[i].context = get_u32(rec + 12);
+        if (e[i].color < -1) return bad_record(c, i, "negative color");
+        if (e[i].context == 0 || e[i].context > RA_XFER_MAX_CONTEXT)
+            return bad_record(c, i, "context out of range");
+    }
+    return RA_OK;
+}
+
+static int by_key_then_rank(const void *a, const void *b) {
+    const split_entry *x = a, *y = b;
+    if (x->key != y->key) return x->key < y->key ? -1 : 1;
+    return (x->rank > y->rank) - (x->rank < y->rank);
+}
+
+/* ---- nccl --------------------------------------------------------------- */
+
+/* The group's first rank makes a unique id; a second allgather over c
+ * hands it to the others.  Every rank of c takes part (an empty item when
+ * it leads no group of two or more, or could not make an id: then the
+ * members fail naming it, and it reports its own error). */
+static ra_status share_group_id(ra_comm *c, const int *members, int size,
+                                int new_rank, double timeout,
+                                unsigned char id[RA_NCCL_ID_BYTES]) {
+    unsigned char mine[RA_NCCL_ID_BYTES];
+    size_t n = 0;
+    ra_status own = RA_OK;
+    char own_msg[RA_COMM_MSG_LEN] = "";
+    if (new_rank == 0 && size > 1) {
+        own = ra_nccl_unique_id(NULL, mine);
+        if (own == RA_OK)
+            n = sizeof mine;
+        else
+            ra_snprintf(own_msg, sizeof own_msg, "%s", ra_last_error());
+    }
+    void *all = NULL;
+    size_t total = 0;
+    size_t *lens = ra_host_calloc(sizeof(size_t) * (size_t)c->size);
+    if (lens == NULL) return RA_ERR_NOMEM;
+    ra_status st = ra_comm_allgather(c, mine, n, &all, &total, lens, timeout);
+    if (st == RA_OK && own != RA_OK) {
+        ra_set_error(own, "%s", own_msg);
+        st = own;
+    } else if (st == RA_OK && size > 1) {
+        int leader = members[0];
+        size_t off = 0;
+        for (int i = 0; i < leader; i++) off += lens[i];
+        if (lens[leader] != RA_NCCL_ID_BYTES)
+            st = bad_record(c, leader, "no NCCL unique id from the first "
+                                       "rank of its group");
+        else
+            memcpy(id, (unsigned char *)all + off, RA_NCCL_ID_BYTES);
+    }
+    if (all != NULL) ra_host_free(all, total);
+    ra_host_free(lens, sizeof(size_t) * (size_t)c->size);
+    return st;
+}
+
+/* Two groups with more than one rank each would derive one id from
+ * NCCL_COMM_ID. */
+static ra_status check_nccl_comm_id(ra_comm *c, const split_entry *sorted) {
+    const char *env = getenv("NCCL_COMM_ID");
+    if (env == NULL || *env == '\0') return RA_OK;
+    int groups = 0;
+    for (int i = 0; i < c->size;) {
+        int j = i;
+        while (j < c->size && sorted[j].color == sorted[i].color) j++;
+        if (sorted[i].color >= 0 && j - i > 1) groups++;
+        i = j;
+    }
+    if (groups <= 1) return RA_OK;
+    ra_set_error(RA_ERR_VALUE, "rank %d: split: NCCL_COMM_ID is set, so NCCL "
+                 "would give the %d new communicators one rendezvous; unset "
+                 "it (ringattn shares fresh unique ids itself)", c->rank,
+                 groups);
+    return RA_ERR_VALUE;
+}
+
+static int by_color(const void *a, const void *b) {
+    const split_entry *x = a, *y = b;
+    if (x->color != y->color) return x->color < y->color ? -1 : 1;
+    return (x->rank > y->rank) - (x->rank < y->rank);
+}
+
+/* ---- the split ---------------------------------------------------------- */
+
+ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
+                        ra_comm **out) {
+    *out = NULL;
+    RA_CHECK(ra_comm_check_usable(c, "split"));
+    if (color < -1) {
+        ra_set_error(RA_ERR_VALUE, "rank %d: split: color must be >= 0 (or "
+                     "-1: no group), got %d", c->rank, color);
+        return RA_ERR_VALUE;
+    }
+    if (!(timeout > 0)) timeout = c->default_timeout;
+    double deadline = ra_now() + timeout;
+    ra_comm *root = c->transport != NULL ? c->transport : c;
+    int p = c->size, nccl = c->vt->device_type == RA_DEV_CUDA;
+    ra_status st = RA_OK;
+    void *all = NULL;
+    size_t total = 0;
+    size_t *lens = ra_host_calloc(sizeof(size_t) * (size_t)p);
+    split_entry *e = ra_host_calloc(sizeof(split_entry) * (size_t)p);
+    split_entry *sorted = ra_host_calloc(sizeof(split_entry) * (size_t)p);
+    int *members = ra_host_calloc(sizeof(int) * (size_t)p);
+    if (!lens || !e || !sorted || !members) {
+        st = RA_ERR_NOMEM;
+        goto done;
+    }
+    unsigned char rec[RECORD_BYTES];
+    memcpy(rec, RECORD_MAGIC, 4);
+    put_u32(rec + 4, (uint32_t)(int32_t)color);
+    put_u32(rec + 8, (uint32_t)(int32_t)key);
+    put_u32(rec + 12, atomic_load(&root->next_context));
+    RA_CHECKGOTO(ra_comm_allgather(c, rec, sizeof rec, &all, &total, lens,
+                                   timeout), st, done);
+    RA_CHECKGOTO(read_records(c, all, lens, e), st, done);
+
+    /* the agreed context, and the next one past it */
+    uint32_t context = 0;
+    for (int i = 0; i < p; i++)
+        if (e[i].context > context) context = e[i].context;
+    if (context >= RA_XFER_MAX_CONTEXT) {
+        ra_set_error(RA_ERR_COMM, "rank %d: split: no communicator context "
+                     "left (%u splits over this transport)", c->rank,
+                     context);
+        st = ra_comm_fail(c, RA_ERR_COMM, ra_last_error());
+        goto done;
+    }
+    atomic_store(&root->next_context, context + 1);
+
+    memcpy(sorted, e, sizeof(split_entry) * (size_t)p);
+    qsort(sorted, (size_t)p, sizeof *sorted, by_color);
+    if (nccl) RA_CHECKGOTO(check_nccl_comm_id(c, sorted), st, done);
+
+    /* my group, ordered by (key, rank) */
+    int size = 0, new_rank = -1;
+    for (int i = 0; i < p; i++)
+        if (color >= 0 && e[i].color == color) sorted[size++] = e[i];
+    qsort(sorted, (size_t)size, sizeof *sorted, by_key_then_rank);
+    for (int i = 0; i < size; i++) {
+        members[i] = sorted[i].rank;
+        if (sorted[i].rank == c->rank) new_rank = i;
+    }
+    if (!nccl) {
+        if (color >= 0)
+            st = make_view(c, members, size, new_rank, context, out);
+        goto done;
+    }
+    unsigned char id[RA_NCCL_ID_BYTES];
+    RA_CHECKGOTO(share_group_id(c, members, color >= 0 ? size : 0,
+                                color >= 0 ? new_rank : -1,
+                                deadline - ra_now(), id), st, done);
+    if (color < 0) goto done;
+    ra_nccl_options o;
+    memset(&o, 0, sizeof o);
+    o.rank = new_rank;
+    o.size = size;
+    o.device = c->device_id;
+    o.unique_id = size > 1 ? id : NULL;
+    o.timeout = deadline - ra_now();
+    if (!(o.timeout > 0)) o.timeout = 1e-3;
+    st = ra_nccl_comm_create(&o, out);
+    if (st == RA_OK) (*out)->default_timeout = c->default_timeout;
+done:
+    if (all != NULL) ra_host_free(all, total);
+    ra_host_free(lens, sizeof(size_t) * (size_t)p);
+    ra_host_free(e, sizeof(split_entry) * (size_t)p);
+    ra_host_free(sorted, sizeof(split_entry) * (size_t)p);
+    ra_host_free(members, sizeof(int) * (size_t)p);
+    return st;
+}
