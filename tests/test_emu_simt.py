@@ -5,11 +5,13 @@ independent of how ringattn is installed; no GPU.
 
 * tests/emu/test_simt.cpp: kernels that must work (3-D indices, barriers,
   shuffles of every kind incl. partial masks, votes, atomics across blocks,
-  cp.async done right, launch limits and the shared-memory opt-in) in every
+  cp.async done right, static __shared__ arrays, launch limits and the
+  shared-memory opt-in) in every
   schedule (threads of a block run forward, reverse and in random order
   between sync points); and deliberately broken kernels, each of which must
   be flagged with the report named here: a missing __syncthreads between a
-  shared write and another warp's read (a race; with the checker off, a
+  shared write and another warp's read, in dynamic and in static shared
+  memory (a race; with the checker off, a
   wrong result in every schedule), a buffer rewritten before another warp
   read it, a cp.async destination read before its wait, out-of-bounds
   shared and global accesses, a host pointer in a kernel, a shuffle from a
@@ -34,6 +36,7 @@ if CXX is None or CC is None:
 SCHEDULES = ["forward", "reverse", "random"]
 BROKEN = {
     "missing_barrier": "race on __shared__",
+    "static_missing_barrier": "race on __shared__",
     "war": "race on __shared__",
     "cp_async_early_read": "before the cp.async.wait_group",
     "oob_shared": "__shared__ read of 4 bytes at offset 512",

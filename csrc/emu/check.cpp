@@ -62,6 +62,38 @@ static int find_image(struct dl_phdr_info *info, size_t, void *data) {
     return 0;
 }
 
+struct TlsFind {
+    uintptr_t addr;
+    void *data;
+    size_t size;
+};
+
+static int find_tls(struct dl_phdr_info *info, size_t, void *arg) {
+    TlsFind *f = (TlsFind *)arg;
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    size_t tls = 0;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) &ph = info->dlpi_phdr[i];
+        if (ph.p_type == PT_TLS) tls = ph.p_memsz;
+        if (ph.p_type != PT_LOAD) continue;
+        const uintptr_t s = info->dlpi_addr + ph.p_vaddr, e = s + ph.p_memsz;
+        if (s < lo) lo = s;
+        if (e > hi) hi = e;
+    }
+    if (f->addr < lo || f->addr >= hi) return 0;
+    f->data = info->dlpi_tls_data;
+    f->size = tls;
+    return 1;
+}
+
+void check_find_tls(Worker *w) {
+    TlsFind f = {(uintptr_t)&check_find_tls, nullptr, 0};
+    dl_iterate_phdr(find_tls, &f);
+    w->tls_lo = (uintptr_t)f.data;
+    w->tls_size = f.data != nullptr ? f.size : 0;
+    if (w->tls_size) w->tls_cells = new Cell[(w->tls_size + 1) / 2]();
+}
+
 void check_init_image(void) {
     ImageFind f = {(uintptr_t)&check_init_image, 0, 0};
     dl_iterate_phdr(find_image, &f);
@@ -96,12 +128,11 @@ static void shared_bounds(const Thread *t, uintptr_t a, size_t n, bool write) {
     }
 }
 
-void check_shared(Thread *t, uintptr_t a, size_t n, bool write) {
-    shared_bounds(t, a, n, write);
-    if (g_check_on != 1) return;
+/* the race / uninitialised / cp.async checks of shared bytes [a, a + n)
+ * whose shadow is cells[] from lo */
+static void shadow_access(Thread *t, Cell *cells, uintptr_t lo, uintptr_t a, size_t n,
+                          bool write) {
     Block *b = t->blk;
-    Cell *cells = b->w->cells;
-    const uintptr_t lo = (uintptr_t)b->smem;
     const size_t first = (a - lo) / 2, last = (a + n - 1 - lo) / 2;
     const uint32_t bar = b->bar_gen, wgen = b->warps[t->warp].gen, serial = b->serial;
     const uint16_t tid = (uint16_t)t->tid;
@@ -151,6 +182,12 @@ void check_shared(Thread *t, uintptr_t a, size_t n, bool write) {
             c.rwarp = wgen;
         }
     }
+}
+
+void check_shared(Thread *t, uintptr_t a, size_t n, bool write) {
+    shared_bounds(t, a, n, write);
+    if (g_check_on != 1) return;
+    shadow_access(t, t->blk->w->cells, (uintptr_t)t->blk->smem, a, n, write);
 }
 
 void shadow_cp_pending(Thread *t, unsigned char *dst, size_t n) {
@@ -213,6 +250,14 @@ static inline void access(uintptr_t soff, uintptr_t a, size_t n, bool write) {
     Thread *t = thread_at(soff);
     if (a - g_windows_lo < g_windows_span) {
         check_shared(t, a, n, write);
+        return;
+    }
+    const Worker *w = t->blk->w;
+    if (a - w->tls_lo < w->tls_size) {   /* static __shared__ (device.h) */
+        if (a + n - w->tls_lo > w->tls_size)
+            ra_emu_report(RA_EMU_OOB_SHARED, "static __shared__ %s of %zu bytes past the "
+                          "block's static shared memory", write ? "write" : "read", n);
+        shadow_access(t, w->tls_cells, w->tls_lo, a, n, write);
         return;
     }
     if (a - ra_emu_arena_lo < ra_emu_arena_hi - ra_emu_arena_lo) {

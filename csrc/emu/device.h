@@ -30,6 +30,12 @@
 #define __forceinline__ __attribute__((always_inline)) inline
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
+/* A static __shared__ variable of a kernel: one per OS thread running
+ * blocks, which runs one block at a time, all of whose threads see it (the
+ * checker treats it as shared memory).  `extern __shared__` (dynamic shared
+ * memory) does not compile: kernels name it with ra::dynamic_smem(), as
+ * cuda/common.cuh does on both builds. */
+#define __shared__ static thread_local
 #define __restrict__ __restrict
 #define __CUDA_ARCH_EMULATED__ 900
 

@@ -446,7 +446,8 @@ static Worker *worker_new(unsigned index) {
 
 static void *worker_main(void *arg) {
     Worker *w = (Worker *)arg;
-    g_worker = w;
+    g_worker = w;      /* also makes this thread's TLS block of the library */
+    check_find_tls(w);
     std::unique_lock<std::mutex> lk(*g_pool_mu);
     for (;;) {
         Job *job = g_jobs;

@@ -129,6 +129,12 @@ struct Worker {
     size_t window;
     unsigned char *smem_base;
     Cell *cells;              /* RA_EMU_SMEM_OPTIN / 2 of them, for smem_base.. */
+    /* static __shared__ variables are thread_local (device.h): this
+     * worker's TLS block of the library is the block's static shared
+     * memory, with its own shadow */
+    uintptr_t tls_lo;
+    size_t tls_size;
+    Cell *tls_cells;
     uint32_t serial;
     Block block;
 };
@@ -165,6 +171,9 @@ void collective(CollKind kind, uint8_t mode, unsigned mask, int arg, int width);
  * only if it is allowed (a report stops the thread). */
 void check_access(Thread *t, uintptr_t a, size_t n, bool write);
 void check_shared(Thread *t, uintptr_t a, size_t n, bool write);
+/* the worker's static shared memory: the library's TLS block of this OS
+ * thread (check.cpp) */
+void check_find_tls(Worker *w);
 /* cp.async bookkeeping of the shared shadow: destination pending / landed */
 void shadow_cp_pending(Thread *t, unsigned char *dst, size_t n);
 void shadow_cp_landed(Thread *t, unsigned char *dst, size_t n);

@@ -108,7 +108,29 @@ __global__ void k_cp_async(const float *x, float *out) {
     for (int i = 0; i < 4; i++) out[4 * t + i] = s[4 * o + i] + s[4 * (o + blockDim.x) + i];
 }
 
+/* block sums through a static __shared__ array */
+__global__ void k_static_sum(const float *x, float *out) {
+    __shared__ float buf[128];
+    const unsigned t = threadIdx.x;
+    buf[t] = x[blockIdx.x * 128 + t];
+    __syncthreads();
+    for (unsigned h = 64; h > 0; h /= 2) {
+        if (t < h) buf[t] += buf[t + h];
+        __syncthreads();
+    }
+    if (t == 0) out[blockIdx.x] = buf[0];
+}
+
 /* ---- broken kernels --------------------------------------------------------------- */
+
+/* the missing barrier of k_missing_barrier, in static shared memory */
+__global__ void k_static_missing_barrier(float *out) {
+    __shared__ float s[128];
+    s[threadIdx.x] = -1.f;
+    __syncthreads();
+    s[threadIdx.x] = (float)threadIdx.x;
+    out[threadIdx.x] = s[(threadIdx.x + 32) % 128];
+}
 
 /* every thread writes its slot, then reads the next warp's: no
  * __syncthreads between (the slots were initialised, with a barrier) */
@@ -265,6 +287,20 @@ static int run_ok(void) {
         for (int t = 0; t < 64; t++)
             for (int i = 0; i < 4; i++) EXPECT(h[4 * t + i] == x[4 * ((t + 1) % 64) + i]);
     }
+    {   /* static shared memory, 9 blocks */
+        std::vector<float> x(9 * 128);
+        for (int i = 0; i < 9 * 128; i++) x[i] = (float)(i % 17);
+        Dev<float> dx(9 * 128), out(9);
+        dx.up(x);
+        CK(RA_EMU_LAUNCH(k_static_sum, 9, 128, 0, 0)(dx.p, out.p));
+        CK(cudaDeviceSynchronize());
+        std::vector<float> h = out.down();
+        for (int b = 0; b < 9; b++) {
+            double s = 0;
+            for (int i = 0; i < 128; i++) s += x[b * 128 + i];
+            EXPECT(h[b] == (float)s);
+        }
+    }
     {   /* a barrier makes the same exchange right */
         Dev<float> out(128);
         CK(RA_EMU_LAUNCH(k_with_barrier, 1, 128, 128 * sizeof(float), 0)(out.p));
@@ -315,6 +351,9 @@ static int run_broken(const char *name) {
             fprintf(stderr, "case %s: the result is right without a barrier\n", name);
             return 1;
         }
+    } else if (c == "static_missing_barrier") {
+        want = "race on __shared__";
+        e = RA_EMU_LAUNCH(k_static_missing_barrier, 1, 128, 0, 0)(out.p);
     } else if (c == "war") {
         want = "race on __shared__";
         e = RA_EMU_LAUNCH(k_war, 1, 128, 128 * sizeof(float), 0)(out.p);
