@@ -16,7 +16,8 @@ independent of how ringattn is installed; no GPU.
   read it, a cp.async destination read before its wait, out-of-bounds
   shared and global accesses, a host pointer in a kernel, a shuffle from a
   lane outside the mask, a barrier deadlock, uninitialised shared and
-  global reads, a use after free.
+  global reads, a use after free; and the host reading a kernel's output
+  without waiting for its stream (stale every time in lazy mode).
 * tests/emu/test_ptx.cpp: ldmatrix (.x4, .trans) and mma.sync m16n8k16
   (f16, bf16) through cuda/mma.cuh's own wrappers, every lane's registers
   against fragments built from the PTX ISA's tables by independent code;
@@ -84,6 +85,14 @@ def test_missing_barrier_changes_the_result_without_the_checker(simt, schedule):
     rc, out = run(simt, "missing_barrier",
                   env={"RINGATTN_EMU_CHECK": "0", "RINGATTN_EMU_SCHEDULE": schedule})
     assert rc == 0 and "flagged: thread" in out, out
+
+
+def test_a_host_read_without_waiting_for_the_stream_sees_stale_data(simt):
+    """The kernel's output copied on the legacy stream while the kernel sits
+    on a non-blocking stream: in lazy mode the copy never sees it; after the
+    stream is synchronised it does."""
+    rc, out = run(simt, "host_reads_without_wait", env={"RINGATTN_EMU_LAZY": "1"})
+    assert rc == 0 and "flagged: 128 of 128" in out, out
 
 
 def test_ldmatrix_and_mma_match_the_ptx_fragment_tables(ptx):

@@ -197,6 +197,7 @@ __global__ void k_uninit_shared(float *out) {
 }
 __global__ void k_uninit_global(const float *x, float *out) { out[threadIdx.x] = x[threadIdx.x]; }
 __global__ void k_freed(float *out) { out[threadIdx.x] = 1.f; }
+__global__ void k_fill(float *out) { out[threadIdx.x] = 1.f; }
 
 /* ---- driver ---------------------------------------------------------------------------- */
 
@@ -390,6 +391,31 @@ static int run_broken(const char *name) {
         CK(cudaFree(p));
         want = "freed memory";
         e = RA_EMU_LAUNCH(k_freed, 1, 32, 0, 0)(p);
+    } else if (c == "host_reads_without_wait") {
+        /* the kernel runs on a non-blocking stream; the host copies its
+         * output on the legacy stream, which does not wait for it (with
+         * RINGATTN_EMU_LAZY=1 the stream starts only when observed, so the
+         * copy sees the old contents every time) */
+        cudaStream_t s;
+        CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        CK(cudaMemset(out.p, 0, out.n * sizeof(float)));
+        CK(cudaDeviceSynchronize());
+        CK(RA_EMU_LAUNCH(k_fill, 1, 128, 0, s)(out.p));
+        std::vector<float> early = out.down();   /* no wait: the bug */
+        CK(cudaStreamSynchronize(s));
+        std::vector<float> late = out.down();
+        CK(cudaStreamDestroy(s));
+        int stale = 0;
+        for (int i = 0; i < 128; i++) stale += early[i] != 1.f;
+        bool right = true;
+        for (int i = 0; i < 128; i++) right = right && late[i] == 1.f;
+        if (stale && right) {
+            printf("flagged: %d of 128 outputs read before the stream ran\n", stale);
+            return 0;
+        }
+        fprintf(stderr, "case %s: not flagged (stale %d, right after the wait %d)\n", name,
+                stale, (int)right);
+        return 1;
     } else {
         fprintf(stderr, "unknown case %s\n", name);
         return 2;
