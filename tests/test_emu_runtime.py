@@ -104,3 +104,52 @@ def test_emu_program(built, san, lazy, program):
     assert r.returncode == 0, f"{program} ({san}, lazy={lazy}):\n{r.stdout}\n{r.stderr[-6000:]}"
     assert " 0 failed check(s)" in r.stdout, r.stdout
     assert "FAIL" not in r.stdout, r.stdout
+
+
+def _cuda_home():
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and (Path(home) / "include" / "cuda_runtime.h").is_file():
+            return Path(home)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return Path(os.path.realpath(nvcc)).parents[1]
+    return Path("/usr/local/cuda") if Path("/usr/local/cuda/include").is_dir() else None
+
+
+def test_error_names_and_texts_are_the_toolkits(built, tmp_path):
+    """Every error code of the emulated runtime has the CUDA toolkit
+    runtime's own name and text (the toolkit's libcudart answers without a
+    GPU): tests/emu/print_errors.c built against both."""
+    home = _cuda_home()
+    lib = next((d for d in (home / "lib64", home / "lib") if (d / "libcudart_static.a").is_file()),
+               None) if home else None
+    if lib is None:
+        pytest.skip("needs a CUDA toolkit (libcudart_static) to compare with")
+    src = str(PROGRAMS_DIR / "print_errors.c")
+    real, emu = tmp_path / "real", tmp_path / "emu"
+    _compile(["-x", "c++", src, "-x", "none", f"-I{home / 'include'}", f"-L{lib}",
+              "-lcudart_static",
+              "-ldl", "-lrt", "-lpthread", "-o", str(real)], tmp_path)
+    objs = [str(tmp_path / f"{Path(s).stem}.o") for s in SOURCES]
+    for s, o in zip(SOURCES, objs):
+        _compile(["-std=c++17", "-O1", f"-I{EMU / 'include'}", f"-I{ROOT / 'csrc'}",
+                  "-c", str(EMU / s), "-o", o], tmp_path)
+    stub = tmp_path / "simt_stub.cpp"   # the four SIMT entry points the runtime calls
+    stub.write_text('#include "emu/emu.h"\n'
+                    'extern "C" int ra_emu_grid_validate(const ra_emu_grid *, size_t, '
+                    'const char **w) { *w = 0; return 0; }\n'
+                    'extern "C" int ra_emu_grid_run(const ra_emu_grid *) { return 0; }\n'
+                    'extern "C" int ra_emu_func_set_smem(const void *, int) { return 0; }\n'
+                    'extern "C" size_t ra_emu_func_smem_limit(const void *) { return 0; }\n')
+    _compile(["-std=c++17", "-x", "c++", src, str(stub), "-x", "none", f"-I{EMU / 'include'}",
+              f"-I{ROOT / 'csrc'}", *objs, "-lpthread", "-o", str(emu)], tmp_path)
+    got = {}
+    for name, exe in (("real", real), ("emu", emu)):
+        r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60,
+                           env=_environment(0))
+        assert r.returncode == 0, r.stderr
+        got[name] = r.stdout.splitlines()
+    assert len(got["emu"]) >= 28
+    assert got["emu"] == got["real"], "\n".join(
+        f"emulated: {e}\ntoolkit:  {t}" for e, t in zip(got["emu"], got["real"]) if e != t)

@@ -68,51 +68,10 @@ TEST(h100_attributes_and_versions) {
 }
 
 TEST(error_names_and_strings) {
-    const struct { cudaError_t e; const char *name, *text; } all[] = {
-        {cudaSuccess, "cudaSuccess", "no error"},
-        {cudaErrorInvalidValue, "cudaErrorInvalidValue", "invalid argument"},
-        {cudaErrorMemoryAllocation, "cudaErrorMemoryAllocation", "out of memory"},
-        {cudaErrorInitializationError, "cudaErrorInitializationError", "initialization error"},
-        {cudaErrorCudartUnloading, "cudaErrorCudartUnloading", "driver shutting down"},
-        {cudaErrorInvalidConfiguration, "cudaErrorInvalidConfiguration",
-         "invalid configuration argument"},
-        {cudaErrorInvalidPitchValue, "cudaErrorInvalidPitchValue", "invalid pitch argument"},
-        {cudaErrorInvalidDevicePointer, "cudaErrorInvalidDevicePointer", "invalid device pointer"},
-        {cudaErrorInvalidMemcpyDirection, "cudaErrorInvalidMemcpyDirection",
-         "invalid copy direction for memcpy"},
-        {cudaErrorInsufficientDriver, "cudaErrorInsufficientDriver",
-         "CUDA driver version is insufficient for CUDA runtime version"},
-        {cudaErrorInvalidDeviceFunction, "cudaErrorInvalidDeviceFunction",
-         "invalid device function"},
-        {cudaErrorNoDevice, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
-        {cudaErrorInvalidDevice, "cudaErrorInvalidDevice", "invalid device ordinal"},
-        {cudaErrorNoKernelImageForDevice, "cudaErrorNoKernelImageForDevice",
-         "no kernel image is available for execution on the device"},
-        {cudaErrorInvalidResourceHandle, "cudaErrorInvalidResourceHandle",
-         "invalid resource handle"},
-        {cudaErrorIllegalState, "cudaErrorIllegalState",
-         "the operation cannot be performed in the present state"},
-        {cudaErrorNotReady, "cudaErrorNotReady", "device not ready"},
-        {cudaErrorIllegalAddress, "cudaErrorIllegalAddress",
-         "an illegal memory access was encountered"},
-        {cudaErrorLaunchOutOfResources, "cudaErrorLaunchOutOfResources",
-         "too many resources requested for launch"},
-        {cudaErrorLaunchTimeout, "cudaErrorLaunchTimeout",
-         "the launch timed out and was terminated"},
-        {cudaErrorPeerAccessNotEnabled, "cudaErrorPeerAccessNotEnabled",
-         "peer access is not enabled"},
-        {cudaErrorContextIsDestroyed, "cudaErrorContextIsDestroyed", "context is destroyed"},
-        {cudaErrorAssert, "cudaErrorAssert", "device-side assert triggered"},
-        {cudaErrorMisalignedAddress, "cudaErrorMisalignedAddress", "misaligned address"},
-        {cudaErrorLaunchFailure, "cudaErrorLaunchFailure", "unspecified launch failure"},
-        {cudaErrorNotPermitted, "cudaErrorNotPermitted", "operation not permitted"},
-        {cudaErrorNotSupported, "cudaErrorNotSupported", "operation not supported"},
-        {cudaErrorUnknown, "cudaErrorUnknown", "unknown error"},
-    };
-    for (auto &a : all) {
-        CHECK(str(cudaGetErrorName(a.e)) == a.name);
-        CHECK(str(cudaGetErrorString(a.e)) == a.text);
-    }
+    /* every code's name and text are compared with the CUDA toolkit's own
+     * runtime by tests/test_emu_runtime.py (tests/emu/print_errors.c);
+     * here: what the runtime answers for codes it does not know */
+    CHECK(str(cudaGetErrorName(cudaSuccess)) == "cudaSuccess");
     CHECK(str(cudaGetErrorName((cudaError_t)12345)) == "unrecognized error code");
     CHECK(str(cudaGetErrorString((cudaError_t)12345)) == "unrecognized error code");
 }
