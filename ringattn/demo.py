@@ -280,11 +280,17 @@ def nccl_plan(ranks):
 def choose_backend(backend, ranks):
     """(backend to run, note for the header or None): ``auto`` is ``nccl``
     where nccl_plan says it can run, else ``host`` (with the reason when
-    a GPU is there but cannot be used)."""
+    a GPU is there but cannot be used).  On the emulated GPU of a
+    ``RINGATTN_CUDA=emulate`` build ``auto`` is ``host``: the CPU kernels
+    are the fast way to run on a CPU (``--backend nccl`` runs the ring on
+    the emulated GPU)."""
     if backend != "auto":
         return backend, None
     import ringattn as ra
 
+    if ra.cuda_info().get("emulated"):
+        return "host", ("auto picked host: the GPU is ringattn's emulated GPU "
+                        "(--backend nccl runs there, slowly)")
     ok, why, _ = nccl_plan(ranks)
     if ok:
         return "nccl", None
@@ -338,8 +344,11 @@ def run(args):
            demo_documents(args.seed, n, args.docs)}
     B, H, Hkv, D = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     if gpu:
-        count = ra.cuda_info()["devices"]
-        where = (f"nccl backend, {min(p, count)} GPU(s)"
+        info = ra.cuda_info()
+        count = info["devices"]
+        kind = "EMULATED GPU(s) (RINGATTN_CUDA=emulate: the kernels run on " \
+            "the CPU; times are not GPU times)" if info.get("emulated") else "GPU(s)"
+        where = (f"nccl backend, {min(p, count)} {kind}"
                  f"{', shared by the ranks' if p > count else ''}")
     else:
         where = f"{backend} backend, {threads} kernel thread(s) each"

@@ -258,11 +258,12 @@ def test_bench_plot_without_matplotlib_says_so():
 
 # ---- the demo's backend choice: nccl where it can run, else host ------------
 
-def _fake_machine(monkeypatch, devices, nccl):
+def _fake_machine(monkeypatch, devices, nccl, emulated=False):
     import ringattn as ra
 
     info = {"built": True, "available": devices > 0,
-            "reason": "" if devices else "no CUDA device", "devices": devices}
+            "reason": "" if devices else "no CUDA device", "devices": devices,
+            "emulated": emulated, "device_name": ""}
     monkeypatch.setattr(ra, "cuda_info", lambda: dict(info))
     monkeypatch.setattr(ra, "nccl_version", lambda: nccl)
 
@@ -301,6 +302,18 @@ def test_demo_auto_backend(monkeypatch, devices, nccl, asked, expected, note):
     backend, said = choose_backend(asked, 4)
     assert backend == expected
     assert (said is None) if note is None else (note in said)
+
+
+@pytest.mark.parametrize("asked, expected", [("auto", "host"), ("nccl", "nccl")])
+def test_demo_auto_backend_on_the_emulated_gpu(monkeypatch, asked, expected):
+    """The emulated GPU runs the kernels on the CPU: auto takes the CPU
+    kernels (and says why); --backend nccl still runs there."""
+    from ringattn.demo import choose_backend
+
+    _fake_machine(monkeypatch, 2, (2, 30, 0), emulated=True)
+    backend, said = choose_backend(asked, 4)
+    assert backend == expected
+    assert (said is None) if asked == "nccl" else ("emulated GPU" in said)
 
 
 @pytest.mark.timeout(60)
