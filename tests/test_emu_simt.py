@@ -22,6 +22,8 @@ independent of how ringattn is installed; no GPU.
   (f16, bf16) through cuda/mma.cuh's own wrappers, every lane's registers
   against fragments built from the PTX ISA's tables by independent code;
   a wrong lane mapping must give a wrong product.
+* tests/emu/test_convert.cpp: float16 and bfloat16 conversions in a kernel,
+  bit for bit NumPy's and ml_dtypes' on 250k values.
 * tools/cuda_selftest.cu on the emulated GPU: every kernel variant against
   the float64 reference (quick grid), with the checker, and again under
   AddressSanitizer + UBSan (kernels and emulator).
@@ -125,3 +127,38 @@ def test_selftest_quick_grid_under_address_sanitizer(tmp_path_factory):
                        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
     assert rc == 0, out[-4000:]
     assert "0 of" in out and "FAIL" not in out, out[-4000:]
+
+
+def test_float16_and_bfloat16_conversions_round_as_the_device(builder, tmp_path):
+    """__float2half_rn / __float2bfloat16_rn in a kernel, and back to float,
+    on random bit patterns (every exponent: subnormals, overflow to inf,
+    ties) and the special values: bit for bit NumPy's float16 and
+    ml_dtypes' bfloat16 (round to nearest even), NaN as a NaN."""
+    np = pytest.importorskip("numpy")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    exe = builder.program("test_convert", [ROOT / "tests" / "emu" / "test_convert.cpp"])
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2**32, 200000, dtype=np.uint64).astype(np.uint32)
+    # values near float16's edges and halfway points, and the specials
+    near = np.concatenate([np.float32([65504, 65519.99, 65520, 65536, 6.1035156e-05,
+                                       5.9604645e-08, 2.9802322e-08, 2.9802326e-08,
+                                       1.0009765625, 1.00048828125, 0.0, -0.0,
+                                       np.inf, -np.inf, np.nan]),
+                           (rng.integers(-2**15, 2**15, 50000) / 2**rng.integers(0, 26, 50000)
+                            ).astype(np.float32)])
+    x = np.concatenate([bits.view(np.float32), near])
+    (tmp_path / "in").write_bytes(x.tobytes())
+    rc, out = run(exe, str(tmp_path / "in"), str(tmp_path / "out"))
+    assert rc == 0, out
+    got = np.frombuffer((tmp_path / "out").read_bytes(),
+                        dtype=[("h", "<u2"), ("b", "<u2"), ("hf", "<f4"), ("bf", "<f4")])
+    nan = np.isnan(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_h = x.astype(np.float16)
+        want_b = x.astype(ml_dtypes.bfloat16)
+    assert np.array_equal(got["h"][~nan], want_h.view(np.uint16)[~nan])
+    assert np.array_equal(got["b"][~nan], want_b.view(np.uint16)[~nan])
+    assert (got["h"][nan] == 0x7FFF).all() and (got["b"][nan] == 0x7FFF).all()
+    assert np.array_equal(got["hf"][~nan], want_h.astype(np.float32)[~nan])
+    assert np.array_equal(got["bf"][~nan], want_b.astype(np.float32)[~nan])
+    assert np.isnan(got["hf"][nan]).all() and np.isnan(got["bf"][nan]).all()
