@@ -18,9 +18,10 @@
  *     B: b0,b1 = B[2*tig + 0/1][groupID], b2,b3 = B[2*tig+8 + 0/1][groupID]
  *     C/D: c0,c1 = C[groupID][2*tig + 0/1], c2,c3 = C[groupID+8][2*tig + 0/1]
  *
- * A case "wrong_lane" uses a fragment built with a wrong lane mapping (the
- * mistake a kernel could make) and must NOT match: the emulated GPU
- * shows a wrong lane index as a wrong result.
+ * A case "wrong_lane" uses an mma fragment built with a wrong lane mapping
+ * and ldmatrix row addresses given by the wrong lanes (the mistakes a kernel
+ * could make) and must NOT match: the emulated GPU shows a wrong lane index
+ * as a wrong result.
  */
 #include "mma.cuh"
 
@@ -44,11 +45,12 @@
 static const int kPerm[8] = {5, 2, 7, 0, 3, 6, 1, 4};
 
 /* 32 rows of 8 uint16 (4 matrices) in shared memory -> each lane's 4 regs */
-__global__ void k_ldmatrix(const uint16_t *tile, uint32_t *out, int trans) {
+__global__ void k_ldmatrix(const uint16_t *tile, uint32_t *out, int trans, int wrong) {
     uint16_t *s = (uint16_t *)ra::dynamic_smem();
     for (int i = threadIdx.x; i < 32 * 8; i += 32) s[i] = tile[i];
     __syncthreads();
-    const int l = threadIdx.x, m = l / 8, j = l % 8;
+    /* wrong: each lane gives the address of the next lane's row */
+    const int l = threadIdx.x, m = l / 8, j = (l + wrong) % 8;
     const void *row = s + (m * 8 + kPerm[j]) * 8;
     uint32_t r[4];
     if (trans) ra::ldmatrix_x4_trans(r, row);
@@ -139,7 +141,7 @@ static bool mma_case(bool bf16, bool wrong_lane) {
     return ok;
 }
 
-static bool ldmatrix_case(bool trans) {
+static bool ldmatrix_case(bool trans, bool wrong = false) {
     std::vector<uint16_t> tile(32 * 8);
     for (int i = 0; i < 32 * 8; i++) tile[i] = (uint16_t)(i * 7 + 3);
     uint16_t *dt;
@@ -147,7 +149,7 @@ static bool ldmatrix_case(bool trans) {
     CK(cudaMalloc((void **)&dt, tile.size() * 2));
     CK(cudaMalloc((void **)&dout, 32 * 4 * 4));
     CK(cudaMemcpy(dt, tile.data(), tile.size() * 2, cudaMemcpyHostToDevice));
-    CK(RA_LAUNCH(k_ldmatrix, 1, 32, 32 * 8 * 2, 0)(dt, dout, trans ? 1 : 0));
+    CK(RA_LAUNCH(k_ldmatrix, 1, 32, 32 * 8 * 2, 0)(dt, dout, trans ? 1 : 0, wrong ? 1 : 0));
     CK(cudaDeviceSynchronize());
     std::vector<uint32_t> out(32 * 4);
     CK(cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost));
@@ -160,7 +162,7 @@ static bool ldmatrix_case(bool trans) {
                 ? pack(M(2 * (l & 3), l >> 2), M(2 * (l & 3) + 1, l >> 2))
                 : pack(M(l >> 2, 2 * (l & 3)), M(l >> 2, 2 * (l & 3) + 1));
             if (out[l * 4 + i] != want) {
-                if (ok) fprintf(stderr, "ldmatrix%s lane %d reg %d: 0x%08x, want 0x%08x\n",
+                if (ok && !wrong) fprintf(stderr, "ldmatrix%s lane %d reg %d: 0x%08x, want 0x%08x\n",
                                 trans ? ".trans" : "", l, i, out[l * 4 + i], want);
                 ok = false;
             }
@@ -176,11 +178,13 @@ int main(int argc, char **argv) {
         /* must be flagged: the result differs from the reference */
         const bool f16 = mma_case<ra::half_t>(false, true);
         const bool b16 = mma_case<ra::bf16_t>(true, true);
-        if (f16 || b16) {
-            fprintf(stderr, "a wrong fragment lane mapping gave the right product\n");
+        const bool ld = ldmatrix_case(false, true), ldt = ldmatrix_case(true, true);
+        if (f16 || b16 || ld || ldt) {
+            fprintf(stderr, "a wrong fragment lane mapping gave the right result\n");
             return 1;
         }
-        printf("flagged: a wrong fragment lane mapping gives a wrong product\n");
+        printf("flagged: a wrong fragment lane mapping gives a wrong product, a wrong "
+               "ldmatrix row address wrong registers\n");
         return 0;
     }
     int bad = 0;
