@@ -25,8 +25,9 @@ independent of how ringattn is installed; no GPU.
 * tests/emu/test_convert.cpp: float16 and bfloat16 conversions in a kernel,
   bit for bit NumPy's and ml_dtypes' on 250k values.
 * tools/cuda_selftest.cu on the emulated GPU: every kernel variant against
-  the float64 reference (quick grid), with the checker, and again under
-  AddressSanitizer + UBSan (kernels and emulator).
+  the float64 reference, the quick and the full grid with the checker, and
+  the quick grid again under AddressSanitizer + UBSan (kernels and
+  emulator).
 """
 
 import pytest
@@ -117,6 +118,16 @@ def test_selftest_quick_grid_on_the_emulated_gpu(builder):
     rc, out = run(_selftest(builder), "quick", timeout=1200)
     assert rc == 0, out[-4000:]
     assert "0 of" in out and "FAIL" not in out, out[-4000:]
+
+
+@pytest.mark.slow
+def test_selftest_full_grid_on_the_emulated_gpu(builder):
+    """The whole grid (4 dtypes, D 8..256, causal, GQA/MQA, S_q != S_k both
+    ways, strides, masks, huge scores, merge, copy): about 9 minutes on 2
+    cores with the checker."""
+    rc, out = run(_selftest(builder), "full", timeout=3000)
+    assert rc == 0, out[-4000:]
+    assert "selftest full: 0 of" in out and "FAIL" not in out, out[-4000:]
 
 
 @pytest.mark.slow
