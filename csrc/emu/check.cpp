@@ -191,8 +191,8 @@ void check_shared(Thread *t, uintptr_t a, size_t n, bool write) {
 }
 
 void shadow_cp_pending(Thread *t, unsigned char *dst, size_t n) {
+    check_shared(t, (uintptr_t)dst, n, true);   /* bounds always; a write */
     if (g_check_on != 1) return;
-    check_shared(t, (uintptr_t)dst, n, true);
     Block *b = t->blk;
     const uintptr_t lo = (uintptr_t)b->smem;
     for (size_t u = ((uintptr_t)dst - lo) / 2; u <= ((uintptr_t)dst + n - 1 - lo) / 2; u++)

@@ -148,7 +148,9 @@ extern "C" void ra_emu_cp_async(void *smem_dst, const void *global_src, int cp_s
     if ((uintptr_t)smem_dst % (unsigned)cp_size || (uintptr_t)global_src % (unsigned)cp_size)
         ra_emu_report(RA_EMU_MISALIGNED, "cp.async of %d bytes from %p to %p: not %d-byte "
                       "aligned", cp_size, global_src, smem_dst, cp_size);
-    check_shared(t, (uintptr_t)smem_dst, (size_t)cp_size, true);
+    /* bounds (a report stops the thread before the poison below) and the
+     * shadow's write check, then the destination is pending */
+    shadow_cp_pending(t, (unsigned char *)smem_dst, (size_t)cp_size);
     if (t->n_cp == kMaxCpAsync)
         ra_emu_report(RA_EMU_TRAP, "more than %d cp.async operations in flight in one thread",
                       (int)kMaxCpAsync);
@@ -158,7 +160,6 @@ extern "C" void ra_emu_cp_async(void *smem_dst, const void *global_src, int cp_s
     c.cp_size = (uint8_t)cp_size;
     c.src_size = (uint8_t)src_size;
     memset(smem_dst, 0xff, (size_t)cp_size);  /* poison until the wait */
-    shadow_cp_pending(t, c.dst, (size_t)cp_size);
 }
 
 extern "C" void ra_emu_cp_async_commit(void) {

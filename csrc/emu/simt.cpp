@@ -424,9 +424,9 @@ static Worker *worker_new(unsigned index) {
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
     w->threads = (Thread *)map_or_die(sizeof(Thread) * RA_EMU_MAX_THREADS);
     w->cp_pool = (CpAsync *)map_or_die(sizeof(CpAsync) * kMaxCpAsync * RA_EMU_MAX_THREADS);
-    w->stacks = (unsigned char *)(g_stacks_lo + index * kWorkerSpan);
+    unsigned char *stacks = (unsigned char *)(g_stacks_lo + index * kWorkerSpan);
     for (unsigned i = 0; i < RA_EMU_MAX_THREADS; i++) {
-        unsigned char *guard = w->stacks + i * kStackStride;
+        unsigned char *guard = stacks + i * kStackStride;
         /* the lowest page stays inaccessible: an overflow faults */
         if (mprotect(guard + page, kStackStride - page, PROT_READ | PROT_WRITE) != 0) {
             fprintf(stderr, "ringattn emulated GPU: cannot map fiber stacks: %s\n",
@@ -437,9 +437,7 @@ static Worker *worker_new(unsigned index) {
         w->threads[i].stack_size = kStackStride - page;
         w->threads[i].cp = w->cp_pool + (size_t)i * kMaxCpAsync;
     }
-    w->window = kWindowStride;
-    w->window_lo = (unsigned char *)(g_windows_lo + index * kWindowStride);
-    w->smem_base = w->window_lo + kRedzone;
+    w->smem_base = (unsigned char *)(g_windows_lo + index * kWindowStride) + kRedzone;
     w->cells = (Cell *)map_or_die(sizeof(Cell) * (RA_EMU_SMEM_OPTIN / 2));
     return w;
 }

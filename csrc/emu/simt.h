@@ -113,8 +113,9 @@ struct Block {
     bool stop;                /* a report stopped this block */
 };
 
-/* The worker a block runs on: its scheduler context, fibers, shared window
- * ([lo, lo + window) with the block's memory at smem_base) and shadow. */
+/* The worker a block runs on: its scheduler context, fibers, the block's
+ * shared memory at smem_base (in the worker's window, see kWindowStride)
+ * and its shadow. */
 struct Worker {
     Thread *report_thread;    /* the thread a scheduler-side report is about */
     unsigned order[RA_EMU_MAX_THREADS];  /* the schedule of the current pass */
@@ -124,9 +125,6 @@ struct Worker {
     size_t sched_stack_size;
     Thread *threads;
     CpAsync *cp_pool;         /* kMaxCpAsync per thread */
-    unsigned char *stacks;
-    unsigned char *window_lo;
-    size_t window;
     unsigned char *smem_base;
     Cell *cells;              /* RA_EMU_SMEM_OPTIN / 2 of them, for smem_base.. */
     /* static __shared__ variables are thread_local (device.h): this
@@ -174,7 +172,9 @@ void check_shared(Thread *t, uintptr_t a, size_t n, bool write);
 /* the worker's static shared memory: the library's TLS block of this OS
  * thread (check.cpp) */
 void check_find_tls(Worker *w);
-/* cp.async bookkeeping of the shared shadow: destination pending / landed */
+/* cp.async bookkeeping of the shared shadow: a destination becomes
+ * pending (checked as a write first, its bounds even with the checker off)
+ * and lands at its wait */
 void shadow_cp_pending(Thread *t, unsigned char *dst, size_t n);
 void shadow_cp_landed(Thread *t, unsigned char *dst, size_t n);
 /* the address range of the library's own image (read-only data) */
