@@ -262,3 +262,23 @@ def test_a_bad_call_is_an_xla_error(xla):
     lse = ra.empty((1, 2, 5), "float32", "cuda:0")
     with pytest.raises(RuntimeError, match="window"):
         xla.call("ringattn_attn_fwd", [q, q, q], [out, lse], window_left=3)
+
+
+def test_ids_check_handler_passes_good_ids_and_names_bad_ones(xla):
+    """ringattn_ids_check on the device (the run-time half of the int32
+    range check of wide segment ids): a clean report passes the ids through;
+    values outside int32 here, or on another device of the ring, are an
+    error naming the argument, and nothing is passed on."""
+    ids = np.arange(14, dtype=np.int32).reshape(2, 7)
+    dev_ids = ra.to_device(ids, "cuda:0")
+    out = ra.empty((2, 7), "int32", "cuda:0")
+    clean = ra.to_device(np.zeros(4, np.int32), "cuda:0")
+    xla.call("ringattn_ids_check", [dev_ids, clean], [out], which=0)
+    np.testing.assert_array_equal(ra.to_device(out, "cpu").numpy(), ids)
+    here = ra.to_device(np.int32([3, 2, 1, 5]), "cuda:0")
+    with pytest.raises(RuntimeError, match=r"segment_ids: .*got 2 outside it "
+                                           r"\(the first at \[1, 5\]\)"):
+        xla.call("ringattn_ids_check", [dev_ids, here], [out], which=0)
+    elsewhere = ra.to_device(np.int32([1, 0, 0, 0]), "cuda:0")
+    with pytest.raises(RuntimeError, match="kv_segment_ids: .*on another device"):
+        xla.call("ringattn_ids_check", [dev_ids, elsewhere], [out], which=1)
