@@ -17,8 +17,10 @@ import pytest
 
 import ringattn as ra
 from ringattn import testing as rt
+from ringattn.bench import model
 from ringattn.bench.gpu import (MASK_CASES, format_accuracy_row, format_masked_row,
-                                mask_keywords, mask_spec, masked_summary)
+                                format_model_rows, format_speed_row, mask_keywords, mask_spec,
+                                masked_summary, model_prediction)
 from ringattn.bench.masks import dense_mask, visible_fraction
 
 
@@ -106,6 +108,50 @@ def test_accuracy_row_without_torch_math_shows_a_dash():
     assert "out 1.00e-03/-, dq 5.00e-02/- FAIL" in line
 
 
+def test_speed_row_shows_the_model_next_to_the_measured_time():
+    # bf16, D 128, S 4096, causal at the bench's shape: the H100 baseline
+    # measured 1.26 ms forward (218 TFLOP/s); the model's time of fwd_tc
+    pred = model_prediction("fwd", "bfloat16", 128, 4096, True, 4, 16)
+    assert set(pred) == {"fwd_tc", "total"} and 1.0e-3 < pred["total"] < 1.6e-3
+    r = {"pass": "fwd", "dtype": "bfloat16", "causal": True, "D": 128, "S": 4096, "B": 4,
+         "H": 16, "ra": 218.0, "flash": 311.0, "cudnn": 577.0, "ms": 1.26, "model": pred}
+    cells = format_speed_row(r).split()
+    assert cells[7:11] == ["218.0", "311.0", "577.0", "0.70"]
+    assert cells[11] == "1.26" and float(cells[12]) == pytest.approx(pred["total"] * 1e3, abs=0.01)
+    assert float(cells[13]) == pytest.approx(1.26 / (pred["total"] * 1e3), abs=0.01)
+    # without a prediction (no counts for the kernels) the model cells are dashes
+    assert format_speed_row(dict(r, model=None)).split()[12:] == ["-", "-"]
+
+
+def test_model_rows_name_every_kernel_and_the_measured_over_model_ratio():
+    bwd = model_prediction("bwd", "float16", 64, 16384, False, 1, 32)
+    assert set(bwd) == {"delta", "dkdv_tc", "dq_tc", "total"}
+    assert bwd["total"] == pytest.approx(bwd["delta"] + bwd["dkdv_tc"] + bwd["dq_tc"])
+    rows = [{"pass": "bwd", "dtype": "float16", "causal": False, "D": 64, "S": 16384,
+             "ms": 2e3 * bwd["total"], "model": bwd},
+            {"pass": "fwd", "dtype": "float16", "causal": False, "D": 64, "S": 16384,
+             "ms": None, "model": None}]
+    lines = format_model_rows(rows)
+    assert len(lines) == 2 and lines[0].startswith("model bwd  float16")
+    assert all(k in lines[0] for k in ("delta", "dkdv_tc", "dq_tc", "measured"))
+    assert lines[1].startswith("measured/model: median 2.00")
+
+
+def test_model_follows_the_work_and_the_occupancy_the_profile_saw():
+    # Nsight Compute: 2 blocks per SM for all three kernels at D 128
+    counts = model.load_counts()
+    for name in ("fwd_tc", "dkdv_tc", "dq_tc"):
+        rec = counts[f"{name}<bf16,128,->"]
+        smem = rec["dynamic_smem"]
+        assert model.occupancy(rec["registers"], smem, 32 * rec["warps"]) == 2
+    full = model.predict("fwd", "bf16", 128, 16384, False, 1, 16, counts=counts)["total"]
+    causal = model.predict("fwd", "bf16", 128, 16384, True, 1, 16, counts=counts)["total"]
+    quarter = model.predict("fwd", "bf16", 128, 8192, False, 1, 16, counts=counts)["total"]
+    assert 0.45 < causal / full < 0.6 and 0.22 < quarter / full < 0.3
+    # the list schedule: 5 blocks of 1 tile on 2 slots take 3 rounds
+    assert model.makespan([1] * 5, 2, 100.0, overhead=0) == 300.0
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 def test_bench_gpu_quick_runs_on_this_gpu():
@@ -137,6 +183,12 @@ def test_bench_gpu_quick_runs_on_this_gpu():
     masked = [line for line in lines if line.split()[:2] in
               (["causal", seq], ["window", seq], ["docs", seq])]
     assert len(masked) == 3, out
+    # the model's prediction next to every ringattn time, and per kernel
+    assert all(float(line.split()[12]) > 0 for line in speed), out
+    per_kernel = [line for line in lines if line.startswith("model ")]
+    assert len(per_kernel) == 16 and all(
+        ("fwd_tc" in line) == (line.split()[1] == "fwd") for line in per_kernel), out
+    assert sum(line.startswith("measured/model: median") for line in lines) == 1, out
     if not have_torch:
         assert "no PyTorch: SDPA columns skipped" in summary[0], out
         assert all(line.split()[8:10] == ["-", "-"] for line in speed), out

@@ -11,8 +11,10 @@ Usage:
     python tools/sass_report.py --compile [--files attn_fwd_tc,attn_bwd_tc_dq]
                                                     # nvcc -cubin cuda/*.cu itself (ptxas -v too)
   options: --arch sm_90 (default; sm_80 for the Ampere SASS), --kernels REGEX (on the
-  short names, e.g. 'fwd_tc'), --all (the SIMT kernels too), --json (one JSON
-  object on stdout, the input of ringattn/bench/model.py), --out FILE.
+  short names, e.g. 'fwd_tc'), --all (the generic SIMT kernels too: by default
+  every kernel but SIMT_FAMILIES), --json (one JSON object on stdout), --out
+  FILE, --counts FILE (the compact form ringattn/bench/model.py reads: after a
+  kernel change, `--so ... --counts ringattn/bench/kernel_counts.json`).
 
 Tools: cuobjdump (the CUDA toolkit's, or the `nvidia-cuda-cuobjdump` wheel's:
 `pip install nvidia-cuda-cuobjdump`; RINGATTN_CUOBJDUMP names one), and nvcc
@@ -498,7 +500,8 @@ def short_name(mangled):
             args.append(bool(int(t.group(2))) if t.group(1) == "b" else int(t.group(2)))
             pos += t.end()
     info = {"args": args}
-    if len(args) == 3 and args[0] in ("bf16", "fp16") and isinstance(args[1], int):
+    if (len(args) == 3 and args[0] in ("bf16", "fp16") and isinstance(args[1], int)
+            and isinstance(args[2], bool)):
         info.update(dtype=args[0], D=args[1], M=bool(args[2]))
     return name, info
 
@@ -711,6 +714,9 @@ def main(argv=None):
     ap.add_argument("--all", action="store_true", help="the SIMT kernels too")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="write the output there instead of stdout")
+    ap.add_argument("--counts", metavar="FILE",
+                    help="also write the performance model's compact counts there "
+                         "(ringattn/bench/kernel_counts.json)")
     args = ap.parse_args(argv)
     if not re.fullmatch(r"sm_\d+a?", args.arch):
         ap.error(f"--arch: expected sm_NN, got {args.arch!r}")
@@ -732,8 +738,18 @@ def main(argv=None):
                          "give --so, files, or --compile")
             paths, source = [so], so
         rows = report(paths, args.arch, ptxas_text, args.all, args.kernels)
+    full = {"source": source, "arch": args.arch, "kernels": rows}
+    if args.counts:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(
+            "ra_model", os.path.join(ROOT, "ringattn", "bench", "model.py"))
+        model = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(model)
+        with open(args.counts, "w") as f:
+            json.dump(model.compact_counts(full), f, indent=1)
+            f.write("\n")
     if args.json:
-        text = json.dumps({"source": source, "arch": args.arch, "kernels": rows}, indent=1)
+        text = json.dumps(full, indent=1)
     else:
         text = f"SASS report: {source} ({args.arch})\n" + format_table(rows)
     if args.out:

@@ -10,6 +10,12 @@ back to it, so the events bracket its kernels).  TFLOP/s follow
 flash-attention 2's convention: forward 4 * B * H * S^2 * D, halved when
 causal; backward 2.5 times the forward's count.
 
+Model: next to every ringattn time, the H100 SXM performance model's
+prediction (ringattn/bench/model.py, fed by the kernels' SASS counts in
+kernel_counts.json), with measured/model, and after the table the model's
+time of each kernel (fwd_tc; delta, dkdv_tc, dq_tc), so that one GPU run
+both checks the kernels and recalibrates the model (docs/results.md).
+
 Accuracy (flash-attention's rule): at S = 1024, B = 2, H = 4, per dtype, D
 and causal flag, the max |error| of out, dq, dk, dv against a float64
 reference, for ringattn and for plain PyTorch attention computed in the
@@ -396,14 +402,27 @@ def speed_rows(dtypes, dims, seqlens, warmup, repeats, echo=print, dev=None, siz
                                      flops * mult / (ms[(pas, name)] * 1e-3) / 1e12)
                               for name in ("ra", "flash", "cudnn")}
                         row = {"pass": pas, "dtype": dtype, "causal": causal, "D": D, "S": S,
-                               "B": B, "H": H, **tf}
+                               "B": B, "H": H, **tf, "ms": ms.get((pas, "ra")),
+                               "model": model_prediction(pas, dtype, D, S, causal, B, H)}
                         rows.append(row)
                         echo(format_speed_row(row))
     return rows
 
 
 SPEED_HEAD = (f"{'pass':4} {'dtype':8} {'causal':6} {'D':>4} {'S':>6} {'B':>3} {'H':>3} "
-              f"{'ringattn':>9} {'flash':>9} {'cudnn':>9} {'ra/flash':>8}  (TFLOP/s)")
+              f"{'ringattn':>9} {'flash':>9} {'cudnn':>9} {'ra/flash':>8} "
+              f"{'ra ms':>8} {'model ms':>8} {'ra/model':>8}  (TFLOP/s; ms)")
+
+
+def model_prediction(pas, dtype, D, S, causal, B, H):
+    """The H100 model's seconds by kernel (ringattn/bench/model.py), or
+    None where it has no counts for these kernels."""
+    from . import model
+
+    try:
+        return model.predict(pas, dtype, D, S, causal, B, H)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def format_speed_row(r):
@@ -411,8 +430,37 @@ def format_speed_row(r):
         return f"{x:9.1f}" if x is not None else f"{'-':>9}"
 
     ratio = f"{r['ra'] / r['flash']:8.2f}" if (r["ra"] and r["flash"]) else f"{'-':>8}"
+    pred = r.get("model")
+    ms = f"{r['ms']:8.2f}" if r.get("ms") else f"{'-':>8}"
+    mdl = f"{pred['total'] * 1e3:8.2f}" if pred else f"{'-':>8}"
+    vs = (f"{r['ms'] / (pred['total'] * 1e3):8.2f}" if (pred and r.get("ms"))
+          else f"{'-':>8}")
     return (f"{r['pass']:4} {r['dtype']:8} {str(r['causal']):6} {r['D']:4d} {r['S']:6d} "
-            f"{r['B']:3d} {r['H']:3d} {fmt(r['ra'])} {fmt(r['flash'])} {fmt(r['cudnn'])} {ratio}")
+            f"{r['B']:3d} {r['H']:3d} {fmt(r['ra'])} {fmt(r['flash'])} {fmt(r['cudnn'])} {ratio} "
+            f"{ms} {mdl} {vs}")
+
+
+def format_model_rows(rows):
+    """Per row the model's time of each kernel, and how the measured pass
+    time compares: the lines that recalibrate the model after a GPU run."""
+    lines = []
+    ratios = []
+    for r in rows:
+        pred = r.get("model")
+        if not pred:
+            continue
+        kernels = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in pred.items() if k != "total")
+        meas = f"; measured {r['ms']:.3f} ms" if r.get("ms") else ""
+        lines.append(f"model {r['pass']:4} {r['dtype']:8} {str(r['causal']):6} {r['D']:4d} "
+                     f"{r['S']:6d}: {kernels} ms{meas}")
+        if r.get("ms"):
+            ratios.append(r["ms"] / (pred["total"] * 1e3))
+    if ratios:
+        ratios.sort()
+        lines.append(f"measured/model: median {ratios[len(ratios) // 2]:.2f}, "
+                     f"range {ratios[0]:.2f}-{ratios[-1]:.2f} over {len(ratios)} rows "
+                     "(the model is calibrated to 0.88-1.12 on the H100 baseline)")
+    return lines
 
 
 def format_accuracy_row(r):
@@ -595,6 +643,12 @@ def run(args=None) -> int:
     rows = speed_rows(DTYPES, HEAD_DIMS, seqlens, warmup, repeats,
                       echo=lambda line: print(line, flush=True), dev=dev, sizes=sizes)
     bars = speed_bars(rows)
+    print()
+    print("model: the H100 SXM performance model's time per kernel (docs/results.md; "
+          "ringattn/bench/model.py, counts from tools/sass_report.py)"
+          + (" -- the measured times here are not an H100's" if emulated else ""))
+    for line in format_model_rows(rows):
+        print(line, flush=True)
     S_masked = max(seqlens)
     H_masked = max(1, hidden // 128)
     print()
