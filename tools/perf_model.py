@@ -156,12 +156,12 @@ def mix_bwd(D, keys, warps, rows, p_in_regs, int_per_ldsm=1.5, red_width=1, fast
     e = Nk * Mq // (32 * W)                             # score elements per thread
     mix = {"HMMA": hmma, "LDSM": ldsm, "STS": sts,
            "LDGSTS": 2 * Mq * D * 2 // (512 * W), "LDS": e // 2,
-           "RED": Mq * D // (32 * W * red_width),
+           "RED": Mq * D // (32 * W * red_width), "RED_BYTES": 2 * 4 * Mq * D // W,
            "MUFU": e, "FFMA": 2 * e, "FMUL": e + (0 if fast_exp else 2 * e),
            "FADD": e, "FSEL": 0 if fast_exp else e, "F2FP": e, "BAR": 3}
     ints = int_per_ldsm * ldsm + 40
     mix["IMAD"], mix["IALU"] = round(0.45 * ints), round(0.55 * ints)
-    mix["total"] = round(sum(mix.values()) * 1.06)
+    mix["total"] = round((sum(mix.values()) - mix["RED_BYTES"]) * 1.06)
     return mix
 
 
@@ -357,6 +357,18 @@ def table_designs(pas):
         out += [f"\n{pas}, D = {D}: predicted ms / ratio to the measured SDPA flash "
                 "(> 1: faster than flash) / to cuDNN", "", head,
                 "|---|---:|---:|---:|---|" + "---:|" * len(keys)]
+        if pas == "bwd":   # today's split kernels, from their SASS counts
+            base = m.load_counts(BASELINE_COUNTS)
+            cells = []
+            for k in keys:
+                B, H = shape(D, k[2])
+                t = m.predict("bwd", k[0], D, k[2], k[3], B, H, counts=base)["total"]
+                cells.append(f"{t * 1e3:.2f} / {measured_s(k, 4) / t:.2f} / "
+                             f"{measured_s(k, 5) / t:.2f}")
+            rec = base[f"dkdv_tc<bf16,{D},->"]
+            out.append(f"| today: dkdv_tc + dq_tc (SASS) | {rec['registers']} | "
+                       f"{rec['dynamic_smem'] // 1024} | 2 | smem, latency | "
+                       + " | ".join(cells) + " |")
         for dsg in designs:
             rec = dsg.record()
             per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"], 32 * dsg.warps)

@@ -17,7 +17,8 @@ cycle each), one warp's share of one loop iteration (a "warp-tile") costs
           128 B per warp instruction) at 128 B per cycle per SM, shared by
           the 4 SMSPs: bytes / 32 per warp-tile
   l2      bytes cp.async brings in (and twice the bytes red.global.add
-          adds), at L2_BYTES_PER_S over the whole chip.
+          adds: RED_BYTES when a counted mix gives it, else 256 per RED),
+          at L2_BYTES_PER_S over the whole chip.
 B = the largest of these is the throughput bound of one warp-tile.  The
 latency bound is L, the cycles one warp alone needs for its tile (the
 single-warp replay of the control bits in sass_report.py).  With w warps
@@ -102,8 +103,8 @@ def pipe_cycles(mix):
         "mufu": PIPE_CYCLES["mufu"] * g("MUFU"),
         "smem": smem_bytes * SMSP_PER_SM / SMEM_BYTES_PER_CYCLE,
         # cp.async reads; a float32 red.global.add reads and writes its sector
-        "l2": (512 * g("LDGSTS") + 256 * g("RED")) * SMS * SMSP_PER_SM * CLOCK_HZ
-        / L2_BYTES_PER_S,
+        "l2": (512 * g("LDGSTS") + mix.get("RED_BYTES", 256 * g("RED")))
+        * SMS * SMSP_PER_SM * CLOCK_HZ / L2_BYTES_PER_S,
     }
 
 
