@@ -59,9 +59,13 @@ a sequence; `cold` is the sum of the cold regions (an upper bound on what a
 masked tile adds: exclusive paths are all counted).  Limits: the split
 is structural, not a profile (a cold region taken on every tile would be
 missed, a hot one skipped would be counted); a loop the compiler unrolled
-by n shows n tiles per iteration (the HMMA count shows it); indirect
-branches (BRX/JMX) are not followed (none in these kernels); and static
-counts are per warp, not the executed mix of predicated-off instructions.
+by n shows n tiles per iteration, and a loop nested inside the tile loop (a
+k-step loop left rolled, e.g. by `#pragma unroll 1`) is counted once, not
+per trip: the HMMA count per tile shows both; indirect branches (BRX/JMX)
+are not followed (none in these kernels); and the counts are static, per
+warp (predicated-off instructions count, as they take an issue slot).
+The graph is the one `nvdisasm -bbcfg` draws, built here from cuobjdump's
+branch targets so that one tool (one pip wheel) suffices.
 
 The single-warp schedule (`cycles`).  Every Volta+ instruction carries the
 compiler's schedule in its control bits: a stall count (cycles before the
