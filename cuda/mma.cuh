@@ -5,6 +5,8 @@
  *   ldmatrix_x4     four 8x8 16-bit matrices from shared memory into the
  *                   mma fragment layout (optionally transposed)
  *   mma_16816       D(16x8, f32) += A(16x16) * B(16x8), f16 or bf16 inputs
+ *   ex2_approx      2^x by the MUFU unit (ex2.approx.ftz.f32), without the
+ *                   denormal guard exp2f() compiles to
  * and the XOR swizzle used for every shared tile whose rows are 64 or 128
  * 16-bit elements: the 16-byte chunk c of row r lives at chunk c ^ (r & 7),
  * so the 8 row addresses of one ldmatrix matrix (same c, 8 consecutive r)
@@ -99,6 +101,23 @@ __device__ __forceinline__ void mma_16816<bf16_t>(float (&c)[4], const uint32_t 
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+/* 2^x as ex2.approx.ftz.f32: one MUFU.EX2, where exp2f() adds a compare
+ * and two multiplies to keep subnormal results.  Subnormal inputs and
+ * results are flushed to zero (after the row max is subtracted the
+ * argument is <= 0, and a probability below 2^-126 is 0 in 16 bits anyway);
+ * 2^-inf = 0, 2^NaN = NaN.  Relative error 2^-22 on the device; the
+ * emulated GPU computes exp2f and flushes the same way. */
+__device__ __forceinline__ float ex2_approx(float x) {
+#ifdef RA_CUDA_EMULATED
+    const float r = exp2f(x);
+    return r < 1.17549435e-38f ? 0.0f : r;
+#else
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
 #endif
 }
 
