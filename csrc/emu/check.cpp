@@ -172,11 +172,13 @@ static void tma_unseen(const Thread *t, size_t off, bool write, const Cell &c) {
 
 static void pending_async_read(const Thread *t, size_t off, const Cell &c, const char *who) {
     const AsyncOp &op = t->blk->hp->ops[c.aop];
+    char by[48];
+    if (op.thread == kNone) snprintf(by, sizeof by, "warpgroup %u", op.first_warp / 4u);
+    else snprintf(by, sizeof by, "thread %u", (unsigned)op.thread);
     ra_emu_report(RA_EMU_CP_ASYNC_PENDING,
-                  "__shared__ %s at byte %zu, which a pending %s of warpgroup/warp %u reads: "
-                  "written before the %s that retires it", who, off, op.what,
-                  op.first_warp / (op.nwarps == 4 ? 4u : 1u),
-                  op.nwarps == 4 ? "wgmma.wait_group" : "cp.async.bulk.wait_group.read");
+                  "__shared__ %s at byte %zu, which a pending %s of %s reads: written before "
+                  "the %s that retires it", who, off, op.what, by,
+                  op.thread == kNone ? "wgmma.wait_group" : "cp.async.bulk.wait_group.read");
 }
 
 /* whether thread t still has async op `op` in flight (issued, not retired
