@@ -44,6 +44,7 @@ void ra_emu_mbar_init(void *bar, unsigned count);
 void ra_emu_mbar_inval(void *bar);
 uint64_t ra_emu_mbar_arrive(void *bar, unsigned count, unsigned tx);
 void ra_emu_mbar_expect_tx(void *bar, unsigned tx);
+/* test: test_wait (the first poll of an incomplete phase returns 0) */
 int ra_emu_mbar_wait(void *bar, unsigned parity, int test);
 
 void ra_emu_tma_load(void *dst, const void *tensor_map, const int32_t *coords, int rank,

@@ -367,6 +367,7 @@ static void run_block(Worker *w, Job *job, uint64_t index) {
         t->n_cp = 0;
         t->n_groups = 0;
         t->wait_arg = t->wait_arg2 = 0;
+        t->poll_slot = t->poll_phase = 0;
         hp_thread_start(t);
         t->asan_fake_stack = nullptr;
         fiber_prepare(t);

@@ -87,6 +87,7 @@ struct Thread {
      * collective's kind), and its wgmma / bulk-copy state (sm90.h,
      * allocated on first use) */
     uint32_t wait_arg, wait_arg2;
+    uint32_t poll_slot, poll_phase;   /* the last mbarrier phase test_wait polled */
     struct Sm90Thread *hp;
 
     void *asan_fake_stack;    /* AddressSanitizer's fiber bookkeeping */

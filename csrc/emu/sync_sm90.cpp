@@ -19,9 +19,10 @@
  * blocks the thread until then; when no thread of the block can run any
  * more, the block is a deadlock whose report names the barrier, the
  * parity waited for and the arrivals and transaction bytes still missing.
- * test_wait blocks the same way (the emulator cannot tell a poll from a
- * wait).  Bulk copies (ptx_tma.cpp) count their bytes at issue; their data
- * lands when the phase completes.
+ * test_wait answers 0 to the first poll of a phase not yet complete, then
+ * waits like try_wait (the emulator cannot tell a spin from a wait).  Bulk
+ * copies (ptx_tma.cpp) count their bytes at issue; their data lands when
+ * the phase completes.
  *
  * Named barriers: ids 1-15 (0 is __syncthreads'), counts in threads, a
  * multiple of 32; a barrier completes when `count` threads have arrived
@@ -442,13 +443,22 @@ extern "C" int ra_emu_mbar_wait(void *bar, unsigned parity, int test) {
     const int s = hp_mbar_slot(t, bar, what);
     Block *b = t->blk;
     if (parity > 1) ra_emu_report(RA_EMU_TRAP, "%s with parity %u (0 or 1)", what, parity);
-    for (;;) {
+    for (bool first = true;; first = false) {
         MBarrier &m = b->hp->mbar[s];
         if ((phase_index(m) & 1u) != parity) {
             hp_acquire(b, t->warp, m.done);
             uint32_t &seen = b->hp->vc[t->warp][32 + s];
             seen = umax(seen, m.phase);
             return 1;
+        }
+        /* test_wait: the first poll of a phase answers "not yet" at once,
+         * as the device does; a thread that polls it again waits (the
+         * emulator cannot tell a spin from a wait, and a wait that can
+         * never end is then a deadlock it reports) */
+        if (test && first && !(t->poll_slot == (uint32_t)s + 1 && t->poll_phase == m.phase)) {
+            t->poll_slot = (uint32_t)s + 1;
+            t->poll_phase = m.phase;
+            return 0;
         }
         t->state = T_MBAR;
         t->wait_arg = (uint32_t)s;

@@ -15,7 +15,7 @@
  *   bulk_load                cp.async.bulk(.tensor) with an mbarrier /
  *                            bulk groups
  *   fence_proxy_async, named_bar_sync / named_bar_arrive,
- *   setmaxnreg_inc / dec<N>, elect_one, stmatrix_x{1,2,4}{_trans}
+ *   setmaxnreg_inc / dec<N>, elect_sync / elect_one, stmatrix_x{1,2,4}{_trans}
  *
  * N is any multiple of 8 in 8..256; T is ra::half_t or ra::bf16_t.  The
  * register and shared-memory layouts are the PTX ISA's (csrc/emu/
@@ -590,19 +590,23 @@ __device__ __forceinline__ void setmaxnreg_dec() {
     RA_SM90_ONLY(asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)));
 #endif
 }
-/* elect.sync over the full warp: whether this lane leads; *lane: the leader */
-__device__ __forceinline__ bool elect_one(uint32_t *lane = nullptr) {
+/* elect.sync over the lanes of `mask` (every one of them must call it):
+ * whether this lane leads; *lane: the leader */
+__device__ __forceinline__ bool elect_sync(uint32_t mask, uint32_t *lane = nullptr) {
     uint32_t leader = 0, is = 0;
 #ifdef RA_CUDA_EMULATED
     int me = 0;
-    leader = ra_emu_elect(0xffffffffu, &me);
+    leader = ra_emu_elect(mask, &me);
     is = (uint32_t)me;
 #else
     RA_SM90_ONLY(asm volatile("{\n.reg .pred p;\nelect.sync %0|p, %2;\nselp.u32 %1, 1, 0, p;\n}\n"
-                              : "=r"(leader), "=r"(is) : "r"(0xffffffffu)));
+                              : "=r"(leader), "=r"(is) : "r"(mask)));
 #endif
     if (lane != nullptr) *lane = leader;
     return is != 0;
+}
+__device__ __forceinline__ bool elect_one(uint32_t *lane = nullptr) {
+    return elect_sync(0xffffffffu, lane);
 }
 
 /* stmatrix: lane 8i + j gives the address of row j of matrix i (16-byte
