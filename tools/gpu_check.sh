@@ -191,6 +191,12 @@ need_build() {  # build first unless this run built or checked already
     [[ "${RESULT[build]}" == PASS* ]]
 }
 
+nvcc_path() {  # the toolkit's nvcc ($CUDA_HOME, /usr/local/cuda, PATH)
+    local nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
+    [ -x "$nvcc" ] || nvcc="$(command -v nvcc)"
+    echo "$nvcc"
+}
+
 # The selftest binary, linked with the CUDA objects the build made (or
 # compiled here when there are none); rebuilt when its sources changed.
 selftest_binary() {
@@ -205,8 +211,8 @@ selftest_binary() {
         return 0
     fi
     mkdir -p "$dir/obj"
-    local nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
-    [ -x "$nvcc" ] || nvcc="$(command -v nvcc)"
+    local nvcc
+    nvcc="$(nvcc_path)"
     local flags=(-O3 -std=c++17 -Xcompiler -fPIC --expt-relaxed-constexpr -DRA_WITH_CUDA
                  -I"$REPO/csrc" -I"$REPO/cuda" -gencode "arch=compute_$arch,code=sm_$arch")
     local srcs=("$REPO"/cuda/*.cu) objs=() src pid pids=() bad=0
@@ -235,7 +241,7 @@ selftest_binary() {
 # build_selftest: print the selftest binary's path; fails (with the tail
 # of its log on stderr) when it does not build
 build_selftest() {
-    export -f selftest_binary source_hash
+    export -f selftest_binary source_hash nvcc_path
     export ARCHS WORK REPO
     run_logged selftest_build 300 bash -c selftest_binary
     local bin
@@ -282,8 +288,8 @@ ptx_binary() {
         return 0
     fi
     mkdir -p "$dir"
-    local nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
-    [ -x "$nvcc" ] || nvcc="$(command -v nvcc)"
+    local nvcc
+    nvcc="$(nvcc_path)"
     "$nvcc" -O2 -std=c++17 -arch=sm_90a -DRA_WITH_CUDA -I"$REPO/csrc" -I"$REPO/cuda" \
         "$REPO/tools/ptx_conformance.cu" -o "$dir/ptx_conformance" || return 1
     echo "$hash" >"$dir/hash"
@@ -292,7 +298,7 @@ ptx_binary() {
 
 stage_ptx() {
     note "== ptx: tools/ptx_conformance.cu (sm_90a) vs the emulator's digests (~0.5 min)"
-    export -f ptx_binary
+    export -f ptx_binary nvcc_path
     export WORK REPO
     run_logged ptx_build 240 bash -c ptx_binary
     local bin rc
@@ -409,8 +415,8 @@ stage_sanitize() {
     local tool rc out verdict=PASS parts=()
     # the positive control: memcheck with the same filter must catch the
     # canary's out-of-bounds write, or every "clean" below means nothing
-    local nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" arch="${ARCHS%%[;, ]*}"
-    [ -x "$nvcc" ] || nvcc="$(command -v nvcc)"
+    local nvcc arch="${ARCHS%%[;, ]*}"
+    nvcc="$(nvcc_path)"
     run_logged sanitize_canary 120 bash -c "'$nvcc' -O1 -arch=sm_${arch#sm_} \
         '$REPO/tools/sanitizer_canary.cu' -o '$WORK/canary' && '$san' --tool memcheck \
         --error-exitcode 9 --kernel-name '$KERNEL_FILTER' '$WORK/canary'"

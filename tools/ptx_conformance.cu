@@ -533,21 +533,14 @@ static std::vector<uint16_t> tensor(int rank, const uint64_t *dims, uint64_t *st
 static CUtensorMap map_of(int rank, void *base, const uint64_t *dims, const uint64_t *strides,
                           const uint32_t *box, const uint32_t *estride, int swizzle) {
     char err[300] = "";
-    ra_tensor_map_encode_fn enc = ra_tensor_map_encoder(err, sizeof err);
-    if (enc == nullptr) {
-        fprintf(stderr, "ptx_conformance: %s\n", err);
-        exit(2);
-    }
     CUtensorMap m;
     const CUtensorMapSwizzle sw = swizzle == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
                                   : swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
                                   : swizzle == 32 ? CU_TENSOR_MAP_SWIZZLE_32B
                                                   : CU_TENSOR_MAP_SWIZZLE_NONE;
-    const CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, base, dims,
-                           strides, box, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, sw,
-                           CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        fprintf(stderr, "ptx_conformance: cuTensorMapEncodeTiled returned %d\n", (int)r);
+    if (ra_tensor_map_tiled(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (unsigned)rank, base, dims,
+                            strides, box, estride, sw, err, sizeof err) != 0) {
+        fprintf(stderr, "ptx_conformance: %s\n", err);
         exit(2);
     }
     return m;

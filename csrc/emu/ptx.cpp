@@ -19,7 +19,7 @@
 
 namespace ra_emu {
 
-static Thread *current(const char *what) {
+Thread *kernel_thread(const char *what) {
     Thread *t = current_thread();
     if (t == nullptr) {
         fprintf(stderr, "ringattn emulated GPU: %s called outside a kernel\n", what);
@@ -183,7 +183,7 @@ using namespace ra_emu;
 
 extern "C" void ra_emu_cp_async(void *smem_dst, const void *global_src, int cp_size,
                                 int src_size) {
-    Thread *t = current("cp.async");
+    Thread *t = kernel_thread("cp.async");
     if ((cp_size != 4 && cp_size != 8 && cp_size != 16) || src_size < 0 ||
         src_size > cp_size)
         ra_emu_report(RA_EMU_TRAP, "cp.async of cp-size %d, src-size %d", cp_size, src_size);
@@ -205,7 +205,7 @@ extern "C" void ra_emu_cp_async(void *smem_dst, const void *global_src, int cp_s
 }
 
 extern "C" void ra_emu_cp_async_commit(void) {
-    Thread *t = current("cp.async.commit_group");
+    Thread *t = kernel_thread("cp.async.commit_group");
     if (t->n_groups == kMaxCpGroups) {
         ra_emu_report(RA_EMU_TRAP, "more than %d cp.async groups in flight in one thread",
                       (int)kMaxCpGroups);
@@ -214,7 +214,7 @@ extern "C" void ra_emu_cp_async_commit(void) {
 }
 
 extern "C" void ra_emu_cp_async_wait(int n) {
-    Thread *t = current("cp.async.wait_group");
+    Thread *t = kernel_thread("cp.async.wait_group");
     if (n < 0) n = 0;
     while (t->n_groups > n) {
         const int end = t->group_end[0];
@@ -225,7 +225,7 @@ extern "C" void ra_emu_cp_async_wait(int n) {
 }
 
 extern "C" void ra_emu_ldmatrix(uint32_t *regs, const void *smem_row, int num, int trans) {
-    Thread *t = current("ldmatrix");
+    Thread *t = kernel_thread("ldmatrix");
     if (num != 1 && num != 2 && num != 4)
         ra_emu_report(RA_EMU_TRAP, "ldmatrix of %d matrices", num);
     t->in[0] = (uint64_t)(uintptr_t)smem_row;
@@ -235,7 +235,7 @@ extern "C" void ra_emu_ldmatrix(uint32_t *regs, const void *smem_row, int num, i
 
 extern "C" void ra_emu_mma_m16n8k16(float *c, const uint32_t *a, uint32_t b0, uint32_t b1,
                                     int bf16) {
-    Thread *t = current("mma.sync");
+    Thread *t = kernel_thread("mma.sync");
     for (int i = 0; i < 4; i++) t->in[i] = a[i];
     t->in[4] = b0;
     t->in[5] = b1;
@@ -252,7 +252,7 @@ extern "C" void ra_emu_mma_m16n8k16(float *c, const uint32_t *a, uint32_t b0, ui
 }
 
 extern "C" void ra_emu_stmatrix(void *row, const uint32_t *regs, int num, int trans) {
-    Thread *t = current("stmatrix");
+    Thread *t = kernel_thread("stmatrix");
     if (num != 1 && num != 2 && num != 4)
         ra_emu_report(RA_EMU_TRAP, "stmatrix of %d matrices", num);
     t->in[0] = (uint64_t)(uintptr_t)row;
@@ -261,7 +261,7 @@ extern "C" void ra_emu_stmatrix(void *row, const uint32_t *regs, int num, int tr
 }
 
 extern "C" unsigned ra_emu_elect(unsigned mask, int *leader) {
-    Thread *t = current("elect.sync");
+    Thread *t = kernel_thread("elect.sync");
     collective(C_ELECT, 0, mask, 0, 32);
     const unsigned lane = (unsigned)t->out[0];
     *leader = lane == t->lane;

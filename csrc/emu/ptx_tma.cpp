@@ -36,15 +36,6 @@
 
 namespace ra_emu {
 
-static Thread *current(const char *what) {
-    Thread *t = current_thread();
-    if (t == nullptr) {
-        fprintf(stderr, "ringattn emulated GPU: %s called outside a kernel\n", what);
-        abort();
-    }
-    return t;
-}
-
 static EmuTensorMap read_map(const void *p, int rank, const char *what) {
     EmuTensorMap m;
     if ((uintptr_t)p % 64)
@@ -157,7 +148,7 @@ using namespace ra_emu;
 
 extern "C" void ra_emu_tma_load(void *dst, const void *tensor_map, const int32_t *coords,
                                 int rank, void *bar) {
-    Thread *t = current("cp.async.bulk.tensor");
+    Thread *t = kernel_thread("cp.async.bulk.tensor");
     const char *what = "cp.async.bulk.tensor (load)";
     Block *b = t->blk;
     hp_block(b);
@@ -184,7 +175,7 @@ extern "C" void ra_emu_tma_load(void *dst, const void *tensor_map, const int32_t
 }
 
 extern "C" void ra_emu_bulk_load(void *dst, const void *src, unsigned bytes, void *bar) {
-    Thread *t = current("cp.async.bulk");
+    Thread *t = kernel_thread("cp.async.bulk");
     const char *what = "cp.async.bulk (load)";
     hp_block(t->blk);
     if (bytes == 0 || bytes % 16 || (uintptr_t)src % 16)
@@ -222,7 +213,7 @@ static void bulk_store_op(Thread *t, const void *src, size_t bytes) {
 
 extern "C" void ra_emu_tma_store(const void *tensor_map, const int32_t *coords, int rank,
                                  const void *src) {
-    Thread *t = current("cp.async.bulk.tensor");
+    Thread *t = kernel_thread("cp.async.bulk.tensor");
     const char *what = "cp.async.bulk.tensor (store)";
     Block *b = t->blk;
     hp_block(b);
@@ -244,7 +235,7 @@ extern "C" void ra_emu_tma_store(const void *tensor_map, const int32_t *coords, 
 }
 
 extern "C" void ra_emu_bulk_commit(void) {
-    Thread *t = current("cp.async.bulk.commit_group");
+    Thread *t = kernel_thread("cp.async.bulk.commit_group");
     Sm90Thread *s = hp_thread(t);
     if (s->n_bulk_groups == kMaxBulkGroups)
         ra_emu_report(RA_EMU_TRAP, "more than %u bulk groups pending in one thread",
@@ -254,7 +245,7 @@ extern "C" void ra_emu_bulk_commit(void) {
 
 extern "C" void ra_emu_bulk_wait(int n, int read) {
     (void)read;   /* the global writes were done at issue */
-    Thread *t = current("cp.async.bulk.wait_group");
+    Thread *t = kernel_thread("cp.async.bulk.wait_group");
     Sm90Thread *s = hp_thread(t);
     if (n < 0 || n > 7) ra_emu_report(RA_EMU_TRAP, "cp.async.bulk.wait_group %d (0..7)", n);
     if (s->n_bulk_groups <= (unsigned)n) return;

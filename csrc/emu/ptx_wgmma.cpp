@@ -48,15 +48,6 @@
 
 namespace ra_emu {
 
-static Thread *current(const char *what) {
-    Thread *t = current_thread();
-    if (t == nullptr) {
-        fprintf(stderr, "ringattn emulated GPU: %s called outside a kernel\n", what);
-        abort();
-    }
-    return t;
-}
-
 /* the payload of one thread's wgmma.mma_async (Thread::in) */
 enum : uint64_t {
     F_BF16 = 1u << 16, F_SCALE_D = 1u << 17, F_NEG_A = 1u << 18, F_NEG_B = 1u << 19,
@@ -275,7 +266,7 @@ void hp_retire_op(Thread *t, uint32_t op_index) {
 using namespace ra_emu;
 
 extern "C" void ra_emu_wgmma_fence(void) {
-    Thread *t = current("wgmma.fence");
+    Thread *t = kernel_thread("wgmma.fence");
     hp_block(t->blk);
     hp_thread(t)->fences++;
 }
@@ -283,7 +274,7 @@ extern "C" void ra_emu_wgmma_fence(void) {
 extern "C" void ra_emu_wgmma(float *d, int n, const uint32_t *a_regs, uint64_t a_desc,
                              uint64_t b_desc, int bf16, int scale_d, int scale_a, int scale_b,
                              int trans_a, int trans_b) {
-    Thread *t = current("wgmma.mma_async");
+    Thread *t = kernel_thread("wgmma.mma_async");
     if (n < 8 || n > 256 || n % 8)
         ra_emu_report(RA_EMU_TRAP, "wgmma.mma_async.m64n%dk16: N must be a multiple of 8 in "
                       "8..256", n);
@@ -311,7 +302,7 @@ extern "C" void ra_emu_wgmma(float *d, int n, const uint32_t *a_regs, uint64_t a
 }
 
 extern "C" void ra_emu_wgmma_commit(void) {
-    Thread *t = current("wgmma.commit_group");
+    Thread *t = kernel_thread("wgmma.commit_group");
     Sm90Thread *s = hp_thread(t);
     if (s->n_groups == kMaxWgGroups)
         ra_emu_report(RA_EMU_TRAP, "more than %u wgmma groups pending in one thread",
@@ -320,7 +311,7 @@ extern "C" void ra_emu_wgmma_commit(void) {
 }
 
 extern "C" void ra_emu_wgmma_wait(int n) {
-    Thread *t = current("wgmma.wait_group");
+    Thread *t = kernel_thread("wgmma.wait_group");
     Sm90Thread *s = hp_thread(t);
     if (n < 0 || n > 7) ra_emu_report(RA_EMU_TRAP, "wgmma.wait_group %d (0..7)", n);
     if (s->n_groups <= (unsigned)n) return;

@@ -190,6 +190,9 @@ extern Worker *g_workers[256];
 
 /* The thread running kernel code on this OS thread (NULL off a kernel). */
 static inline Thread *current_thread(void);
+/* the thread running kernel code, for an entry point named `what`; a call
+ * outside a kernel aborts the process (ptx.cpp) */
+Thread *kernel_thread(const char *what);
 /* Switch from a fiber back to its worker's scheduler (simt.cpp); returns
  * when the scheduler runs it again. */
 void fiber_yield(Thread *t);

@@ -40,15 +40,6 @@ namespace ra_emu {
 
 static inline uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
-static Thread *current(const char *what) {
-    Thread *t = current_thread();
-    if (t == nullptr) {
-        fprintf(stderr, "ringattn emulated GPU: %s called outside a kernel\n", what);
-        abort();
-    }
-    return t;
-}
-
 Sm90Block *hp_block(Block *b) {
     if (b->hp == nullptr) b->hp = new Sm90Block();
     Sm90Block *h = b->hp;
@@ -363,7 +354,7 @@ using namespace ra_emu;
 /* ---- entry points (ptx_sm90.h) ----------------------------------------------------- */
 
 extern "C" void ra_emu_mbar_init(void *bar, unsigned count) {
-    Thread *t = current("mbarrier.init");
+    Thread *t = kernel_thread("mbarrier.init");
     Block *b = t->blk;
     Sm90Block *h = hp_block(b);
     check_mbar_address(t, bar, "mbarrier.init");
@@ -393,7 +384,7 @@ extern "C" void ra_emu_mbar_init(void *bar, unsigned count) {
 }
 
 extern "C" void ra_emu_mbar_inval(void *bar) {
-    Thread *t = current("mbarrier.inval");
+    Thread *t = kernel_thread("mbarrier.inval");
     const int s = hp_mbar_slot(t, bar, "mbarrier.inval");
     MBarrier &m = t->blk->hp->mbar[s];
     char where[96];
@@ -404,7 +395,7 @@ extern "C" void ra_emu_mbar_inval(void *bar) {
 }
 
 extern "C" uint64_t ra_emu_mbar_arrive(void *bar, unsigned count, unsigned tx) {
-    Thread *t = current("mbarrier.arrive");
+    Thread *t = kernel_thread("mbarrier.arrive");
     const int s = hp_mbar_slot(t, bar, tx ? "mbarrier.arrive.expect_tx" : "mbarrier.arrive");
     Block *b = t->blk;
     MBarrier &m = b->hp->mbar[s];
@@ -428,7 +419,7 @@ extern "C" uint64_t ra_emu_mbar_arrive(void *bar, unsigned count, unsigned tx) {
 }
 
 extern "C" void ra_emu_mbar_expect_tx(void *bar, unsigned tx) {
-    Thread *t = current("mbarrier.expect_tx");
+    Thread *t = kernel_thread("mbarrier.expect_tx");
     const int s = hp_mbar_slot(t, bar, "mbarrier.expect_tx");
     MBarrier &m = t->blk->hp->mbar[s];
     m.tx += tx;
@@ -438,7 +429,7 @@ extern "C" void ra_emu_mbar_expect_tx(void *bar, unsigned tx) {
 }
 
 extern "C" int ra_emu_mbar_wait(void *bar, unsigned parity, int test) {
-    Thread *t = current("mbarrier.try_wait");
+    Thread *t = kernel_thread("mbarrier.try_wait");
     const char *what = test ? "mbarrier.test_wait.parity" : "mbarrier.try_wait.parity";
     const int s = hp_mbar_slot(t, bar, what);
     Block *b = t->blk;
@@ -473,7 +464,7 @@ extern "C" int ra_emu_mbar_wait(void *bar, unsigned parity, int test) {
 }
 
 extern "C" void ra_emu_named_barrier(unsigned id, unsigned count, int arrive_only) {
-    Thread *t = current("bar.sync");
+    Thread *t = kernel_thread("bar.sync");
     Block *b = t->blk;
     Sm90Block *h = hp_block(b);
     const char *what = arrive_only ? "bar.arrive" : "bar.sync";
@@ -502,20 +493,20 @@ extern "C" void ra_emu_named_barrier(unsigned id, unsigned count, int arrive_onl
 }
 
 extern "C" void ra_emu_setmaxnreg(unsigned n, int inc) {
-    Thread *t = current("setmaxnreg");
+    Thread *t = kernel_thread("setmaxnreg");
     t->in[0] = n;
     t->in[1] = inc ? 1 : 0;
     hp_wg_collective(t, WG_SETMAXNREG, complete_setmaxnreg);
 }
 
 extern "C" unsigned ra_emu_warpgroup_maxnreg(void) {
-    Thread *t = current("setmaxnreg");
+    Thread *t = kernel_thread("setmaxnreg");
     Block *b = t->blk;
     return b->hp_on ? b->hp->maxnreg[t->warp / 4] : 0;
 }
 
 extern "C" void ra_emu_fence_proxy_async(void) {
-    Thread *t = current("fence.proxy.async");
+    Thread *t = kernel_thread("fence.proxy.async");
     Block *b = t->blk;
     Sm90Block *h = hp_block(b);
     h->fence[t->warp] = b->now++;

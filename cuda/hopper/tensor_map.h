@@ -10,11 +10,12 @@
  *   int ra_tensor_map_tiled(CUtensorMap *map, CUtensorMapDataType dtype,
  *                           unsigned rank, const void *base,
  *                           const uint64_t *dims, const uint64_t *strides,
- *                           const uint32_t *box, CUtensorMapSwizzle swizzle,
- *                           char *err, size_t errlen);
+ *                           const uint32_t *box, const uint32_t *elem_strides,
+ *                           CUtensorMapSwizzle swizzle, char *err, size_t errlen);
  *
  * dims[rank] and box[rank] in elements and strides[rank - 1] in bytes (of
- * dimensions 1..rank-1), innermost dimension first; element strides 1, no
+ * dimensions 1..rank-1), innermost dimension first; elem_strides[rank] (NULL:
+ * all 1) takes every elem_strides[i]-th element of dimension i >= 1; no
  * interleave, out-of-bounds elements read as zero.  Returns 0, or -1 with a
  * sentence in err naming the driver's answer and the arguments.  map must
  * be 64-byte aligned (a CUtensorMap variable is); pass it to a kernel as a
@@ -63,7 +64,8 @@ static inline ra_tensor_map_encode_fn ra_tensor_map_encoder(char *err, size_t er
 static inline int ra_tensor_map_tiled(CUtensorMap *map, CUtensorMapDataType dtype,
                                       unsigned rank, const void *base, const uint64_t *dims,
                                       const uint64_t *strides, const uint32_t *box,
-                                      CUtensorMapSwizzle swizzle, char *err, size_t errlen) {
+                                      const uint32_t *elem_strides, CUtensorMapSwizzle swizzle,
+                                      char *err, size_t errlen) {
     ra_tensor_map_encode_fn encode = ra_tensor_map_encoder(err, errlen);
     if (encode == NULL) return -1;
     if (rank < 1 || rank > 5) {
@@ -72,13 +74,14 @@ static inline int ra_tensor_map_tiled(CUtensorMap *map, CUtensorMapDataType dtyp
         return -1;
     }
     cuuint64_t d[5], s[4];
-    cuuint32_t b[5], one[5] = {1, 1, 1, 1, 1};
+    cuuint32_t b[5], e[5];
     for (unsigned i = 0; i < rank; i++) {
         d[i] = dims[i];
         b[i] = box[i];
+        e[i] = elem_strides != NULL ? elem_strides[i] : 1;
         if (i + 1 < rank) s[i] = strides[i];
     }
-    const CUresult r = encode(map, dtype, rank, (void *)base, d, rank > 1 ? s : NULL, b, one,
+    const CUresult r = encode(map, dtype, rank, (void *)base, d, rank > 1 ? s : NULL, b, e,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

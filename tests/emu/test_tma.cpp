@@ -37,16 +37,7 @@
 #include <vector>
 
 #include "emu/emu.h"
-
-#define CK(x)                                                                      \
-    do {                                                                           \
-        cudaError_t e_ = (x);                                                      \
-        if (e_ != cudaSuccess) {                                                   \
-            fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #x,           \
-                    cudaGetErrorString(e_));                                       \
-            exit(1);                                                               \
-        }                                                                          \
-    } while (0)
+#include "kernel_test.h"
 
 using namespace ra::sm90;
 
@@ -82,24 +73,19 @@ static Tensor make_tensor(int rank, const uint64_t *dims) {
     return t;
 }
 
+static CUtensorMapSwizzle swizzle_of(int span) {
+    return span == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : span == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+           : span == 32 ? CU_TENSOR_MAP_SWIZZLE_32B : CU_TENSOR_MAP_SWIZZLE_NONE;
+}
+
 static CUtensorMap make_map(const Tensor &t, const uint32_t *box, const uint32_t *estride,
                             int swizzle /* span bytes or 0 */) {
     char err[300] = "";
-    ra_tensor_map_encode_fn enc = ra_tensor_map_encoder(err, sizeof err);
-    if (enc == nullptr) {
-        fprintf(stderr, "no encoder: %s\n", err);
-        exit(1);
-    }
     CUtensorMap m;
-    const CUtensorMapSwizzle sw = swizzle == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
-                                  : swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
-                                  : swizzle == 32 ? CU_TENSOR_MAP_SWIZZLE_32B
-                                                  : CU_TENSOR_MAP_SWIZZLE_NONE;
-    const CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)t.rank, t.dev,
-                           t.dims, t.strides, box, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, sw,
-                           CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        fprintf(stderr, "cuTensorMapEncodeTiled refused a valid map (%d)\n", (int)r);
+    if (ra_tensor_map_tiled(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (unsigned)t.rank, t.dev,
+                            t.dims, t.strides, box, estride, swizzle_of(swizzle), err,
+                            sizeof err) != 0) {
+        fprintf(stderr, "a valid tensor map refused: %s\n", err);
         exit(1);
     }
     return m;
@@ -385,12 +371,12 @@ static bool encode_refusals() {
               CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
           CUDA_ERROR_INVALID_VALUE;
     ok &= ra_tensor_map_tiled(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.dev, t.dims,
-                              t.strides, box_wide, CU_TENSOR_MAP_SWIZZLE_128B, err,
+                              t.strides, box_wide, nullptr, CU_TENSOR_MAP_SWIZZLE_128B, err,
                               sizeof err) == -1 &&
           strstr(err, "cuTensorMapEncodeTiled returned 1") != nullptr &&
           strstr(err, "box 128 4") != nullptr;
     ok &= ra_tensor_map_tiled(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.dev, t.dims,
-                              t.strides, box_wide, CU_TENSOR_MAP_SWIZZLE_NONE, err,
+                              t.strides, box_wide, nullptr, CU_TENSOR_MAP_SWIZZLE_NONE, err,
                               sizeof err) == 0;
     void *p = &m;
     enum cudaDriverEntryPointQueryResult q;
@@ -498,15 +484,7 @@ static int run_broken(const char *name) {
         fprintf(stderr, "unknown case %s\n", name);
         return 2;
     }
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
-    const std::string text = ra_emu_reports_text();
-    if (e == cudaSuccess || text.empty()) {
-        fprintf(stderr, "case %s: not flagged (status %d), reports:\n%s\n", name, (int)e,
-                text.c_str());
-        return 1;
-    }
-    printf("flagged: %s", text.c_str());
-    return 0;
+    return expect_flagged(name, e, "");
 }
 
 int main(int argc, char **argv) {
