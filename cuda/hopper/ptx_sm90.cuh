@@ -23,8 +23,8 @@
  * tools/ptx_conformance.cu compares the emulator with a real GPU).
  *
  * Asynchrony rules the kernels follow (the emulated GPU's checker reports
- * each break): wgmma_fence() before the first wgmma and after any write of
- * registers a wgmma uses; an accumulator (and A-fragment registers) is not
+ * each break, except a missing fence after the first): wgmma_fence() before
+ * the first wgmma and after any write of registers a wgmma uses; an accumulator (and A-fragment registers) is not
  * touched between its wgmma and the wgmma_wait<> that retires its group,
  * after which fence_operand(acc) keeps the compiler from moving accesses
  * across the wait; shared operands are not written before that wait; a
