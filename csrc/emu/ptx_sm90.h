@@ -1,7 +1,7 @@
 /*
  * ptx_sm90.h -- the Hopper (sm_90a) PTX of cuda/hopper/ptx_sm90.cuh on
- * ringattn's emulated GPU (sync_sm90.cpp, ptx_wgmma.cpp, ptx_tma.cpp,
- * ptx.cpp).  The wrappers call these when built with RA_CUDA_EMULATED
+ * ringattn's emulated GPU (sync_sm90.cpp, mbarrier.cpp, ptx_wgmma.cpp,
+ * ptx_tma.cpp, ptx.cpp).  The wrappers call these when built with RA_CUDA_EMULATED
  * instead of their asm statements; nothing else does.  Pointers are
  * generic addresses (the wrappers' cvta to the shared window happens here).
  *

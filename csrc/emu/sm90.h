@@ -1,7 +1,7 @@
 /*
  * sm90.h -- the Hopper (sm_90) half of the emulated GPU's execution state,
- * shared by sync_sm90.cpp (the release clock, named barriers, mbarriers,
- * warpgroup collectives), ptx_wgmma.cpp (wgmma), ptx_tma.cpp (bulk copies
+ * shared by sync_sm90.cpp (the release clock, named barriers, warpgroup
+ * collectives), mbarrier.cpp, ptx_wgmma.cpp (wgmma), ptx_tma.cpp (bulk copies
  * and tensor maps), check.cpp (the checker's view of them) and simt.cpp
  * (the scheduler's).  Internal; C++.
  *
@@ -145,6 +145,8 @@ struct Sm90Thread {
     unsigned n_bulk_groups;
 };
 
+static inline uint32_t hp_max(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
 /* ---- sync_sm90.cpp ---------------------------------------------------------- */
 
 /* the Hopper state of b, switched on at its first use in the block */
@@ -159,11 +161,6 @@ uint32_t hp_release(Block *b, unsigned warp, uint32_t *carry);
 void hp_acquire(Block *b, unsigned warp, const uint32_t *carry);
 /* __syncthreads completed (simt.cpp): every warp acquires every release */
 void hp_syncthreads(Block *b);
-/* the mbarrier slot of a generic address (reported when none is live) */
-int hp_mbar_slot(Thread *t, const void *bar, const char *what);
-/* complete_tx of `bytes` on slot s, with `stage` (may be null) landing
- * at the completion of the current phase */
-void hp_mbar_complete_tx(Block *b, int s, int64_t bytes, TmaStage *stage);
 /* the scheduler: a description of what thread t waits for (T_NAMED,
  * T_MBAR, T_WGROUP), and checks when a thread returns or a block ends */
 void hp_describe_wait(const Thread *t, char *buf, size_t n);
@@ -172,6 +169,18 @@ void hp_block_end(Block *b);
 /* a warpgroup collective: the calling thread waits until its 128 threads
  * have joined; the last one runs complete(b, warpgroup) */
 void hp_wg_collective(Thread *t, uint8_t kind, void (*complete)(Block *, unsigned));
+
+/* ---- mbarrier.cpp -------------------------------------------------------------- */
+
+/* the mbarrier slot of a generic address (reported when none is live) */
+int hp_mbar_slot(Thread *t, const void *bar, const char *what);
+/* complete_tx of `bytes` on slot s, with `stage` (may be null) landing
+ * at the completion of the current phase */
+void hp_mbar_complete_tx(Block *b, int s, int64_t bytes, TmaStage *stage);
+/* what a thread in T_MBAR waits for; the block-end check (bulk copies
+ * still in flight) */
+void mbar_describe_wait(const Thread *t, char *buf, size_t n);
+void mbar_block_end(Block *b);
 
 /* ---- ptx_wgmma.cpp ------------------------------------------------------------ */
 
