@@ -1,7 +1,8 @@
 """tools/gpu_check.sh keeps its promises without a GPU to run it: the
 sanitizer's kernel filter names every ringattn kernel (by its mangled and
-its demangled name) and the canary that proves the filter matches, and the
-script parses."""
+its demangled name) and the canary that proves the filter matches, the ptx
+stage (the PTX conformance program) comes first after the build and needs
+no installed package, and the script parses."""
 
 import glob
 import os
@@ -69,6 +70,23 @@ def test_filter_matches_mangled_and_demangled_names(name):
 ])
 def test_filter_leaves_other_kernels_out(name):
     assert not _kernel_filter().search(name)
+
+
+def test_ptx_stage_runs_first_after_the_build_without_the_package():
+    text = open(SCRIPT).read()
+    stages = _script_var_dq("ALL_STAGES").split()
+    assert stages[:2] == ["build", "ptx"], stages
+    assert re.search(r"^stage_ptx\(\)", text, re.M)
+    assert '[ "$stage" != ptx ]' in text   # runs even when the build failed
+    assert "ptx_conformance.expected" in text and "-arch=sm_90a" in text
+    readme = open(os.path.join(ROOT, "tools", "README.md")).read()
+    assert "gpu_check.sh build ptx selftest tests" in readme
+
+
+def _script_var_dq(name):
+    found = re.search(rf'^{name}="([^"]*)"$', open(SCRIPT).read(), re.M)
+    assert found, f"{name} not found in gpu_check.sh"
+    return found.group(1)
 
 
 def test_script_parses():

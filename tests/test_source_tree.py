@@ -8,8 +8,9 @@ csrc/ is cut into concept folders whose dependencies point one way:
     xla/    core/, xla/, attn/attn_params.h and attn/attn_cpu.h (the CPU
             kernels), and cuda/attn_cuda.h (the CUDA launchers)
     csrc/   (module.c, the module's init) any of core/, attn/, comm/, xla/
-    cuda/   cuda/, core/, attn/attn_params.h (the kernels' params) and
-            emu/ptx.h (mma.cuh's PTX wrappers on the emulated GPU)
+    cuda/   cuda/, core/, attn/attn_params.h (the kernels' params),
+            emu/ptx.h (mma.cuh's PTX wrappers on the emulated GPU) and
+            emu/ptx_sm90.h (cuda/hopper/ptx_sm90.cuh's)
     emu/    emu/ only (the emulated GPU: below everything, it is "the
             device"); core/ and comm/ reach it only through emu/emu.h
     emu/nccl/  (the stand-in NCCL, a library of its own) emu/, emu/nccl/;
@@ -49,7 +50,7 @@ ONLY_THROUGH = {
     ("cuda", "attn"): {"csrc/attn/attn_params.h"},
     ("xla", "cuda"): {"cuda/attn_cuda.h"},
     ("xla", "attn"): {"csrc/attn/attn_params.h", "csrc/attn/attn_cpu.h"},
-    ("cuda", "emu"): {"csrc/emu/ptx.h"},
+    ("cuda", "emu"): {"csrc/emu/ptx.h", "csrc/emu/ptx_sm90.h"},
     ("core", "emu"): {"csrc/emu/emu.h"},
     ("comm", "emu"): {"csrc/emu/emu.h"},
     ("emu_nccl", "emu"): {"csrc/emu/emu.h"},

@@ -7,8 +7,9 @@
 # plus three machine starts, about 30 device-minutes; a machine is bare
 # again 30 s after a call, so every call builds):
 #
-#   1. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build selftest tests
-#        build ~2.5 min, selftest ~2 min, tests ~3.5 min          (~8 min)
+#   1. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build ptx selftest tests
+#        build ~2.5 min, ptx ~0.5 min, selftest ~2 min, tests ~3.5 min
+#                                                                  (~8.5 min)
 #   2. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build sanitize
 #        build ~2.5 min, sanitize ~6.5 min                         (~9 min)
 #   3. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build nccl bench ringbench
@@ -21,6 +22,11 @@
 #              when no installed CUDA build of these sources is there (the
 #              installed package is imported from outside the tree); REBUILD=1
 #              forces it.  Stages that need the package build it first.
+#   ptx        tools/ptx_conformance.cu, built with nvcc for sm_90a (needs no
+#              package): every PTX instruction the emulated GPU models, on
+#              fixed inputs, its digests compared with the emulator's
+#              (tools/ptx_conformance.expected); a difference names the
+#              instruction whose emulated model is wrong
 #   selftest   tools/cuda_selftest.cu, every kernel variant vs float64
 #              ("full" grid); linked with the build's CUDA objects
 #   tests      pytest -m gpu tests/test_cuda.py tests/test_cuda_interop.py
@@ -62,7 +68,7 @@ BUDGET="${GPU_CHECK_BUDGET:-570}"
 ARCHS="${RINGATTN_CUDA_ARCHS:-90}"
 export RINGATTN_CUDA_ARCHS="$ARCHS" PYTHONUNBUFFERED=1
 START=$SECONDS
-ALL_STAGES="build selftest tests sanitize nccl bench ringbench"
+ALL_STAGES="build ptx selftest tests sanitize nccl bench ringbench"
 # ringattn's kernels only, by either name the sanitizer may match: the
 # mangled one (nvcc names a kernel of an anonymous namespace after its
 # source file: _GLOBAL__N__<hash>_<n>_attn_fwd_simt_cu_...) or the
@@ -86,7 +92,7 @@ STAGES=()
 for a in "$@"; do
     case "$a" in
         all) read -r -a STAGES <<<"$ALL_STAGES" ;;
-        build | selftest | tests | sanitize | nccl | bench | ringbench) STAGES+=("$a") ;;
+        build | ptx | selftest | tests | sanitize | nccl | bench | ringbench) STAGES+=("$a") ;;
         -h | --help) usage ;;
         *) echo "gpu_check.sh: unknown stage '$a' (stages: $ALL_STAGES, all)" >&2; exit 2 ;;
     esac
@@ -185,6 +191,12 @@ need_build() {  # build first unless this run built or checked already
     [[ "${RESULT[build]}" == PASS* ]]
 }
 
+nvcc_path() {  # the toolkit's nvcc ($CUDA_HOME, /usr/local/cuda, PATH)
+    local nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
+    [ -x "$nvcc" ] || nvcc="$(command -v nvcc)"
+    echo "$nvcc"
+}
+
 # The selftest binary, linked with the CUDA objects the build made (or
 # compiled here when there are none); rebuilt when its sources changed.
 selftest_binary() {
@@ -199,8 +211,8 @@ selftest_binary() {
         return 0
     fi
     mkdir -p "$dir/obj"
-    local nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
-    [ -x "$nvcc" ] || nvcc="$(command -v nvcc)"
+    local nvcc
+    nvcc="$(nvcc_path)"
     local flags=(-O3 -std=c++17 -Xcompiler -fPIC --expt-relaxed-constexpr -DRA_WITH_CUDA
                  -I"$REPO/csrc" -I"$REPO/cuda" -gencode "arch=compute_$arch,code=sm_$arch")
     local srcs=("$REPO"/cuda/*.cu) objs=() src pid pids=() bad=0
@@ -229,7 +241,7 @@ selftest_binary() {
 # build_selftest: print the selftest binary's path; fails (with the tail
 # of its log on stderr) when it does not build
 build_selftest() {
-    export -f selftest_binary source_hash
+    export -f selftest_binary source_hash nvcc_path
     export ARCHS WORK REPO
     run_logged selftest_build 300 bash -c selftest_binary
     local bin
@@ -261,6 +273,54 @@ stage_selftest() {
         [ $rc -eq 124 ] && last="timed out; $last"
         record selftest FAIL "rc=$rc; ${last:-no summary line}${fails}"
         show_tail selftest 30
+        return 1
+    fi
+}
+
+# The conformance program, built with nvcc for sm_90a (rebuilt when its
+# sources changed); its path, or a failure with the build log's tail.
+ptx_binary() {
+    local dir="$WORK/ptx" hash
+    hash="$( (cd "$REPO" && cat tools/ptx_conformance.cu cuda/mma.cuh cuda/common.cuh \
+        cuda/hopper/*) | sha256sum | cut -c1-16)"
+    if [ -x "$dir/ptx_conformance" ] && [ "$(cat "$dir/hash" 2>/dev/null)" = "$hash" ]; then
+        echo "$dir/ptx_conformance"
+        return 0
+    fi
+    mkdir -p "$dir"
+    local nvcc
+    nvcc="$(nvcc_path)"
+    "$nvcc" -O2 -std=c++17 -arch=sm_90a -DRA_WITH_CUDA -I"$REPO/csrc" -I"$REPO/cuda" \
+        "$REPO/tools/ptx_conformance.cu" -o "$dir/ptx_conformance" || return 1
+    echo "$hash" >"$dir/hash"
+    echo "$dir/ptx_conformance"
+}
+
+stage_ptx() {
+    note "== ptx: tools/ptx_conformance.cu (sm_90a) vs the emulator's digests (~0.5 min)"
+    export -f ptx_binary nvcc_path
+    export WORK REPO
+    run_logged ptx_build 240 bash -c ptx_binary
+    local bin rc
+    bin="$(tail -n 1 "$LOGDIR/ptx_build.log")"
+    if [ ! -x "$bin" ]; then
+        record ptx FAIL "the conformance program did not build (ptx_build.log)"
+        show_tail ptx_build 30
+        return 1
+    fi
+    run_logged ptx 120 "$bin" --expected "$REPO/tools/ptx_conformance.expected"
+    rc=$?
+    local last differ overall
+    last="$(grep -E '^ptx_conformance: ' "$LOGDIR/ptx.log" | tail -n 1)"
+    overall="$(grep -E '^overall ' "$LOGDIR/ptx.log" | awk '{print $NF}')"
+    differ="$(grep -E '^(DIFFERS|MISSING)' "$LOGDIR/ptx.log" | cut -d: -f1 | cut -c9- |
+        head -n 8 | tr '\n' ';')"
+    if [ $rc -eq 0 ]; then
+        record ptx PASS "${last#ptx_conformance: } (overall $overall)"
+    else
+        [ $rc -eq 124 ] && last="timed out; $last"
+        record ptx FAIL "rc=$rc; ${last:-no summary line}${differ:+; differ: ${differ%;}}"
+        show_tail ptx 45
         return 1
     fi
 }
@@ -355,8 +415,8 @@ stage_sanitize() {
     local tool rc out verdict=PASS parts=()
     # the positive control: memcheck with the same filter must catch the
     # canary's out-of-bounds write, or every "clean" below means nothing
-    local nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" arch="${ARCHS%%[;, ]*}"
-    [ -x "$nvcc" ] || nvcc="$(command -v nvcc)"
+    local nvcc arch="${ARCHS%%[;, ]*}"
+    nvcc="$(nvcc_path)"
     run_logged sanitize_canary 120 bash -c "'$nvcc' -O1 -arch=sm_${arch#sm_} \
         '$REPO/tools/sanitizer_canary.cu' -o '$WORK/canary' && '$san' --tool memcheck \
         --error-exitcode 9 --kernel-name '$KERNEL_FILTER' '$WORK/canary'"
@@ -474,7 +534,7 @@ for stage in "${STAGES[@]}"; do
         record "$stage" FAIL "not run: no time left in the ${BUDGET} s budget"
         continue
     fi
-    if [ "$stage" != build ] && ! need_build; then
+    if [ "$stage" != build ] && [ "$stage" != ptx ] && ! need_build; then
         record "$stage" FAIL "not run: no installed CUDA build"
         continue
     fi

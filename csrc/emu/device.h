@@ -29,6 +29,7 @@
 #define __host__
 #define __forceinline__ __attribute__((always_inline)) inline
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define __align__(n) __attribute__((aligned(n)))
 /* A static __shared__ variable of a kernel: one per OS thread running
  * blocks, which runs one block at a time, all of whose threads see it (the

@@ -1,8 +1,15 @@
 /*
- * ptx.cpp -- cp.async, ldmatrix and mma.sync on the emulated GPU (see
- * ptx.h for the semantics and fragment layouts, taken from the PTX ISA).
+ * ptx.cpp -- cp.async, ldmatrix, stmatrix, elect.sync and mma.sync on the
+ * emulated GPU (see ptx.h and ptx_sm90.h for the semantics and fragment
+ * layouts, taken from the PTX ISA).
+ *
+ * stmatrix.sync.aligned.m8n8.x{1,2,4}{.trans}.shared.b16 is ldmatrix run
+ * backwards: lane 8i + j gives the address of row j of matrix i; lane l
+ * holds in register i, of matrix i, row l/4 columns 2(l%4) and 2(l%4)+1
+ * (of the transposed matrix with .trans), low half first.
  */
 #include "emu/ptx.h"
+#include "emu/ptx_sm90.h"
 #include "emu/simt.h"
 
 #include <cuda_bf16.h>
@@ -12,7 +19,7 @@
 
 namespace ra_emu {
 
-static Thread *current(const char *what) {
+Thread *kernel_thread(const char *what) {
     Thread *t = current_thread();
     if (t == nullptr) {
         fprintf(stderr, "ringattn emulated GPU: %s called outside a kernel\n", what);
@@ -69,6 +76,41 @@ void complete_ldmatrix(Block *b, unsigned warp, unsigned mask) {
                 hi = m[i][c + 1][r];
             }
             o->out[i] = lo | (hi << 16);
+        }
+    }
+}
+
+void complete_stmatrix(Block *b, unsigned warp, unsigned mask) {
+    (void)mask;
+    const unsigned base = warp * RA_EMU_WARP;
+    const uint8_t mode = b->threads[base].coll_mode;
+    const int num = mode >> 1, trans = mode & 1;
+    uint16_t m[4][8][8];
+    for (unsigned l = 0; l < RA_EMU_WARP; l++) {
+        const Thread *o = &b->threads[base + l];
+        if (o->coll_mode != mode)
+            ra_emu_report(RA_EMU_SYNC, "lanes of one stmatrix disagree on its shape (lane %u)", l);
+        const unsigned r = l / 4, c = 2 * (l % 4);
+        for (int i = 0; i < num; i++) {
+            const uint32_t v = (uint32_t)o->in[1 + i];
+            if (!trans) {
+                m[i][r][c] = (uint16_t)v;
+                m[i][r][c + 1] = (uint16_t)(v >> 16);
+            } else {
+                m[i][c][r] = (uint16_t)v;
+                m[i][c + 1][r] = (uint16_t)(v >> 16);
+            }
+        }
+    }
+    for (int i = 0; i < num; i++) {
+        for (int j = 0; j < 8; j++) {
+            Thread *owner = &b->threads[base + 8 * i + j];
+            const uintptr_t a = (uintptr_t)owner->in[0];
+            if (a % 16)
+                ra_emu_report(RA_EMU_MISALIGNED, "stmatrix row address %p of lane %d is not "
+                              "16-byte aligned", (void *)a, 8 * i + j);
+            check_shared(owner, a, 16, true);
+            memcpy((void *)a, m[i][j], 16);
         }
     }
 }
@@ -141,7 +183,7 @@ using namespace ra_emu;
 
 extern "C" void ra_emu_cp_async(void *smem_dst, const void *global_src, int cp_size,
                                 int src_size) {
-    Thread *t = current("cp.async");
+    Thread *t = kernel_thread("cp.async");
     if ((cp_size != 4 && cp_size != 8 && cp_size != 16) || src_size < 0 ||
         src_size > cp_size)
         ra_emu_report(RA_EMU_TRAP, "cp.async of cp-size %d, src-size %d", cp_size, src_size);
@@ -163,7 +205,7 @@ extern "C" void ra_emu_cp_async(void *smem_dst, const void *global_src, int cp_s
 }
 
 extern "C" void ra_emu_cp_async_commit(void) {
-    Thread *t = current("cp.async.commit_group");
+    Thread *t = kernel_thread("cp.async.commit_group");
     if (t->n_groups == kMaxCpGroups) {
         ra_emu_report(RA_EMU_TRAP, "more than %d cp.async groups in flight in one thread",
                       (int)kMaxCpGroups);
@@ -172,7 +214,7 @@ extern "C" void ra_emu_cp_async_commit(void) {
 }
 
 extern "C" void ra_emu_cp_async_wait(int n) {
-    Thread *t = current("cp.async.wait_group");
+    Thread *t = kernel_thread("cp.async.wait_group");
     if (n < 0) n = 0;
     while (t->n_groups > n) {
         const int end = t->group_end[0];
@@ -183,7 +225,7 @@ extern "C" void ra_emu_cp_async_wait(int n) {
 }
 
 extern "C" void ra_emu_ldmatrix(uint32_t *regs, const void *smem_row, int num, int trans) {
-    Thread *t = current("ldmatrix");
+    Thread *t = kernel_thread("ldmatrix");
     if (num != 1 && num != 2 && num != 4)
         ra_emu_report(RA_EMU_TRAP, "ldmatrix of %d matrices", num);
     t->in[0] = (uint64_t)(uintptr_t)smem_row;
@@ -193,7 +235,7 @@ extern "C" void ra_emu_ldmatrix(uint32_t *regs, const void *smem_row, int num, i
 
 extern "C" void ra_emu_mma_m16n8k16(float *c, const uint32_t *a, uint32_t b0, uint32_t b1,
                                     int bf16) {
-    Thread *t = current("mma.sync");
+    Thread *t = kernel_thread("mma.sync");
     for (int i = 0; i < 4; i++) t->in[i] = a[i];
     t->in[4] = b0;
     t->in[5] = b1;
@@ -207,4 +249,21 @@ extern "C" void ra_emu_mma_m16n8k16(float *c, const uint32_t *a, uint32_t b0, ui
         const uint32_t u = (uint32_t)t->out[i];
         memcpy(&c[i], &u, 4);
     }
+}
+
+extern "C" void ra_emu_stmatrix(void *row, const uint32_t *regs, int num, int trans) {
+    Thread *t = kernel_thread("stmatrix");
+    if (num != 1 && num != 2 && num != 4)
+        ra_emu_report(RA_EMU_TRAP, "stmatrix of %d matrices", num);
+    t->in[0] = (uint64_t)(uintptr_t)row;
+    for (int i = 0; i < num; i++) t->in[1 + i] = regs[i];
+    collective(C_STMATRIX, (uint8_t)((num << 1) | (trans ? 1 : 0)), 0xffffffffu, 0, 32);
+}
+
+extern "C" unsigned ra_emu_elect(unsigned mask, int *leader) {
+    Thread *t = kernel_thread("elect.sync");
+    collective(C_ELECT, 0, mask, 0, 32);
+    const unsigned lane = (unsigned)t->out[0];
+    *leader = lane == t->lane;
+    return lane;
 }

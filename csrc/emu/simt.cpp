@@ -25,7 +25,7 @@
  * the block stops at once, blocks not started are skipped, and the grid
  * fails (the runtime turns that into the device's sticky error).
  */
-#include "emu/simt.h"
+#include "emu/sm90.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -209,10 +209,14 @@ static void yield_to_scheduler(Thread *t) {
 #endif
 }
 
+void fiber_yield(Thread *t) { yield_to_scheduler(t); }
+
 /* ---- blocks -------------------------------------------------------------------- */
 
 static void release_barrier(Block *b) {
     b->bar_gen++;
+    b->bar_time = b->now++;
+    hp_syncthreads(b);
     b->bar_arrived = 0;
     b->bar_result = b->bar_count;
     b->bar_count = 0;
@@ -227,12 +231,15 @@ static const char *coll_name(CollKind k) {
     case C_VOTE: return "a warp vote";
     case C_LDMATRIX: return "ldmatrix";
     case C_MMA: return "mma.sync";
+    case C_STMATRIX: return "stmatrix";
+    case C_ELECT: return "elect.sync";
     default: return "nothing";
     }
 }
 
 static void thread_exit(Thread *t) {
     Block *b = t->blk;
+    hp_thread_exit(t);
     t->state = T_DONE;
     b->live--;
     Warp &wp = b->warps[t->warp];
@@ -276,13 +283,17 @@ static void describe_waits(Block *b, char *buf, size_t n) {
         /* one line per run of threads waiting alike */
         unsigned j = i;
         while (j + 1 < b->nthreads && b->threads[j + 1].state == t->state &&
-               b->threads[j + 1].coll == t->coll)
+               b->threads[j + 1].coll == t->coll && b->threads[j + 1].wait_arg == t->wait_arg)
             j++;
+        const bool hopper = t->state == T_NAMED || t->state == T_MBAR || t->state == T_WGROUP;
         int k = snprintf(buf + used, n - used, "%sthreads %u-%u wait %s", shown ? "; " : "",
-                         i, j, t->state == T_BARRIER ? "at __syncthreads" : "in ");
+                         i, j, t->state == T_BARRIER ? "at __syncthreads" : hopper ? "" : "in ");
         if (k < 0 || (size_t)k >= n - used) return;
         used += (size_t)k;
-        if (t->state == T_WARP) {
+        if (hopper) {
+            hp_describe_wait(t, buf + used, n - used);
+            used += strlen(buf + used);
+        } else if (t->state == T_WARP) {
             k = snprintf(buf + used, n - used, "%s (mask 0x%08x)", coll_name(t->coll),
                          t->coll_mask);
             if (k < 0 || (size_t)k >= n - used) return;
@@ -335,6 +346,7 @@ static void run_block(Worker *w, Job *job, uint64_t index) {
     b->bar_count = b->bar_result = 0;
     b->live = b->nthreads;
     b->stop = false;
+    hp_block_start(b);
     for (unsigned i = 0; i < b->nwarps; i++) b->warps[i].gen = 1, b->warps[i].waiting = 0, b->warps[i].done = 0;
     w->report_thread = nullptr;
     /* shared memory starts as garbage: poison, so that a read of bytes never
@@ -354,6 +366,9 @@ static void run_block(Worker *w, Job *job, uint64_t index) {
         t->coll_mask = 0;
         t->n_cp = 0;
         t->n_groups = 0;
+        t->wait_arg = t->wait_arg2 = 0;
+        t->poll_slot = t->poll_phase = 0;
+        hp_thread_start(t);
         t->asan_fake_stack = nullptr;
         fiber_prepare(t);
     }
@@ -380,9 +395,16 @@ static void run_block(Worker *w, Job *job, uint64_t index) {
                 if (b->stop) return;
             }
         }
-        if (b->live == 0) return;
+        if (b->live == 0) {
+            if (b->hp_on) {
+                w->report_thread = &w->threads[0];   /* the report's context */
+                hp_block_end(b);
+                w->report_thread = nullptr;
+            }
+            return;
+        }
         if (!ran) {
-            char why[700] = "";
+            char why[1200] = "";
             describe_waits(b, why, sizeof why);
             /* attributed to the block, not to one thread */
             Thread *first = nullptr;
@@ -503,9 +525,10 @@ static void pool_start(void) {
 
 /* ---- collectives ------------------------------------------------------------------ */
 
-/* ptx.cpp computes ldmatrix and mma */
+/* ptx.cpp computes ldmatrix, mma and stmatrix */
 void complete_ldmatrix(Block *b, unsigned warp, unsigned mask);
 void complete_mma(Block *b, unsigned warp, unsigned mask);
+void complete_stmatrix(Block *b, unsigned warp, unsigned mask);
 
 static int shfl_source(unsigned lane, int mode, int arg, int width) {
     const int seg = (int)lane & ~(width - 1);
@@ -601,6 +624,16 @@ void collective(CollKind kind, uint8_t mode, unsigned mask, int arg, int width) 
         case C_MMA:
             complete_mma(b, t->warp, mask);
             break;
+        case C_STMATRIX:
+            complete_stmatrix(b, t->warp, mask);
+            break;
+        case C_ELECT: {
+            /* the lowest lane of the mask leads */
+            const unsigned leader = (unsigned)__builtin_ctz(mask);
+            for (unsigned m = mask; m; m &= m - 1)
+                b->threads[base + __builtin_ctz(m)].out[0] = leader;
+            break;
+        }
         default:
             break;
         }

@@ -1,7 +1,8 @@
 /*
  * simt.h -- the emulated GPU's execution state, shared by simt.cpp (fibers,
- * blocks, barriers, warp collectives), ptx.cpp (cp.async, ldmatrix, mma)
- * and check.cpp (the memory checker).  Internal; C++.
+ * blocks, barriers, warp collectives), ptx.cpp (cp.async, ldmatrix, mma),
+ * check.cpp (the memory checker) and the Hopper parts (sm90.h: mbarriers,
+ * named barriers, wgmma, TMA).  Internal; C++.
  *
  * A grid's blocks run on a pool of worker threads.  A worker runs one block
  * at a time: blockDim fibers (Thread), each with its own stack, switched
@@ -27,6 +28,9 @@ enum ThreadState : uint8_t {
     T_READY = 0,   /* runnable */
     T_BARRIER,     /* waiting at __syncthreads */
     T_WARP,        /* waiting in a warp collective */
+    T_NAMED,       /* waiting at a named barrier (bar.sync id, count) */
+    T_MBAR,        /* waiting on an mbarrier phase (try_wait / test_wait) */
+    T_WGROUP,      /* waiting in a warpgroup collective (wgmma, setmaxnreg) */
     T_DONE         /* returned, or stopped after a report */
 };
 
@@ -36,7 +40,9 @@ enum CollKind : uint8_t {
     C_SHFL,
     C_VOTE,
     C_LDMATRIX,
-    C_MMA
+    C_MMA,
+    C_STMATRIX,
+    C_ELECT
 };
 
 /* One asynchronous copy into shared memory (cp.async), pending until the
@@ -76,19 +82,35 @@ struct Thread {
     int group_end[kMaxCpGroups];
     int n_groups;
 
+    /* Hopper: what the thread waits for in T_NAMED / T_MBAR / T_WGROUP
+     * (a named barrier id, an mbarrier slot and parity, a warpgroup
+     * collective's kind), and its wgmma / bulk-copy state (sm90.h,
+     * allocated on first use) */
+    uint32_t wait_arg, wait_arg2;
+    uint32_t poll_slot, poll_phase;   /* the last mbarrier phase test_wait polled */
+    struct Sm90Thread *hp;
+
     void *asan_fake_stack;    /* AddressSanitizer's fiber bookkeeping */
 };
 
 /* Shared memory shadow: one per 2 bytes of the shared window.  wtid: the
  * thread that last wrote (kNone: never; kPending bit: a cp.async of that
- * thread is pending); rtid: the thread that last read (kNone, kMany); the
- * barrier and warp-sync generations each access happened in. */
+ * thread is pending; kTma bit: written by a bulk copy (TMA) completing on
+ * mbarrier slot wtid & 31, visible to a warp that observed `wtime`
+ * completions of it); rtid: the thread that last read (kNone, kMany).
+ * Times are the block's release clock (Block::now) at the access, with
+ * the warp's __syncwarp generation; kMany: rmask has the warps that read
+ * since the write, rmin the earliest read's time.  aop: the latest
+ * asynchronous-proxy read (a wgmma operand, a bulk store's source), an
+ * index of the block's Sm90 op table (0: none). */
 struct Cell {
     uint32_t serial;
     uint16_t wtid, rtid;
-    uint32_t wbar, wwarp, rbar, rwarp;
+    uint32_t wtime, wwarp, rtime, rwarp;
+    uint32_t rmin, rmask;
+    uint32_t aop;
 };
-enum : uint16_t { kNone = 0xffff, kMany = 0xfffe, kPending = 0x8000 };
+enum : uint16_t { kNone = 0xffff, kMany = 0xfffe, kPending = 0x8000, kTma = 0x4000 };
 
 struct Warp {
     uint32_t gen;             /* __syncwarp generation (memory sync of the warp) */
@@ -107,6 +129,13 @@ struct Block {
     size_t smem_size;
     uint32_t serial;
     uint32_t bar_gen;         /* __syncthreads generation */
+    /* the release clock: advanced by every release (a barrier, an
+     * mbarrier arrive, a fence.proxy.async); an access is stamped with it.
+     * bar_time: the clock at the last __syncthreads (an access stamped at
+     * or before it is ordered before everything after it) */
+    uint32_t now, bar_time;
+    struct Sm90Block *hp;     /* Hopper state (sm90.h); hp_on once used */
+    bool hp_on;
     unsigned bar_arrived, live;
     int bar_count, bar_result;
     Warp warps[RA_EMU_MAX_THREADS / RA_EMU_WARP];
@@ -134,6 +163,9 @@ struct Worker {
     size_t tls_size;
     Cell *tls_cells;
     uint32_t serial;
+    /* threads of the current block whose registers a pending wgmma owns
+     * (the checker then looks at their stack accesses, sm90.h) */
+    unsigned reg_watch;
     Block block;
 };
 
@@ -158,6 +190,12 @@ extern Worker *g_workers[256];
 
 /* The thread running kernel code on this OS thread (NULL off a kernel). */
 static inline Thread *current_thread(void);
+/* the thread running kernel code, for an entry point named `what`; a call
+ * outside a kernel aborts the process (ptx.cpp) */
+Thread *kernel_thread(const char *what);
+/* Switch from a fiber back to its worker's scheduler (simt.cpp); returns
+ * when the scheduler runs it again. */
+void fiber_yield(Thread *t);
 
 /* Wait in a warp collective (the payload is in the calling thread's in[],
  * the result lands in its out[]); returns when every lane of `mask` has joined and the

@@ -24,22 +24,13 @@
  * as a wrong result.
  */
 #include "mma.cuh"
+#include "kernel_test.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <vector>
-
-#define CK(x)                                                                      \
-    do {                                                                           \
-        cudaError_t e_ = (x);                                                      \
-        if (e_ != cudaSuccess) {                                                   \
-            fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #x,           \
-                    cudaGetErrorString(e_));                                       \
-            exit(1);                                                               \
-        }                                                                          \
-    } while (0)
 
 /* a row permutation so that the lanes' addresses matter */
 static const int kPerm[8] = {5, 2, 7, 0, 3, 6, 1, 4};

@@ -24,16 +24,8 @@
 
 #include "emu/emu.h"
 #include "emu/ptx.h"
+#include "kernel_test.h"
 
-#define CK(x)                                                                      \
-    do {                                                                           \
-        cudaError_t e_ = (x);                                                      \
-        if (e_ != cudaSuccess) {                                                   \
-            fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #x,           \
-                    cudaGetErrorString(e_));                                       \
-            exit(1);                                                               \
-        }                                                                          \
-    } while (0)
 #define EXPECT(c)                                                                  \
     do {                                                                           \
         if (!(c)) {                                                                \
@@ -420,15 +412,7 @@ static int run_broken(const char *name) {
         fprintf(stderr, "unknown case %s\n", name);
         return 2;
     }
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
-    const std::string text = ra_emu_reports_text();
-    if (e == cudaSuccess || text.find(want) == std::string::npos) {
-        fprintf(stderr, "case %s: not flagged (status %d), reports:\n%s\n", name, (int)e,
-                text.c_str());
-        return 1;
-    }
-    printf("flagged: %s", text.c_str());
-    return 0;
+    return expect_flagged(name, e, want.c_str());
 }
 
 int main(int argc, char **argv) {
