@@ -336,6 +336,7 @@ def test_an_array_written_in_place_and_dropped_is_not_reused_under_the_write(fw)
 
 
 def test_dilated_refuses_device_arrays_and_gives_them_back(fw):
+    ra._C.cuda_release_all()           # what earlier tests left
     rng = np.random.default_rng(8)
     q, k, v = (fw.array(x) for x in qkv(rng, Hkv=2))
     with pytest.raises(NotImplementedError, match="CUDA"):
@@ -479,6 +480,7 @@ def test_a_borrowed_array_handed_on_is_kept_for_its_next_consumer(fw):
 
 @pytest.mark.skipif(not EMULATED, reason="the emulated runtime counts host waits")
 def test_ring_steps_with_borrowed_arrays_never_wait_on_the_host():
+    ra._C.cuda_release_all()           # what earlier tests left
     was = ra._C.emu_lazy(True)
     try:
         fw = Foreign(blocking=False)
@@ -532,6 +534,7 @@ def test_two_hundred_ring_steps_with_fresh_arrays_match_one_call(fw):
 
 @pytest.mark.skipif(not EMULATED, reason="the stand-in framework's deleters")
 def test_every_borrowed_array_is_given_back():
+    ra._C.cuda_release_all()           # what earlier tests left
     was = ra._C.emu_lazy(True)
     try:
         fw = Foreign(blocking=False)

@@ -1,13 +1,15 @@
 """tools/gpu_check.sh keeps its promises without a GPU to run it: the
 sanitizer's kernel filter names every ringattn kernel (by its mangled and
-its demangled name) and the canary that proves the filter matches, and the
-script parses."""
+its demangled name) and the canary that proves the filter matches, the
+script parses, and the ``--repeat N`` option its tests stage uses
+(tests/conftest.py) runs a test N times."""
 
 import glob
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -73,6 +75,15 @@ def test_filter_leaves_other_kernels_out(name):
 
 def test_script_parses():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
+
+
+def test_repeat_option_runs_each_test_n_times():
+    here = os.path.join(ROOT, "tests", "test_gpu_kit.py")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--repeat", "3", f"{here}::test_script_parses"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 passed" in r.stdout, r.stdout
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and

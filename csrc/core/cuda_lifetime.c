@@ -31,8 +31,9 @@
  * Nobody waits on the host for it.  The FIFOs are polled at the next call
  * into ringattn (ra_buffer_from_object), after ra_cuda_synchronize and
  * empty_cache, and drained at exit (an atexit function: the host waits for
- * the events then, once).  Events on one stream complete in order, so a
- * poll stops at a device's first pending entry.  When an event cannot be
+ * the events then, once).  Events on one stream complete in order, so there
+ * is one FIFO per device and stream (compute, legacy) and a poll stops at
+ * a FIFO's first pending entry.  When an event cannot be
  * recorded (out of resources, a device fault) the compute stream is
  * synchronised instead and the release runs at once; so it does while the
  * interpreter finalises, when no later poll would come.
@@ -81,8 +82,12 @@ typedef struct pending {
     struct pending *next;
 } pending;
 
+/* FIFO 2 d: events recorded on device d's compute stream; 2 d + 1: on its
+ * legacy default stream (RA_SHARED_LEGACY) */
+#define N_FIFOS (2 * RA_CUDA_MAX_DEVICES)
+
 static pthread_mutex_t lifetime_lock = PTHREAD_MUTEX_INITIALIZER;
-static pending *fifo_head[RA_CUDA_MAX_DEVICES], *fifo_tail[RA_CUDA_MAX_DEVICES];
+static pending *fifo_head[N_FIFOS], *fifo_tail[N_FIFOS];
 static cudaEvent_t event_pool[RA_CUDA_MAX_DEVICES][EVENT_POOL];
 static int event_pool_n[RA_CUDA_MAX_DEVICES];
 static _Atomic long n_pending;
@@ -149,12 +154,13 @@ void ra_cuda_release_after(int device, int shared, void (*release)(void *),
         p->release = release;
         p->arg = arg;
         p->next = NULL;
+        const int f = 2 * device + (shared == RA_SHARED_LEGACY);
         pthread_mutex_lock(&lifetime_lock);
-        if (fifo_tail[device] != NULL)
-            fifo_tail[device]->next = p;
+        if (fifo_tail[f] != NULL)
+            fifo_tail[f]->next = p;
         else
-            fifo_head[device] = p;
-        fifo_tail[device] = p;
+            fifo_head[f] = p;
+        fifo_tail[f] = p;
         atomic_fetch_add(&n_pending, 1);
         pthread_mutex_unlock(&lifetime_lock);
         ra_cuda_leave_device(device, prev);
@@ -179,17 +185,17 @@ void ra_cuda_release_after(int device, int shared, void (*release)(void *),
 static pending *take_done(int wait) {
     pending *done = NULL, **tail = &done;
     pthread_mutex_lock(&lifetime_lock);
-    for (int d = 0; d < RA_CUDA_MAX_DEVICES; d++) {
-        while (fifo_head[d] != NULL) {
-            pending *p = fifo_head[d];
+    for (int f = 0; f < N_FIFOS; f++) {
+        while (fifo_head[f] != NULL) {
+            pending *p = fifo_head[f];
             if (!wait) {
                 cudaError_t e = cudaEventQuery(p->event);
                 if (e == cudaErrorNotReady) break;
                 /* done, or an error (a faulted device runs nothing more) */
                 if (e != cudaSuccess) (void)cudaGetLastError();
             }
-            fifo_head[d] = p->next;
-            if (fifo_head[d] == NULL) fifo_tail[d] = NULL;
+            fifo_head[f] = p->next;
+            if (fifo_head[f] == NULL) fifo_tail[f] = NULL;
             p->next = NULL;
             *tail = p;
             tail = &p->next;
