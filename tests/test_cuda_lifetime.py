@@ -33,6 +33,7 @@ on two ranks), no host synchronisation per call (the emulated runtime
 counts them), and every borrowed array given back: after a synchronize,
 and at exit.
 """
+import ctypes
 import gc
 import os
 import subprocess
@@ -531,6 +532,27 @@ def test_two_hundred_ring_steps_with_fresh_arrays_match_one_call(fw):
 
 
 # ---- every borrowed array is given back -----------------------------------
+
+def test_a_tensor_without_deleter_is_not_read_after_it_is_let_go():
+    # a producer without a deleter may reuse its DLPack struct as soon as
+    # ringattn let go of it: the release must not read it again later
+    from dlpack_producer import HandMadeProducer
+
+    anchor = ra.to_device(np.zeros(4, np.float32), "cuda:0")
+    p = HandMadeProducer((4,), device=(2, 0))
+    p.managed.dl_tensor.data = anchor.data_ptr
+    calls = []
+    record = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda mt: calls.append(mt))
+    was = ra._C.emu_lazy(True) if EMULATED else None
+    try:
+        ra.to_device(ra.from_dlpack(p), "cuda:0")     # queued work reads it
+        p.managed.deleter = ctypes.cast(record, ctypes.c_void_p).value
+        ra._C.cuda_synchronize(0)
+    finally:
+        if was is not None:
+            ra._C.emu_lazy(was)
+    assert calls == []
+
 
 @pytest.mark.skipif(not EMULATED, reason="the stand-in framework's deleters")
 def test_every_borrowed_array_is_given_back():

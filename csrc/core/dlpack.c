@@ -256,30 +256,54 @@ PyObject *ra_buffer_dlpack_device(PyObject *self, PyObject *unused) {
  * goes back only once ringattn's stream work on it has completed
  * (ra_cuda_release_after): the producer's allocator may hand it to a new
  * array at once.  Host memory (pinned included: ringattn's copies of it
- * are finished on return) goes back now. */
-static void call_deleter_versioned(void *arg) {
-    DLManagedTensorVersioned *mt = (DLManagedTensorVersioned *)arg;
-    if (mt->deleter != NULL) mt->deleter(mt);
+ * are finished on return) goes back now.  The keeper's context: how far
+ * the memory was handed on (note_shared). */
+typedef struct {
+    void *mt;
+    void (*versioned)(DLManagedTensorVersioned *);   /* one of the two */
+    void (*legacy)(DLManagedTensor *);
+} deleter_call;
+
+static void run_deleter(void *arg) {
+    deleter_call *c = (deleter_call *)arg;
+    if (c->versioned != NULL)
+        c->versioned((DLManagedTensorVersioned *)c->mt);
+    else
+        c->legacy((DLManagedTensor *)c->mt);
+    PyMem_RawFree(c);
 }
 
-static void call_deleter_legacy(void *arg) {
-    DLManagedTensor *mt = (DLManagedTensor *)arg;
-    if (mt->deleter != NULL) mt->deleter(mt);
-}
-
-static void give_back(PyObject *keeper, const DLTensor *t,
-                      void (*call)(void *), void *mt) {
-    if (t->device.device_type == kDLCUDA ||
-        t->device.device_type == kDLCUDAManaged) {
+/* Everything is read from the tensor now: a producer with no deleter may
+ * free it as soon as it is not used (and then there is nothing to call). */
+static void give_back(PyObject *keeper, const DLTensor *t, deleter_call call) {
+    if (call.versioned == NULL && call.legacy == NULL) return;
+    const int on_device = t->device.device_type == kDLCUDA ||
+                          t->device.device_type == kDLCUDAManaged;
+    deleter_call *c = (deleter_call *)PyMem_RawMalloc(sizeof *c);
+    if (c != NULL) *c = call;
+    if (c != NULL && on_device) {
         /* the context of a valid capsule: no error, NULL is none */
         const int shared = (int)(intptr_t)PyCapsule_GetContext(keeper);
-        ra_cuda_release_after(t->device.device_id, shared, call, mt);
+        ra_cuda_release_after(t->device.device_id, shared, run_deleter, c);
         return;
+    }
+    if (c == NULL && on_device) {
+        /* no memory for the record: wait for the device here */
+        const int device = t->device.device_id;
+        Py_BEGIN_ALLOW_THREADS
+        (void)ra_cuda_synchronize(device);
+        ra_clear_error();
+        Py_END_ALLOW_THREADS
     }
     /* a deleter may run Python code: not with an exception pending */
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
-    call(mt);
+    if (c != NULL)
+        run_deleter(c);
+    else if (call.versioned != NULL)
+        call.versioned((DLManagedTensorVersioned *)call.mt);
+    else
+        call.legacy((DLManagedTensor *)call.mt);
     if (PyErr_Occurred()) PyErr_WriteUnraisable(NULL);
     PyErr_Restore(et, ev, tb);
 }
@@ -287,13 +311,15 @@ static void give_back(PyObject *keeper, const DLTensor *t,
 static void owner_destructor_versioned(PyObject *cap) {
     DLManagedTensorVersioned *mt = (DLManagedTensorVersioned *)
         PyCapsule_GetPointer(cap, "ringattn.dlpack_owner_versioned");
-    if (mt != NULL) give_back(cap, &mt->dl_tensor, call_deleter_versioned, mt);
+    if (mt != NULL)
+        give_back(cap, &mt->dl_tensor, (deleter_call){mt, mt->deleter, NULL});
 }
 
 static void owner_destructor_legacy(PyObject *cap) {
     DLManagedTensor *mt = (DLManagedTensor *)PyCapsule_GetPointer(
         cap, "ringattn.dlpack_owner");
-    if (mt != NULL) give_back(cap, &mt->dl_tensor, call_deleter_legacy, mt);
+    if (mt != NULL)
+        give_back(cap, &mt->dl_tensor, (deleter_call){mt, NULL, mt->deleter});
 }
 
 /* The current exception as a BufferError "<name>: <what>: <type>: <text>"
