@@ -31,7 +31,11 @@ only behind the consumer's stream), arrays written in place and dropped at
 once, the nccl backend's transfers (world size 1 in this process, Ulysses
 on two ranks), no host synchronisation per call (the emulated runtime
 counts them), and every borrowed array given back: after a synchronize,
-and at exit.
+and at exit.  (Ulysses reads its borrowed arrays with device copies into
+its all-to-all buffers, which the stand-in NCCL starts at once, whatever
+the lazy mode: an early release there is a race, not a certain failure;
+test_device_copies_read_their_source_before_it_is_freed covers those
+copies every time.)
 """
 import ctypes
 import gc
