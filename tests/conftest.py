@@ -3,7 +3,9 @@
 Markers: ``gpu`` (needs a CUDA device; skipped cleanly without one) and
 ``slow`` (large cases; still run by the default test command).
 Fixtures: ``rng`` (a NumPy Generator seeded from the test's node id, so every
-test draws its own reproducible data).
+test draws its own reproducible data).  ``--repeat N`` runs every selected
+test N times in a row (ids end in ``-run1`` ... ``-runN``): the GPU kit
+repeats the tests of races that way (tools/gpu_check.sh).
 
 On the emulated GPU (a ``RINGATTN_CUDA=emulate`` build) every ``gpu`` test
 is also failed by what the emulator's checker reported while it ran (a race,
@@ -18,6 +20,20 @@ import zlib
 
 import numpy as np
 import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--repeat", type=int, default=1, metavar="N",
+                     help="run every selected test N times in a row")
+
+
+def pytest_generate_tests(metafunc):
+    """--repeat N: one more parameter, the run, outermost."""
+    n = metafunc.config.getoption("repeat", 1)
+    if n > 1:
+        metafunc.fixturenames.append("_repeat_run")
+        metafunc.parametrize("_repeat_run", range(1, n + 1),
+                             ids=[f"run{i}" for i in range(1, n + 1)], scope="function")
 
 
 def pytest_configure(config):

@@ -2,13 +2,15 @@
 sanitizer's kernel filter names every ringattn kernel (by its mangled and
 its demangled name) and the canary that proves the filter matches, the ptx
 stage (the PTX conformance program) comes first after the build and needs
-no installed package, and the script parses."""
+no installed package, the script parses, and the ``--repeat N`` option its
+tests stage uses (tests/conftest.py) runs a test N times."""
 
 import glob
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -91,6 +93,15 @@ def _script_var_dq(name):
 
 def test_script_parses():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
+
+
+def test_repeat_option_runs_each_test_n_times():
+    here = os.path.join(ROOT, "tests", "test_gpu_kit.py")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--repeat", "3", f"{here}::test_script_parses"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 passed" in r.stdout, r.stdout
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and

@@ -3,13 +3,13 @@
 # 10-minute call of the device tool.  Run from anywhere; it works on the
 # repository it lives in.
 #
-# The three device calls (timeout_s 600 each; about 26 minutes of commands
-# plus three machine starts, about 30 device-minutes; a machine is bare
+# The three device calls (timeout_s 600 each; about 27.5 minutes of commands
+# plus three machine starts, about 31 device-minutes; a machine is bare
 # again 30 s after a call, so every call builds):
 #
 #   1. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build ptx selftest tests
-#        build ~2.5 min, ptx ~0.5 min, selftest ~2 min, tests ~3.5 min
-#                                                                  (~8.5 min)
+#        build ~2.5 min, ptx ~0.5 min, selftest ~2 min, tests ~4.5 min
+#                                                                  (~9.5 min)
 #   2. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build sanitize
 #        build ~2.5 min, sanitize ~6.5 min                         (~9 min)
 #   3. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build nccl bench ringbench
@@ -30,8 +30,14 @@
 #   selftest   tools/cuda_selftest.cu, every kernel variant vs float64
 #              ("full" grid); linked with the build's CUDA objects
 #   tests      pytest -m gpu tests/test_cuda.py tests/test_cuda_interop.py
-#              tests/test_jax_ffi_gpu.py (the XLA FFI CUDA handlers: they
-#              skip, with the reason shown, where JAX there has no CUDA)
+#              tests/test_cuda_lifetime.py tests/test_jax_ffi_gpu.py (the
+#              XLA FFI CUDA handlers: they skip, with the reason shown, where
+#              JAX there has no CUDA); then the races of borrowed arrays
+#              with PyTorch tensors, each test 20 times in a row
+#              (--repeat 20): the 9 "docs" cases of test_cuda.py's
+#              test_masked_ring_steps_accumulate (summary line
+#              "repeat-docs") and test_cuda_lifetime.py's PyTorch tests
+#              ("repeat-lifetime"); they fail where PyTorch sees no GPU
 #   sanitize   compute-sanitizer memcheck, racecheck, synccheck, initcheck
 #              on "selftest quick", and memcheck on tools/sanitize_case.py,
 #              limited to ringattn's kernels; first a canary
@@ -376,10 +382,31 @@ PY
     fi
 }
 
+REPEAT_RUNS=20
+
 stage_tests() {
-    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py test_jax_ffi_gpu.py (~3.5 min)"
+    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py test_cuda_lifetime.py test_jax_ffi_gpu.py (~3.5 min)"
     pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_interop.py" \
-        "$REPO/tests/test_jax_ffi_gpu.py"
+        "$REPO/tests/test_cuda_lifetime.py" "$REPO/tests/test_jax_ffi_gpu.py"
+    local rc=$?
+    # borrowed arrays freed while ringattn's stream still used them gave a
+    # wrong dq now and then on an H100 (PyTorch tensors): the tests of it,
+    # each $REPEAT_RUNS times in a row
+    local torch_gpu
+    torch_gpu="$(py -c 'import torch; print(torch.cuda.is_available())' 2>/dev/null | tail -n 1)"
+    if [ "$torch_gpu" != True ]; then
+        record repeat-docs FAIL "not run: PyTorch sees no GPU ($PY)"
+        record repeat-lifetime FAIL "not run: PyTorch sees no GPU ($PY)"
+        return 1
+    fi
+    note "== tests, $REPEAT_RUNS runs each with PyTorch tensors: the ring-step docs cases, test_cuda_lifetime.py (~1 min)"
+    pytest_stage repeat-docs --repeat "$REPEAT_RUNS" -k "docs" \
+        "$REPO/tests/test_cuda.py::test_masked_ring_steps_accumulate" || rc=1
+    RESULT[repeat-docs]="${RESULT[repeat-docs]} ($REPEAT_RUNS runs of the 9 docs cases of test_masked_ring_steps_accumulate)"
+    pytest_stage repeat-lifetime --repeat "$REPEAT_RUNS" -k "torch and not ulysses" \
+        "$REPO/tests/test_cuda_lifetime.py" || rc=1
+    RESULT[repeat-lifetime]="${RESULT[repeat-lifetime]} ($REPEAT_RUNS runs of test_cuda_lifetime.py's PyTorch tests)"
+    return $rc
 }
 
 stage_nccl() {

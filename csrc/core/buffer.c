@@ -297,6 +297,8 @@ ra_buffer *ra_buffer_from_object(PyObject *obj, const char *name,
                      name);
         return NULL;
     }
+    /* a call into ringattn: borrowed arrays whose work completed go back */
+    ra_cuda_poll_releases();
     if (ra_Buffer_Check(obj)) {
         Py_INCREF(obj);
         return (ra_buffer *)obj;

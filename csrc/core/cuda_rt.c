@@ -28,18 +28,23 @@
  * through DLPack to another stream is different: the consumer may still
  * have reads queued there when it drops the tensor.  Such blocks are noted
  * at export (shared_blocks) and, when freed,
- *   - exported to the legacy default stream (PyTorch's default): the
- *     compute stream waits for an event recorded on that stream now, so
- *     reuse is queued after the consumer's reads; the legacy stream is
- *     always valid, from any thread;
- *   - exported to any other stream: that stream may be gone by now, or be
- *     another thread's per-thread stream, so no event can be recorded on
- *     it.  The block is returned with cudaFree, which synchronises the
- *     device (every stream's queued work finishes first), with the GIL
- *     released, and is not cached.
+ *   - exported to a stream the legacy default stream synchronises with
+ *     (the legacy stream itself, PyTorch's and CuPy's default; a
+ *     per-thread default stream; any stream of the block's device made
+ *     without cudaStreamNonBlocking): the compute stream waits for an
+ *     event recorded on the legacy stream now, which comes after
+ *     everything queued on those streams so far, so reuse is queued after
+ *     the consumer's reads, with no host wait; the legacy stream is always
+ *     valid, from any thread;
+ *   - exported to a non-blocking stream (or to several streams, or with
+ *     stream=-1): that stream may be gone by now, so no event can be
+ *     recorded on it.  The block is returned with cudaFree, which
+ *     synchronises the device (every stream's queued work finishes first),
+ *     with the GIL released, and is not cached.
  * Recording an event per block at every free, or cudaFreeAsync on the
  * compute stream, would not be sound for the second case and adds nothing
- * for blocks only ringattn's streams used.
+ * for blocks only ringattn's streams used.  Memory ringattn borrowed from
+ * other producers is the other direction: cuda_lifetime.c.
  */
 #include "core/module.h"
 #include "core/cuda_rt.h"
@@ -57,7 +62,7 @@
 #include <pthread.h>
 #include <cuda_runtime.h>
 
-#define RA_MAX_DEVICES 64
+#define RA_MAX_DEVICES RA_CUDA_MAX_DEVICES
 #define RA_N_CLASSES 224
 
 /* ---- error mapping: the one place cudaError_t becomes an ra_status ------ */
@@ -185,8 +190,9 @@ typedef struct free_block {
 } free_block;
 
 /* A block exported through DLPack to a stream other than the compute
- * stream: its pointer and the DLPack stream value (1 legacy default, or
- * RA_STREAM_UNKNOWN when it was anything else or several streams). */
+ * stream: its pointer and 1 when the legacy default stream synchronises
+ * with that stream, or RA_STREAM_UNKNOWN when it does not, or for several
+ * streams. */
 typedef struct shared_block {
     void *ptr;
     intptr_t stream;
@@ -378,7 +384,8 @@ static cudaError_t free_synchronising(void *ptr) {
 }
 
 /* Order the compute stream of the current device (`s`) after the work
- * queued on the legacy default stream so far. */
+ * queued so far on the legacy default stream and on every stream it
+ * synchronises with. */
 static cudaError_t wait_for_legacy_stream(cudaStream_t s) {
     cudaEvent_t ev = NULL;
     cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
@@ -510,12 +517,34 @@ exit:
     return st;
 }
 
+/* 1 when the legacy default stream of `device` (current) synchronises
+ * with `consumer`: work queued there now comes before the legacy stream's
+ * next operation.  The legacy stream itself, and the device's blocking
+ * streams (per-thread default streams are blocking). */
+static int ordered_by_legacy(int device, cudaStream_t consumer) {
+    if (consumer == cudaStreamLegacy) return 1;
+#if CUDART_VERSION >= 12080
+    unsigned flags = 0;
+    int owner = -1;
+    if (cudaStreamGetFlags(consumer, &flags) != cudaSuccess ||
+        cudaStreamGetDevice(consumer, &owner) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return owner == device && !(flags & cudaStreamNonBlocking);
+#else
+    (void)device;
+    return 0;     /* no cudaStreamGetDevice: the free synchronises */
+#endif
+}
+
 /* DLPack stream numbering: -1 = no synchronisation wanted, 1 = the legacy
  * default stream, 2 = the per-thread default stream, anything else is a
  * cudaStream_t.  0 is ambiguous in the protocol; it is treated as legacy. */
 ra_status ra_cuda_export_sync(int device, void *block,
-                              intptr_t consumer_stream) {
+                              intptr_t consumer_stream, int *shared) {
     void *s = NULL;
+    *shared = RA_SHARED_NONE;
     RA_CHECK(ra_cuda_compute_stream(device, &s));
     cudaStream_t consumer;
     if (consumer_stream == 0 || consumer_stream == 1)
@@ -525,24 +554,28 @@ ra_status ra_cuda_export_sync(int device, void *block,
     else
         consumer = (cudaStream_t)consumer_stream;
     if (consumer == (cudaStream_t)s) return RA_OK;
-    if (block != NULL) {
-        /* read outside the compute stream from now on: the free must wait
-         * for the consumer (see the top of this file) */
-        pthread_mutex_lock(&pool_lock);
-        int bad = shared_note_locked(block, consumer == cudaStreamLegacy
-                                                ? (intptr_t)1
-                                                : RA_STREAM_UNKNOWN);
-        pthread_mutex_unlock(&pool_lock);
-        if (bad) {
-            ra_set_error(RA_ERR_NOMEM, "out of host memory");
-            return RA_ERR_NOMEM;
-        }
-    }
-    if (consumer_stream == -1) return RA_OK;   /* the consumer syncs itself */
     int prev = 0;
     RA_CHECK(enter_device(device, &prev));
     ra_status st = RA_OK;
     cudaEvent_t ev = NULL;
+    *shared = consumer_stream != -1 && ordered_by_legacy(device, consumer)
+                  ? RA_SHARED_LEGACY
+                  : RA_SHARED_UNKNOWN;
+    if (block != NULL) {
+        /* read outside the compute stream from now on: the free must wait
+         * for the consumer (see the top of this file) */
+        const intptr_t how = *shared == RA_SHARED_LEGACY ? (intptr_t)1
+                                                         : RA_STREAM_UNKNOWN;
+        pthread_mutex_lock(&pool_lock);
+        int bad = shared_note_locked(block, how);
+        pthread_mutex_unlock(&pool_lock);
+        if (bad) {
+            ra_set_error(RA_ERR_NOMEM, "out of host memory");
+            st = RA_ERR_NOMEM;
+            goto exit;
+        }
+    }
+    if (consumer_stream == -1) goto exit;   /* the consumer syncs itself */
     CUDA_CHECKGOTO(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), st,
                    exit);
     CUDA_CHECKGOTO(cudaEventRecord(ev, (cudaStream_t)s), st, exit);
@@ -653,8 +686,9 @@ ra_status ra_cuda_compute_stream(int device, void **stream) {
     return no_cuda();
 }
 ra_status ra_cuda_export_sync(int device, void *block,
-                              intptr_t consumer_stream) {
+                              intptr_t consumer_stream, int *shared) {
     (void)device; (void)block; (void)consumer_stream;
+    *shared = RA_SHARED_NONE;
     return no_cuda();
 }
 ra_status ra_cuda_memcpy(int device, void *dst, int dst_is_device,
@@ -711,6 +745,8 @@ static PyObject *py_cuda_empty_cache(PyObject *self, PyObject *noargs) {
     Py_BEGIN_ALLOW_THREADS
     ra_cuda_empty_cache();
     Py_END_ALLOW_THREADS
+    /* the streams are idle: borrowed arrays go back to their producers */
+    ra_cuda_poll_releases();
     Py_RETURN_NONE;
 }
 
@@ -723,6 +759,7 @@ static PyObject *py_cuda_synchronize(PyObject *self, PyObject *arg) {
     st = ra_cuda_synchronize(device);
     Py_END_ALLOW_THREADS
     if (st != RA_OK) return ra_raise(st);
+    ra_cuda_poll_releases();
     Py_RETURN_NONE;
 }
 
@@ -736,11 +773,13 @@ static PyMethodDef cuda_methods[] = {
     {"cuda_empty_cache", py_cuda_empty_cache, METH_NOARGS,
      "cuda_empty_cache(): give cached device blocks back to the driver."},
     {"cuda_synchronize", py_cuda_synchronize, METH_O,
-     "cuda_synchronize(device): wait for ringattn's stream on device."},
+     "cuda_synchronize(device): wait for ringattn's stream on device; "
+     "the borrowed arrays it was done with go back to their producers."},
     {NULL, NULL, 0, NULL}};
 
 int ra_cuda_exec(PyObject *m, ra_module_state *st) {
     (void)st;
     if (PyModule_AddFunctions(m, cuda_methods) < 0) return -1;
+    if (ra_cuda_lifetime_exec(m) < 0) return -1;
     return ra_cuda_emu_exec(m);
 }

@@ -18,6 +18,9 @@
 extern "C" {
 #endif
 
+/* the most devices ringattn keeps per-device state for */
+#define RA_CUDA_MAX_DEVICES 64
+
 /* 1 if CUDA kernels were compiled in and a device is usable; otherwise 0
  * and *why (static string or thread-local message) says why. */
 int ra_cuda_available(const char **why);
@@ -37,15 +40,45 @@ void ra_cuda_empty_cache(void);
  * non-blocking stream).  Returned as an opaque cudaStream_t. */
 ra_status ra_cuda_compute_stream(int device, void **stream);
 
+/* Who may still use exported memory after its consumer let go of it:
+ * only ringattn's compute stream, streams the device's legacy default
+ * stream synchronises with (the legacy stream, per-thread default streams,
+ * blocking streams), or streams ringattn cannot name. */
+enum { RA_SHARED_NONE = 0, RA_SHARED_LEGACY = 1, RA_SHARED_UNKNOWN = 2 };
+
 /* DLPack producer side: make `consumer_stream` (a cudaStream_t value as an
  * integer; 1 = legacy default, 2 = per-thread default, -1 = the consumer
  * orders itself) wait for all work queued so far on our compute stream,
  * through an event.  `block`: the start of the ra_cuda_malloc block being
  * exported (NULL for memory ringattn does not own); a block read on
  * another stream than the compute stream is not reused after its free
- * before that reading is done (see cuda_rt.c). */
+ * before that reading is done (see cuda_rt.c).  *shared: how the
+ * consumer's stream relates to ours (RA_SHARED_*). */
 ra_status ra_cuda_export_sync(int device, void *block,
-                              intptr_t consumer_stream);
+                              intptr_t consumer_stream, int *shared);
+
+/* The stream-ordered lifetime of memory ringattn borrowed (an array
+ * imported through DLPack; cuda_lifetime.c).  ringattn lets go of such an
+ * array on `device`: `release(arg)` (the producer's deleter) runs once the
+ * work queued so far on the device's compute stream has completed -- from
+ * a later poll, with the GIL held and no host wait on the way -- and the
+ * device's legacy default stream (with every stream that synchronises with
+ * it) is ordered after that work.  `shared` (RA_SHARED_*): where else the
+ * memory was handed on (a Buffer viewing it exported through DLPack): to
+ * streams the legacy stream synchronises with, whose work so far the
+ * release then waits for as well, or to streams ringattn cannot name,
+ * when the device is synchronised first (a host wait).  Call with the GIL
+ * held.  Without CUDA, or without a usable device, release(arg) runs at
+ * once. */
+void ra_cuda_release_after(int device, int shared, void (*release)(void *),
+                           void *arg);
+/* Run the releases whose work has completed (GIL held): called at every
+ * call into ringattn that takes arrays, and after a synchronisation. */
+void ra_cuda_poll_releases(void);
+/* Wait for the work of every pending release and run them all (GIL held;
+ * at exit: the one host wait of this scheme). */
+void ra_cuda_drain_releases(void);
+long ra_cuda_pending_releases(void);
 
 /* Host <-> device and device <-> device copies of contiguous bytes, ordered
  * on the compute stream; `sync` waits for completion. */

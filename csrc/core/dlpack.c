@@ -82,6 +82,22 @@ static void capsule_destructor_legacy(PyObject *cap) {
     if (mt->deleter) mt->deleter(mt);
 }
 
+/* Imported device memory (`owner` one of our import keepers, below)
+ * handed on through DLPack to a consumer's stream: its release waits for
+ * that stream too (ra_cuda_release_after).  The keeper's context holds the
+ * widest RA_SHARED_* seen. */
+static int is_import_keeper(PyObject *owner) {
+    return owner != NULL &&
+           (PyCapsule_IsValid(owner, "ringattn.dlpack_owner_versioned") ||
+            PyCapsule_IsValid(owner, "ringattn.dlpack_owner"));
+}
+
+static void note_shared(PyObject *owner, int shared) {
+    if (!is_import_keeper(owner)) return;
+    intptr_t was = (intptr_t)PyCapsule_GetContext(owner);
+    if (shared > was) (void)PyCapsule_SetContext(owner, (void *)(intptr_t)shared);
+}
+
 static int parse_version_tuple(PyObject *obj, long *major) {
     if (obj == NULL || obj == Py_None) {
         *major = -1;
@@ -169,15 +185,17 @@ PyObject *ra_buffer_dlpack(PyObject *self, PyObject *args, PyObject *kwds) {
     if (src->device_type == RA_DEV_CUDA) {
         /* after the copy above was queued: the consumer waits for it too */
         ra_status st;
+        int shared = RA_SHARED_NONE;
         Py_BEGIN_ALLOW_THREADS
         st = ra_cuda_export_sync(src->device_id,
                                  src->block ? src->block->ptr : NULL,
-                                 consumer);
+                                 consumer, &shared);
         Py_END_ALLOW_THREADS
         if (st != RA_OK) {
             Py_DECREF(src);
             return ra_raise(st);
         }
+        if (src->block == NULL) note_shared(src->owner, shared);
     }
 
     ra_export_block *blk =
@@ -233,18 +251,75 @@ PyObject *ra_buffer_dlpack_device(PyObject *self, PyObject *unused) {
 
 /* ---- consumer ---------------------------------------------------------- */
 
-/* Keeper of an imported tensor: a capsule whose destructor calls the
- * producer's deleter once. */
+/* Keeper of an imported tensor: a capsule whose destructor gives the
+ * tensor back to its producer (its deleter, called once).  Device memory
+ * goes back only once ringattn's stream work on it has completed
+ * (ra_cuda_release_after): the producer's allocator may hand it to a new
+ * array at once.  Host memory (pinned included: ringattn's copies of it
+ * are finished on return) goes back now.  The keeper's context: how far
+ * the memory was handed on (note_shared). */
+typedef struct {
+    void *mt;
+    void (*versioned)(DLManagedTensorVersioned *);   /* one of the two */
+    void (*legacy)(DLManagedTensor *);
+} deleter_call;
+
+static void run_deleter(void *arg) {
+    deleter_call *c = (deleter_call *)arg;
+    if (c->versioned != NULL)
+        c->versioned((DLManagedTensorVersioned *)c->mt);
+    else
+        c->legacy((DLManagedTensor *)c->mt);
+    PyMem_RawFree(c);
+}
+
+/* Everything is read from the tensor now: a producer with no deleter may
+ * free it as soon as it is not used (and then there is nothing to call). */
+static void give_back(PyObject *keeper, const DLTensor *t, deleter_call call) {
+    if (call.versioned == NULL && call.legacy == NULL) return;
+    const int on_device = t->device.device_type == kDLCUDA ||
+                          t->device.device_type == kDLCUDAManaged;
+    deleter_call *c = (deleter_call *)PyMem_RawMalloc(sizeof *c);
+    if (c != NULL) *c = call;
+    if (c != NULL && on_device) {
+        /* the context of a valid capsule: no error, NULL is none */
+        const int shared = (int)(intptr_t)PyCapsule_GetContext(keeper);
+        ra_cuda_release_after(t->device.device_id, shared, run_deleter, c);
+        return;
+    }
+    if (c == NULL && on_device) {
+        /* no memory for the record: wait for the device here */
+        const int device = t->device.device_id;
+        Py_BEGIN_ALLOW_THREADS
+        (void)ra_cuda_synchronize(device);
+        ra_clear_error();
+        Py_END_ALLOW_THREADS
+    }
+    /* a deleter may run Python code: not with an exception pending */
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (c != NULL)
+        run_deleter(c);
+    else if (call.versioned != NULL)
+        call.versioned((DLManagedTensorVersioned *)call.mt);
+    else
+        call.legacy((DLManagedTensor *)call.mt);
+    if (PyErr_Occurred()) PyErr_WriteUnraisable(NULL);
+    PyErr_Restore(et, ev, tb);
+}
+
 static void owner_destructor_versioned(PyObject *cap) {
     DLManagedTensorVersioned *mt = (DLManagedTensorVersioned *)
         PyCapsule_GetPointer(cap, "ringattn.dlpack_owner_versioned");
-    if (mt != NULL && mt->deleter != NULL) mt->deleter(mt);
+    if (mt != NULL)
+        give_back(cap, &mt->dl_tensor, (deleter_call){mt, mt->deleter, NULL});
 }
 
 static void owner_destructor_legacy(PyObject *cap) {
     DLManagedTensor *mt = (DLManagedTensor *)PyCapsule_GetPointer(
         cap, "ringattn.dlpack_owner");
-    if (mt != NULL && mt->deleter != NULL) mt->deleter(mt);
+    if (mt != NULL)
+        give_back(cap, &mt->dl_tensor, (deleter_call){mt, NULL, mt->deleter});
 }
 
 /* The current exception as a BufferError "<name>: <what>: <type>: <text>"

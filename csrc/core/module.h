@@ -48,6 +48,7 @@ PyObject *ra_raise_msg(ra_status st, const char *msg);
 int ra_buffer_exec(PyObject *m, ra_module_state *st);
 int ra_cuda_exec(PyObject *m, ra_module_state *st);
 int ra_cuda_emu_exec(PyObject *m);       /* cuda_emu.c, called by ra_cuda_exec */
+int ra_cuda_lifetime_exec(PyObject *m);  /* cuda_lifetime.c, likewise */
 
 #ifdef __cplusplus
 }

@@ -167,6 +167,19 @@ int ra_emu_grid_run(const ra_emu_grid *g);
 int ra_emu_func_set_smem(const void *func, int bytes);
 size_t ra_emu_func_smem_limit(const void *func);
 
+/* ---- test hooks of the runtime (runtime_streams.cpp) --------------------- */
+
+/* How many times the host has blocked on device work so far: every
+ * cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
+ * cudaFree and cudaFreeHost (they wait for the device), and every copy or
+ * memset that returns only once its work (or the work before it) is done.
+ * Tests count the host synchronisations of a call with it. */
+uint64_t ra_emu_host_syncs(void);
+/* Lazy mode (RINGATTN_EMU_LAZY) on (1) or off (0) from now on, or left as
+ * it is (-1); returns the previous setting, or -1 when the runtime cannot
+ * start. */
+int ra_emu_set_lazy(int on);
+
 /* ---- the stand-in NCCL's view of the runtime ----------------------------- */
 
 /* Handed to the stand-in NCCL library by nccl_loader.c after dlopen, through

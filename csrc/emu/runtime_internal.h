@@ -155,6 +155,7 @@ void host_wait(Lock &lk, const StreamRef &s, uint64_t seq);
 std::vector<std::pair<StreamRef, uint64_t>> sync_targets(const StreamRef &s);
 void reset_streams(Lock &lk, int device);          // cudaDeviceReset's part
 void sync_device(Lock &lk, int device);            // every stream of it
+void count_host_sync();              // ra_emu_host_syncs' counter, once per blocking call
 double now_ms();
 
 }  // namespace ra_emu_rt

@@ -129,10 +129,12 @@ cudaError_t copy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind,
     else if (from_dev && to_dev) wait_done = false;                        // device -> device
     else wait_done = sync_api && !staged;                                  // host -> device
     if (wait_done) {
+        count_host_sync();
         host_wait(lk, s, seq);
         return fail(sticky(s->device));
     }
     if (sync_api && staged) {   // the work before it, not the copy itself
+        count_host_sync();
         host_wait(lk, s, seq - 1);
         for (auto &d : before) host_wait(lk, d.first, d.second);
         return fail(sticky(s->device));
@@ -159,6 +161,7 @@ cudaError_t fill(void *p, int value, size_t n, cudaStream_t stream, bool sync_ap
     op->value = value & 0xff;
     const uint64_t seq = enqueue(s, op);
     if (sync_api && pl.where == W_PINNED) {
+        count_host_sync();
         host_wait(lk, s, seq);
         return fail(sticky(s->device));
     }
@@ -201,6 +204,7 @@ extern "C" cudaError_t cudaFree(void *ptr) {
     const int d = ra_emu_mem_device_of(ptr);
     if (d < 0 || !freeable(ptr)) return fail(cudaErrorInvalidValue);
     if ((e = sticky(d)) != cudaSuccess) return fail(e);
+    count_host_sync();
     sync_device(lk, d);
     if (cur != d) sync_device(lk, cur);
     if ((e = sticky(d)) != cudaSuccess) return fail(e);
@@ -265,6 +269,7 @@ extern "C" cudaError_t cudaFreeHost(void *ptr) {
     Runtime &R = rt();
     Lock lk(R.mu);
     if (R.pinned.count((uintptr_t)ptr) == 0) return fail(cudaErrorInvalidValue);
+    count_host_sync();
     for (int d = 0; d < R.ndev; d++) sync_device(lk, d);
     auto it = R.pinned.find((uintptr_t)ptr);
     if (it == R.pinned.end()) return fail(cudaErrorInvalidValue);   // freed meanwhile

@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <system_error>
@@ -36,6 +37,8 @@ double now_ms() {
 }
 
 namespace {
+
+std::atomic<uint64_t> g_host_syncs{0};
 
 /* ---- running one operation (without the lock) ---- */
 
@@ -288,6 +291,8 @@ std::vector<std::pair<StreamRef, uint64_t>> sync_targets(const StreamRef &s) {
     return out;
 }
 
+void count_host_sync() { g_host_syncs.fetch_add(1, std::memory_order_relaxed); }
+
 void sync_device(Lock &lk, int device) {
     std::vector<StreamRef> all = rt().dev[device].streams;
     for (const StreamRef &t : all) host_wait(lk, t, t->enq);
@@ -365,6 +370,7 @@ extern "C" cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
     Lock lk(rt().mu);
     StreamRef s = resolve(stream);
     if (!s) return fail(cudaErrorInvalidResourceHandle);
+    count_host_sync();
     for (auto &t : sync_targets(s)) host_wait(lk, t.first, t.second);
     if ((e = sticky(s->device)) != cudaSuccess) return fail(e);
     return fail(s->err);
@@ -449,6 +455,7 @@ extern "C" cudaError_t cudaDeviceSynchronize(void) {
     if (e != cudaSuccess) return fail(e);
     Lock lk(rt().mu);
     const int d = current_device();
+    count_host_sync();
     sync_device(lk, d);
     return fail(sticky(d));
 }
@@ -549,6 +556,7 @@ extern "C" cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     if (!E->stream) return cudaSuccess;
     StreamRef s = E->stream;
     const uint64_t seq = E->seq;
+    count_host_sync();
     host_wait(lk, s, seq);
     Event snapshot = *E;
     snapshot.stream = s;
@@ -575,4 +583,23 @@ extern "C" cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEv
     if (A.stream->done < A.seq || B.stream->done < B.seq) return cudaErrorNotReady;
     *ms = (float)(B.timing->ms - A.timing->ms);
     return cudaSuccess;
+}
+
+/* ---- test hooks (emu.h) -------------------------------------------------- */
+
+extern "C" uint64_t ra_emu_host_syncs(void) {
+    return g_host_syncs.load(std::memory_order_relaxed);
+}
+
+extern "C" int ra_emu_set_lazy(int on) {
+    if (enter() != cudaSuccess) return -1;
+    Runtime &R = rt();
+    Lock lk(R.mu);
+    const int prev = R.lazy;
+    if (on < 0) return prev;
+    R.lazy = on ? 1 : 0;
+    /* eager again: the workers held back by lazy mode go on */
+    for (int d = 0; d < R.ndev; d++)
+        for (const StreamRef &t : R.dev[d].streams) t->cv.notify_one();
+    return prev;
 }

@@ -461,3 +461,52 @@ TEST(synchronous_calls_that_return_early) {
     OK(cudaStreamDestroy(blocking));
     OK(cudaFree(d));
 }
+
+/* ra_emu_host_syncs counts each call that made the host wait for device
+ * work, and nothing else; ra_emu_set_lazy switches lazy mode at run time
+ * (work held back starts once it is off again). */
+TEST(host_sync_counter_and_lazy_switch) {
+    cudaStream_t s;
+    OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    unsigned char *d = nullptr;
+    OK(cudaMalloc(&d, 64));
+    std::vector<unsigned char> h(64, 5);
+    cudaEvent_t ev;
+    OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    uint64_t n = ra_emu_host_syncs();
+    OK(cudaMemsetAsync(d, 1, 64, s));                               // queued
+    OK(cudaMemcpyAsync(d, h.data(), 64, cudaMemcpyHostToDevice, s)); // copied aside
+    OK(cudaEventRecord(ev, s));
+    OK(cudaStreamWaitEvent(cudaStreamLegacy, ev, 0));
+    (void)cudaEventQuery(ev);
+    (void)cudaStreamQuery(s);
+    CHECK_EQ(ra_emu_host_syncs(), n);
+    OK(cudaStreamSynchronize(s));
+    CHECK_EQ(ra_emu_host_syncs(), n + 1);
+    OK(cudaEventSynchronize(ev));
+    OK(cudaDeviceSynchronize());
+    CHECK_EQ(ra_emu_host_syncs(), n + 3);
+    OK(cudaMemcpyAsync(h.data(), d, 64, cudaMemcpyDeviceToHost, s)); // pageable: waits
+    OK(cudaMemcpy(h.data(), d, 64, cudaMemcpyDeviceToHost));
+    CHECK_EQ(ra_emu_host_syncs(), n + 5);
+    CHECK_EQ(h[0], 5);
+    void *p = nullptr;
+    OK(cudaMalloc(&p, 16));
+    OK(cudaFree(p));                                                 // a device sync
+    CHECK_EQ(ra_emu_host_syncs(), n + 6);
+
+    const int was = ra_emu_set_lazy(-1);
+    CHECK_EQ(was, lazy() ? 1 : 0);
+    CHECK_EQ(ra_emu_set_lazy(1), was);
+    std::atomic<int> flag{0};
+    OK(cudaLaunchHostFunc(s, set_flag_fn, &flag));
+    sleep_ms(20);
+    CHECK_EQ(flag.load(), 0);                 // held back: nobody looked
+    CHECK_EQ(ra_emu_set_lazy(0), 1);
+    CHECK(eventually([&] { return flag.load() == 1; }));
+    CHECK_EQ(ra_emu_set_lazy(was), 0);
+    CHECK_EQ(ra_emu_host_syncs(), n + 6);
+    OK(cudaEventDestroy(ev));
+    OK(cudaStreamDestroy(s));
+    OK(cudaFree(d));
+}
