@@ -10,15 +10,19 @@
  * host, threads: the new communicator runs on c's transport (the sockets,
  * the threads group): ra_comm.transport points at it, members[] maps the
  * new ranks to the transport's, and every transfer carries the split's
- * context in its kind, so a message of one communicator never matches a
- * receive of another.  The context must be the same on every member and
- * unique among the communicators any two ranks share: each rank sends its
+ * context in its kind, and the transport matches a receive only with a
+ * message of its own context: communicators on one transport never see
+ * each other's messages, and may run at the same time (from different
+ * threads).  The context must be the same on every member and unique
+ * among the communicators any two ranks share: each rank sends its
  * transport's next_context, all take the largest and move next_context
  * past it.  After a split every member holds the same next_context, so a
  * later split that includes two ranks gives them a context neither has
  * used.  A failure of the split fails the transport (and so every
  * communicator on it); aborting a split aborts the transport; closing one
- * leaves the transport open.
+ * leaves the transport open: the transport's context_close fails the
+ * split's transfers in flight and tells its other members, whose copies
+ * of the split then fail ("peer rank R closed this communicator").
  *
  * nccl: a new NCCL communicator.  The group's first rank makes a fresh
  * unique id and hands it to the others in a second allgather over c; the
@@ -67,7 +71,9 @@ static void view_abort(ra_comm *c) {
 }
 
 static void view_close(ra_comm *c) {
-    (void)c;   /* the transport stays open for its other communicators */
+    /* the transport stays open for its other communicators */
+    ra_comm *t = c->transport;
+    if (t->vt->context_close != NULL) t->vt->context_close(t, c);
 }
 
 static void view_destroy(ra_comm *c) {
@@ -90,6 +96,7 @@ static ra_status view_unreachable(ra_comm *c, ra_req *r) {
         .sendrecv_start = view_unreachable, .wait = NULL, .barrier = NULL,   \
         .allgather = NULL, .alltoall = NULL, .abort = view_abort,             \
         .close = view_close, .destroy = view_destroy,                         \
+        .context_open = NULL, .context_close = NULL,                          \
     }
 
 static const ra_comm_vtable view_vtables[] = {
@@ -128,6 +135,13 @@ static ra_status make_view(ra_comm *c, const int *members, int size,
     v->transport = root;
     v->members = map;
     v->context = context;
+    /* known to the transport before its first transfer (which also moves
+     * the transport's next_context past it) */
+    if (root->vt->context_open != NULL &&
+        (st = root->vt->context_open(root, v)) != RA_OK) {
+        ra_comm_destroy_base(v);
+        goto fail;
+    }
     *out = v;
     return RA_OK;
 fail:
@@ -290,7 +304,9 @@ ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
         st = ra_comm_fail(c, RA_ERR_COMM, ra_last_error());
         goto done;
     }
-    atomic_store(&root->next_context, context + 1);
+    /* a member's transport moves next_context when its split opens there
+     * (make_view); the others' at once */
+    if (nccl || color < 0) ra_comm_context_taken(root, context);
 
     memcpy(sorted, e, sizeof(split_entry) * (size_t)p);
     qsort(sorted, (size_t)p, sizeof *sorted, by_color);
@@ -306,8 +322,10 @@ ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
         if (sorted[i].rank == c->rank) new_rank = i;
     }
     if (!nccl) {
-        if (color >= 0)
+        if (color >= 0) {
             st = make_view(c, members, size, new_rank, context, out);
+            if (st != RA_OK) ra_comm_context_taken(root, context);
+        }
         goto done;
     }
     unsigned char id[RA_NCCL_ID_BYTES];
