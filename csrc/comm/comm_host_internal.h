@@ -280,8 +280,7 @@ void ra_host_departed_msg(const host_gone *d, const char *pre, char *msg,
                           size_t n);
 /* This rank's copy of split s fails with `why` (c->mu held): the leave to
  * hand to the progress thread, or NULL (nothing to tell). */
-host_leave *ra_host_fail_split_locked(ra_comm *c, host_split *s,
-                                      const char *why);
+host_leave *ra_host_fail_split_locked(host_split *s, const char *why);
 /* The vtable's context_open / context_close. */
 ra_status ra_host_context_open(ra_comm *t, ra_comm *view);
 void ra_host_context_close(ra_comm *t, ra_comm *view);

@@ -56,9 +56,7 @@ void ra_host_departed_msg(const host_gone *d, const char *pre, char *msg,
                     d->why);
 }
 
-host_leave *ra_host_fail_split_locked(ra_comm *c, host_split *s,
-                                      const char *why) {
-    (void)c;
+host_leave *ra_host_fail_split_locked(host_split *s, const char *why) {
     if (s->failed || s->view == NULL) return NULL;
     s->failed = 1;
     ra_snprintf(s->why, sizeof s->why, "%s", why);
@@ -167,7 +165,7 @@ int ra_host_split_refuse(ra_comm *c, ra_req *r, char *msg, size_t n) {
     else
         ra_host_departed_msg(d, pre, msg, n);
     r->ctx_closed = 1;
-    host_leave *k = d != NULL ? ra_host_fail_split_locked(c, s, msg) : NULL;
+    host_leave *k = d != NULL ? ra_host_fail_split_locked(s, msg) : NULL;
     if (k != NULL) {             /* the progress thread tells the members */
         k->next = h->leaving;
         h->leaving = k;
@@ -236,7 +234,7 @@ static ra_status fail_here(ra_comm *c, host_impl *h, uint32_t context,
                            const char *why) {
     pthread_mutex_lock(&c->mu);
     host_split *s = ra_host_find_split(h, context);
-    host_leave *k = s != NULL ? ra_host_fail_split_locked(c, s, why) : NULL;
+    host_leave *k = s != NULL ? ra_host_fail_split_locked(s, why) : NULL;
     pthread_mutex_unlock(&c->mu);
     if (k == NULL) return RA_OK;
     ra_status st = ra_host_drop_context(c, h, context, why, 1, 1);
