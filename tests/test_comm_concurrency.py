@@ -257,3 +257,52 @@ def test_a_member_leaving_a_split_when_done_lets_the_others_finish(backend):
         assert text == (f"rank {r}: sendrecv: peer rank 0 closed this "
                         f"communicator"), text
         assert took < 1 and split_failed and not failed
+
+
+# ---- splits of different communicators at the same time ---------------------
+
+def concurrent_splits(comm, rounds):
+    """Two splits of comm with the same members, each split again by its
+    own thread at the same moment on every rank (one rank's threads
+    scheduled one way, another's the other way), then each new
+    communicator driven by its thread with its own data at once.  The two
+    new communicators must get contexts of their own: every block arrives
+    where it belongs and nothing fails."""
+    p, r = comm.size, comm.rank
+    for i in range(rounds):
+        a, b = comm.split(0), comm.split(0)
+        start = threading.Barrier(2, timeout=DEADLINE)
+
+        def split_and_use(c, tag):
+            rng = random.Random(1000 * i + 10 * r + tag)
+            start.wait()
+            if rng.random() < 0.5:
+                time.sleep(rng.random() * 1e-3)
+            g = c.split(0, timeout=DEADLINE)
+            start.wait()
+            for step in range(3):
+                got = np.zeros(4)
+                g.sendrecv(np.full(4, 100.0 * tag + 10 * r + step),
+                           (r + 1) % p, got, (r - 1) % p, step=step,
+                           timeout=DEADLINE)
+                want = 100.0 * tag + 10 * ((r - 1) % p) + step
+                assert (got == want).all(), (tag, step, got.tolist(), want)
+            g.close()
+            return "ok"
+
+        join_a = in_thread(lambda: split_and_use(a, 1))
+        join_b = in_thread(lambda: split_and_use(b, 2))
+        for result, err in (join_a(), join_b()):
+            assert err is None, repr(err)
+        a.close()
+        b.close()
+        comm.barrier(timeout=DEADLINE)
+    return comm.failed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_splits_get_contexts_of_their_own(backend):
+    rounds = 30 if backend == "threads" else 12
+    assert launch(concurrent_splits, 3, args=(rounds,), backend=backend,
+                  timeout=100) == [False] * 3

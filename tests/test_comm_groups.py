@@ -291,7 +291,9 @@ def numpy_integer_arguments(comm):
 def test_numpy_integers_and_the_integer_rule_in_comm_arguments():
     results = launch(numpy_integer_arguments, 2, backend="threads",
                      timeout=40)
-    split_messages = 2 * (2 - 1) + 1      # the split's allgather, sendrecv
+    # the split's two allgathers (records, verdicts on the context), the
+    # sendrecv
+    split_messages = 2 * 2 * (2 - 1) + 1
     for r, (rank, got, errors, sent) in enumerate(results):
         assert rank == 1 - r and got == [float(1 - r)] * 2
         assert errors == [

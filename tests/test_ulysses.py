@@ -397,15 +397,17 @@ def _kept_splits(comm, gc):
 
 @pytest.mark.timeout(60)
 def test_ulysses_splits_once_per_communicator():
-    """The first call splits comm into the group and the ring (two
-    allgathers of split records, 2 (p - 1) messages each); every later
-    call sends only the agreement's allgather (2 (p - 1)) and what the
-    group's all-to-alls and the ring send, the same number each time, on
-    the same two communicators: nothing grows with the calls."""
+    """The first call splits comm into the group and the ring (each split
+    two allgathers, of the records and of the verdicts on the context:
+    4 (p - 1) messages); every later call sends only the agreement's
+    allgather (2 (p - 1)) and what the group's all-to-alls and the ring
+    send, the same number each time, on the same two communicators:
+    nothing grows with the calls."""
     p = 4
     results = ra.launch(repeated_ulysses, p, args=(4,), backend="threads",
                         timeout=LAUNCH_TIMEOUT)
-    agreement = split = 2 * (p - 1)
+    agreement = 2 * (p - 1)
+    split = 4 * (p - 1)
     for per_call in results:
         (first, on_kids0, kids0, pair0), *later = per_call
         assert kids0 == 2

@@ -218,6 +218,9 @@ struct ra_comm {
      * split may take (the ranks agree on the largest, comm_split.c); the
      * contexts below it were taken (host: one with no open split is closed) */
     _Atomic uint32_t next_context;
+    /* under mu: the contexts that splits in progress on this rank proposed
+     * or agreed on and have not opened yet (comm_split.c) */
+    struct ra_ctx_claim *claims;
     pthread_mutex_t mu;       /* failure state, request completion */
     pthread_cond_t cv;
     _Atomic int failed;
@@ -297,7 +300,7 @@ ra_status ra_a2a_staged(int rank, int size, const ra_a2a *a,
 /* 1 when c, or the transport it runs on, has failed. */
 int ra_comm_is_failed(ra_comm *c);
 /* A split took `context` on transport t: t's next_context moves past it
- * (comm_split.c; a backend's context_open, under its lock). */
+ * (comm_split.c; a backend's context_open). */
 void ra_comm_context_taken(ra_comm *t, uint32_t context);
 
 /* "rank R: op step S: " prefix for messages */
@@ -314,6 +317,12 @@ void ra_comm_prefix(char *buf, size_t n, int rank, const char *op,
  * one has c's default timeout; `timeout` bounds the split. */
 ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
                         ra_comm **out);
+/* 1 when a split in progress on this rank agreed on `context` and has not
+ * opened it on transport t yet (its messages may come already).  t->mu
+ * held. */
+int ra_comm_context_pending(ra_comm *t, uint32_t context);
+/* Free t's claims (none are left once no split runs). */
+void ra_comm_claims_free(ra_comm *t);
 
 /* ---- backends ---------------------------------------------------------- */
 

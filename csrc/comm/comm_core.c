@@ -49,6 +49,7 @@ ra_status ra_comm_init_base(ra_comm *c, const ra_comm_vtable *vt, int rank,
 }
 
 void ra_comm_destroy_base(ra_comm *c) {
+    ra_comm_claims_free(c);
     pthread_cond_destroy(&c->cv);
     pthread_mutex_destroy(&c->mu);
 }
@@ -103,8 +104,12 @@ int ra_comm_is_failed(ra_comm *c) {
 }
 
 void ra_comm_context_taken(ra_comm *t, uint32_t context) {
-    if (atomic_load(&t->next_context) <= context)
-        atomic_store(&t->next_context, context + 1);
+    /* only ever forward, also when splits open at the same time */
+    uint32_t next = atomic_load(&t->next_context);
+    while (next <= context &&
+           !atomic_compare_exchange_weak(&t->next_context, &next,
+                                         context + 1)) {
+    }
 }
 
 void ra_comm_abort(ra_comm *c, const char *reason) {

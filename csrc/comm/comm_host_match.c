@@ -80,14 +80,16 @@ static ra_status deliver(ra_comm *c, int src, unexp_frame *u, ra_req *r,
 }
 
 /* Whether frames of `context` are wanted here: a live communicator, or
- * one not open here yet, yes; a split this rank left (its copy failed, or
- * it closed it: a context below next_context with no split), no. */
+ * one not open here yet (a split in progress agreed on it, or it lies past
+ * next_context), yes; a split this rank left (its copy failed, or it
+ * closed it: a context below next_context with no split), no. */
 static int context_wanted(ra_comm *c, host_impl *h, uint32_t context) {
     if (context == 0) return 1;
     pthread_mutex_lock(&c->mu);
     host_split *s = ra_host_find_split(h, context);
     int wanted = s != NULL ? !s->failed
-                           : context >= atomic_load(&c->next_context);
+                           : context >= atomic_load(&c->next_context) ||
+                                 ra_comm_context_pending(c, context);
     pthread_mutex_unlock(&c->mu);
     return wanted;
 }

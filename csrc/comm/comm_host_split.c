@@ -202,8 +202,8 @@ static void queue_notices(ra_comm *c, host_impl *h, const host_leave *k) {
  * thread): fail its requests, tell its members. */
 ra_status ra_host_leave(ra_comm *c, host_impl *h, const host_leave *k) {
     if (k->closed)
-        RA_CHECK(ra_host_drop_context(c, h, k->context, "communicator is closed", 0,
-                              1));
+        RA_CHECK(ra_host_drop_context(c, h, k->context,
+                                      "communicator is closed", 0, 1));
     else
         RA_CHECK(ra_host_drop_context(c, h, k->context, k->why, 1, 1));
     queue_notices(c, h, k);
@@ -251,7 +251,8 @@ ra_status ra_host_peer_left(ra_comm *c, host_impl *h, int src,
                            uint32_t context, int closed, const char *why) {
     pthread_mutex_lock(&c->mu);
     host_split *s = ra_host_find_split(h, context);
-    if (s == NULL && context >= atomic_load(&c->next_context)) {
+    if (s == NULL && (context >= atomic_load(&c->next_context) ||
+                      ra_comm_context_pending(c, context))) {
         /* not open here yet: it opens knowing */
         s = ra_host_calloc(sizeof *s);
         if (s != NULL) {
