@@ -303,6 +303,12 @@ int ra_comm_is_failed(ra_comm *c);
  * (comm_split.c; a backend's context_open). */
 void ra_comm_context_taken(ra_comm *t, uint32_t context);
 
+/* Why an operation (prefix `pre`) that exchanges with rank `peer` fails
+ * once that peer left its split: "peer rank R closed this communicator",
+ * or "peer rank R failed: <why>" (host, threads). */
+void ra_comm_departed_msg(const char *pre, int peer, int closed,
+                          const char *why, char *msg, size_t n);
+
 /* "rank R: op step S: " prefix for messages */
 void ra_comm_prefix(char *buf, size_t n, int rank, const char *op,
                     int64_t step);

@@ -54,6 +54,15 @@ void ra_comm_destroy_base(ra_comm *c) {
     pthread_mutex_destroy(&c->mu);
 }
 
+void ra_comm_departed_msg(const char *pre, int peer, int closed,
+                          const char *why, char *msg, size_t n) {
+    if (closed)
+        ra_snprintf(msg, n, "%speer rank %d closed this communicator", pre,
+                    peer);
+    else
+        ra_snprintf(msg, n, "%speer rank %d failed: %s", pre, peer, why);
+}
+
 void ra_comm_prefix(char *buf, size_t n, int rank, const char *op,
                     int64_t step) {
     if (step >= 0)

@@ -46,7 +46,7 @@ void ra_host_wake(host_impl *h) {
 /* "rank R: op step S: " of an operation that exchanges with `peer` (the
  * one a connection error interrupts), or "rank R: ". */
 void ra_host_peer_prefix(ra_comm *c, const host_peer *pe, char *pre,
-                        size_t n) {
+                         size_t n) {
     const ra_req *r = pe->in_req ? pe->in_req : pe->rq_head ? pe->rq_head
                       : pe->out_req ? pe->out_req : pe->sq_head;
     if (r != NULL) ra_comm_prefix(pre, n, c->rank, r->op, r->x.step);
@@ -82,11 +82,11 @@ void ra_host_unexp_free(unexp_frame *u) {
  * the sink (in).  Returns RA_ERR_NOMEM when the copy cannot be made (the
  * caller fails the transport: the stream cannot be finished). */
 ra_status ra_host_drop_req(ra_comm *c, host_impl *h, ra_req *r,
-                          const char *msg, int ctx_closed) {
+                           const char *msg, int ctx_closed) {
     if (!r->send_done && r->x.dst >= 0) {
         host_peer *pe = &h->peers[r->x.dst];
         if (pe->out_req == r && pe->hout_sent == 0) {
-            pe->out_active = 0;        /* not started: the peer never sees it */
+            pe->out_active = 0;   /* not started: the peer never sees it */
             pe->out_req = NULL;
         } else if (pe->out_req == r) {
             if (pe->out_left > 0) {
@@ -120,21 +120,12 @@ ra_status ra_host_drop_req(ra_comm *c, host_impl *h, ra_req *r,
  * UINT32_MAX), failed with "<its prefix>why" or `why` as it is (verbatim),
  * and the frames of that context that nobody took. */
 ra_status ra_host_drop_context(ra_comm *c, host_impl *h, uint32_t context,
-                              const char *why, int verbatim,
-                              int ctx_closed) {
+                               const char *why, int verbatim,
+                               int ctx_closed) {
     for (;;) {
         ra_req *r = NULL;
-        for (int i = 0; i < c->size && r == NULL; i++) {
-            host_peer *pe = &h->peers[i];
-            ra_req *cand[4] = {pe->out_req, pe->in_req, pe->sq_head,
-                               pe->rq_head};
-            for (int k = 0; k < 4 && r == NULL; k++)
-                for (ra_req *q = cand[k]; q != NULL && r == NULL;
-                     q = k == 2 ? q->next : k == 3 ? q->next_recv : NULL)
-                    if (context == UINT32_MAX ||
-                        ra_xfer_context(q->x.kind) == context)
-                        r = q;
-        }
+        for (int i = 0; i < c->size && r == NULL; i++)
+            r = ra_host_peer_req(&h->peers[i], context);
         if (r == NULL) break;
         char pre[128], msg[RA_COMM_MSG_LEN];
         ra_comm_prefix(pre, sizeof pre, c->rank, r->op, r->x.step);
@@ -146,7 +137,8 @@ ra_status ra_host_drop_context(ra_comm *c, host_impl *h, uint32_t context,
         unexp_frame **link = &pe->ux_head, *last = NULL;
         while (*link != NULL) {
             unexp_frame *u = *link;
-            if (context != UINT32_MAX && ra_xfer_context((int)u->kind) != context) {
+            if (context != UINT32_MAX &&
+                ra_xfer_context((int)u->kind) != context) {
                 last = u;
                 link = &u->next;
                 continue;
@@ -163,7 +155,7 @@ ra_status ra_host_drop_context(ra_comm *c, host_impl *h, uint32_t context,
     return RA_OK;
 }
 
-/* ---- the sockets ---------------------------------------------------------- */
+/* ---- the sockets -------------------------------------------------------- */
 
 /* The connection to `peer` is gone (why: NULL when the peer closed it):
  * the error of the operation that needed it. */
@@ -296,7 +288,6 @@ static void out_frame_done(ra_comm *c, host_peer *pe) {
 /* Send what waits for `dst` until the socket is full. */
 static ra_status pump_out(ra_comm *c, host_impl *h, int dst, char *msg,
                           size_t n) {
-    (void)h;
     host_peer *pe = &h->peers[dst];
     for (;;) {
         if (pe->broken) return RA_OK;
@@ -332,7 +323,7 @@ static ra_status pump_out(ra_comm *c, host_impl *h, int dst, char *msg,
     }
 }
 
-/* ---- work from the callers ------------------------------------------------ */
+/* ---- work from the callers ---------------------------------------------- */
 
 /* A started request: its send in line for its peer, its receive matched
  * with a frame that already came, or posted. */
@@ -360,7 +351,7 @@ static ra_status take_request(ra_comm *c, host_impl *h, ra_req *r, char *msg,
     return st;
 }
 
-/* ---- failure ---------------------------------------------------------- */
+/* ---- failure ------------------------------------------------------------ */
 
 /* After a failure: tell every reachable peer why, then shut all sockets. */
 static void handle_failure(ra_comm *c, host_impl *h) {
@@ -416,7 +407,7 @@ static void wind_down(ra_comm *c, host_impl *h, ra_req *submitted,
     for (int i = 0; i < c->size; i++) {
         host_peer *pe = &h->peers[i];
         if (pe->out_req != NULL) {
-            ra_host_sq_push(pe, pe->out_req);   /* failed below with the others */
+            ra_host_sq_push(pe, pe->out_req);   /* failed below with the rest */
             pe->out_req = NULL;
         }
         if (pe->in_req != NULL) {
@@ -444,7 +435,7 @@ static void wind_down(ra_comm *c, host_impl *h, ra_req *submitted,
     if (failed) handle_failure(c, h);
 }
 
-/* ---- the thread ------------------------------------------------------------ */
+/* ---- the thread --------------------------------------------------------- */
 
 static ra_status one_round(ra_comm *c, host_impl *h, ra_req *submitted,
                            host_leave *leaving, struct pollfd *pfd,
@@ -581,7 +572,8 @@ void ra_host_engine_free(ra_comm *c) {
             pe->ux_head = u->next;
             ra_host_unexp_free(u);
         }
-        if (pe->out_copy != NULL) ra_host_free(pe->out_copy, pe->out_copy_bytes);
+        if (pe->out_copy != NULL)
+            ra_host_free(pe->out_copy, pe->out_copy_bytes);
         ra_host_notices_free(pe->notices);
     }
 }

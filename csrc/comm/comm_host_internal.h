@@ -12,7 +12,7 @@
 #include <unistd.h>
 #include "comm/comm.h"
 
-/* ---- little-endian wire integers and fds ------------------------------- */
+/* ---- little-endian wire integers and fds -------------------------------- */
 
 static inline void put32(unsigned char *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
@@ -54,7 +54,7 @@ ra_status ra_host_bootstrap(int rank, int size, int *fds,
                             const char *master_addr, int port,
                             const char *token, double deadline);
 
-/* ---- the transport (comm_host.c, comm_host_engine.c) --------------------- */
+/* ---- the transport (comm_host.c, comm_host_engine.c) -------------------- */
 
 /* Frame header, little-endian, FRAME_HDR bytes:
  *   magic u32 | kind u32 | step i64 | nbytes u64 | back u64
@@ -182,7 +182,7 @@ typedef struct host_impl {
 
 #define SINK_BYTES ((size_t)64 << 10)
 
-/* ---- request queues of a peer (progress thread) ------------------------ */
+/* ---- request queues of a peer (progress thread) ------------------------- */
 
 static inline void ra_host_sq_push(host_peer *pe, ra_req *r) {
     r->next = NULL;
@@ -222,6 +222,21 @@ static inline int ra_host_rq_unlink(host_peer *pe, ra_req *r) {
     return 0;
 }
 
+/* A request of `context` (any: UINT32_MAX) that the thread holds for this
+ * peer: its frame in or out, or waiting to send or receive; NULL if none. */
+static inline ra_req *ra_host_peer_req(const host_peer *pe,
+                                       uint32_t context) {
+    ra_req *const heads[4] = {pe->out_req, pe->in_req, pe->sq_head,
+                              pe->rq_head};
+    for (int k = 0; k < 4; k++)
+        for (ra_req *q = heads[k]; q != NULL;
+             q = k == 2 ? q->next : k == 3 ? q->next_recv : NULL)
+            if (context == UINT32_MAX ||
+                ra_xfer_context(q->x.kind) == context)
+                return q;
+    return NULL;
+}
+
 /* The oldest posted receive of `context` from this peer, or NULL. */
 static inline ra_req *ra_host_rq_find(host_peer *pe, uint32_t context) {
     for (ra_req *q = pe->rq_head; q != NULL; q = q->next_recv)
@@ -229,7 +244,7 @@ static inline ra_req *ra_host_rq_find(host_peer *pe, uint32_t context) {
     return NULL;
 }
 
-/* ---- comm_host_engine.c: the progress thread -------------------------- */
+/* ---- comm_host_engine.c: the progress thread ---------------------------- */
 
 void *ra_host_progress(void *arg);            /* arg: the ra_comm */
 void ra_host_wake(host_impl *h);
@@ -253,7 +268,7 @@ void ra_host_unexp_free(unexp_frame *u);
 void ra_host_peer_prefix(ra_comm *c, const host_peer *pe, char *pre,
                          size_t n);
 
-/* ---- comm_host_match.c: arriving frames (progress thread) ---------------- */
+/* ---- comm_host_match.c: arriving frames (progress thread) --------------- */
 
 /* A whole header (pe->hin) / frame arrived from src; the header in pe->hin
  * of a data frame (parked or new) is routed to its receive.  RA_OK, or an
@@ -269,15 +284,12 @@ ra_status ra_host_route_frame(ra_comm *c, host_impl *h, int src, char *msg,
 ra_status ra_host_post_recv(ra_comm *c, host_impl *h, ra_req *r, char *msg,
                             size_t n);
 
-/* ---- comm_host_split.c: splits on the transport ------------------------ */
+/* ---- comm_host_split.c: splits on the transport ------------------------- */
 
 /* The registry (c->mu held). */
 host_split *ra_host_find_split(host_impl *h, uint32_t context);
 host_gone *ra_host_find_gone(const host_split *s, int rank);
 void ra_host_split_free(host_split *s);
-/* Why an operation exchanging with departed member d fails. */
-void ra_host_departed_msg(const host_gone *d, const char *pre, char *msg,
-                          size_t n);
 /* This rank's copy of split s fails with `why` (c->mu held): the leave to
  * hand to the progress thread, or NULL (nothing to tell). */
 host_leave *ra_host_fail_split_locked(host_split *s, const char *why);

@@ -97,7 +97,7 @@ static int context_wanted(ra_comm *c, host_impl *h, uint32_t context) {
 /* The header in pe->hin is a data frame (checked): decide where its
  * payload goes.  Also re-run for a parked frame when receives change. */
 ra_status ra_host_route_frame(ra_comm *c, host_impl *h, int src, char *msg,
-                             size_t n) {
+                              size_t n) {
     host_peer *pe = &h->peers[src];
     uint32_t kind = get32(pe->hin + 4);
     int64_t step = (int64_t)get64(pe->hin + 8);
@@ -163,7 +163,7 @@ static void read_abort_reason(int fd, uint64_t n, char *out, size_t outlen,
 
 /* A whole frame arrived from `src`. */
 ra_status ra_host_frame_done(ra_comm *c, host_impl *h, int src, char *msg,
-                            size_t n) {
+                             size_t n) {
     host_peer *pe = &h->peers[src];
     in_state was = pe->in;
     ra_req *r = pe->in_req;
@@ -177,8 +177,8 @@ ra_status ra_host_frame_done(ra_comm *c, host_impl *h, int src, char *msg,
     } else if (was == IN_NOTICE) {
         uint64_t len = get64(pe->hin + 16);
         pe->notice_in[len] = '\0';
-        return ra_host_peer_left(c, h, src, ra_xfer_context((int)get32(pe->hin + 4)),
-                         0, pe->notice_in);
+        uint32_t context = ra_xfer_context((int)get32(pe->hin + 4));
+        return ra_host_peer_left(c, h, src, context, 0, pe->notice_in);
     } else if (was == IN_UNEXP) {
         /* a receive of its context may have been posted meanwhile */
         ra_req *q = ra_host_rq_find(pe, ra_xfer_context((int)u->kind));
@@ -200,7 +200,7 @@ ra_status ra_host_frame_done(ra_comm *c, host_impl *h, int src, char *msg,
 
 /* A whole header arrived from `src`. */
 ra_status ra_host_header_done(ra_comm *c, host_impl *h, int src, char *msg,
-                             size_t n) {
+                              size_t n) {
     host_peer *pe = &h->peers[src];
     uint32_t magic = get32(pe->hin), kind = get32(pe->hin + 4);
     uint64_t nbytes = get64(pe->hin + 16);
@@ -225,7 +225,8 @@ ra_status ra_host_header_done(ra_comm *c, host_impl *h, int src, char *msg,
     if (low == FRAME_CLOSE) {
         if (nbytes == 0) {     /* it closed the split */
             pe->hin_got = 0;
-            return ra_host_peer_left(c, h, src, ra_xfer_context((int)kind), 1, "");
+            return ra_host_peer_left(c, h, src, ra_xfer_context((int)kind), 1,
+                                     "");
         }
         pe->in = IN_NOTICE;    /* its copy failed: why follows */
         pe->in_left = nbytes;
@@ -234,10 +235,10 @@ ra_status ra_host_header_done(ra_comm *c, host_impl *h, int src, char *msg,
     return ra_host_route_frame(c, h, src, msg, n);
 }
 
-/* ---- receives ---------------------------------------------------------- */
+/* ---- receives ----------------------------------------------------------- */
 
 ra_status ra_host_post_recv(ra_comm *c, host_impl *h, ra_req *r, char *msg,
-                           size_t n) {
+                            size_t n) {
     host_peer *pe = &h->peers[r->x.src];
     uint32_t context = ra_xfer_context(r->x.kind);
     if (ra_host_rq_find(pe, context) == NULL) {

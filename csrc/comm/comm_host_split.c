@@ -46,16 +46,6 @@ void ra_host_split_free(host_split *s) {
     ra_host_free(s, sizeof *s);
 }
 
-void ra_host_departed_msg(const host_gone *d, const char *pre, char *msg,
-                          size_t n) {
-    if (d->closed)
-        ra_snprintf(msg, n, "%speer rank %d closed this communicator", pre,
-                    d->rank);
-    else
-        ra_snprintf(msg, n, "%speer rank %d failed: %s", pre, d->rank,
-                    d->why);
-}
-
 host_leave *ra_host_fail_split_locked(host_split *s, const char *why) {
     if (s->failed || s->view == NULL) return NULL;
     s->failed = 1;
@@ -78,7 +68,7 @@ host_leave *ra_host_fail_split_locked(host_split *s, const char *why) {
     return k;
 }
 
-/* ---- open, close (callers' threads) -------------------------------------- */
+/* ---- open, close (callers' threads) ------------------------------------- */
 
 ra_status ra_host_context_open(ra_comm *t, ra_comm *view) {
     host_impl *h = t->impl;
@@ -163,7 +153,7 @@ int ra_host_split_refuse(ra_comm *c, ra_req *r, char *msg, size_t n) {
     else if (s->failed)
         ra_snprintf(msg, n, "%s", s->why);
     else
-        ra_host_departed_msg(d, pre, msg, n);
+        ra_comm_departed_msg(pre, d->rank, d->closed, d->why, msg, n);
     r->ctx_closed = 1;
     host_leave *k = d != NULL ? ra_host_fail_split_locked(s, msg) : NULL;
     if (k != NULL) {             /* the progress thread tells the members */
@@ -174,7 +164,7 @@ int ra_host_split_refuse(ra_comm *c, ra_req *r, char *msg, size_t n) {
     return 1;
 }
 
-/* ---- departures (progress thread) ------------------------------------------ */
+/* ---- departures (progress thread) --------------------------------------- */
 
 /* Tell the members of k's split that this rank left it. */
 static void queue_notices(ra_comm *c, host_impl *h, const host_leave *k) {
@@ -248,7 +238,7 @@ static ra_status fail_here(ra_comm *c, host_impl *h, uint32_t context,
  * operations here that exchange with it fail, and with them this rank's
  * copy of the split (which tells the other members in turn). */
 ra_status ra_host_peer_left(ra_comm *c, host_impl *h, int src,
-                           uint32_t context, int closed, const char *why) {
+                            uint32_t context, int closed, const char *why) {
     pthread_mutex_lock(&c->mu);
     host_split *s = ra_host_find_split(h, context);
     if (s == NULL && (context >= atomic_load(&c->next_context) ||
@@ -279,16 +269,12 @@ ra_status ra_host_peer_left(ra_comm *c, host_impl *h, int src,
     host_peer *pe = &h->peers[src];
     char first[RA_COMM_MSG_LEN] = "";
     for (;;) {
-        ra_req *r = NULL;
-        ra_req *cand[4] = {pe->out_req, pe->in_req, pe->sq_head, pe->rq_head};
-        for (int k = 0; k < 4 && r == NULL; k++)
-            for (ra_req *q = cand[k]; q != NULL && r == NULL;
-                 q = k == 2 ? q->next : k == 3 ? q->next_recv : NULL)
-                if (ra_xfer_context(q->x.kind) == context) r = q;
+        ra_req *r = ra_host_peer_req(pe, context);
         if (r == NULL) break;
         char pre[128], msg[RA_COMM_MSG_LEN];
         ra_comm_prefix(pre, sizeof pre, c->rank, r->op, r->x.step);
-        ra_host_departed_msg(&gone, pre, msg, sizeof msg);
+        ra_comm_departed_msg(pre, gone.rank, gone.closed, gone.why, msg,
+                             sizeof msg);
         if (first[0] == '\0') ra_snprintf(first, sizeof first, "%s", msg);
         RA_CHECK(ra_host_drop_req(c, h, r, msg, 1));
     }
@@ -311,7 +297,8 @@ int ra_host_recv_refuse(ra_comm *c, host_impl *h, ra_req *r,
     if (d == NULL) return 0;
     char pre[128], msg[RA_COMM_MSG_LEN];
     ra_comm_prefix(pre, sizeof pre, c->rank, r->op, r->x.step);
-    ra_host_departed_msg(&gone, pre, msg, sizeof msg);
+    ra_comm_departed_msg(pre, gone.rank, gone.closed, gone.why, msg,
+                         sizeof msg);
     *st = ra_host_drop_req(c, h, r, msg, 1);
     if (*st == RA_OK) *st = fail_here(c, h, context, msg);
     return 1;

@@ -264,7 +264,7 @@ static int by_color(const void *a, const void *b) {
     return (x->rank > y->rank) - (x->rank < y->rank);
 }
 
-/* ---- the context (host, threads) ----------------------------------------- */
+/* ---- the context (host, threads) ---------------------------------------- */
 
 /* Two splits of different communicators on one transport may run at the
  * same time on a rank (from two threads), and reach the ranks in other
@@ -375,6 +375,16 @@ static double left(double deadline) {
     return t > 1e-3 ? t : 1e-3;
 }
 
+/* Every rank's `n` bytes of rec, before `deadline`: *all (*total bytes)
+ * and *lens (c->size entries), for the caller to free (also on failure). */
+static ra_status gather(ra_comm *c, const void *rec, size_t n,
+                        double deadline, void **all, size_t *total,
+                        size_t **lens) {
+    *lens = ra_host_calloc(sizeof(size_t) * (size_t)c->size);
+    if (*lens == NULL) return RA_ERR_NOMEM;
+    return ra_comm_allgather(c, rec, n, all, total, *lens, left(deadline));
+}
+
 /* Every rank's record (color, key, proposed context) into e; *largest:
  * the largest proposal. */
 static ra_status exchange_records(ra_comm *c, int color, int key,
@@ -386,11 +396,8 @@ static ra_status exchange_records(ra_comm *c, int color, int key,
     put_u32(rec + 8, (uint32_t)(int32_t)key);
     put_u32(rec + 12, proposal);
     void *all = NULL;
-    size_t total = 0;
-    size_t *lens = ra_host_calloc(sizeof(size_t) * (size_t)c->size);
-    if (lens == NULL) return RA_ERR_NOMEM;
-    ra_status st = ra_comm_allgather(c, rec, sizeof rec, &all, &total, lens,
-                                     left(deadline));
+    size_t total = 0, *lens = NULL;
+    ra_status st = gather(c, rec, sizeof rec, deadline, &all, &total, &lens);
     if (st == RA_OK) st = read_records(c, all, lens, e);
     *largest = 0;
     for (int i = 0; st == RA_OK && i < c->size; i++)
@@ -408,11 +415,8 @@ static ra_status exchange_verdicts(ra_comm *c, int mine, double deadline,
     memcpy(rec, VERDICT_MAGIC, 4);
     rec[4] = (unsigned char)mine;
     void *all = NULL;
-    size_t total = 0;
-    size_t *lens = ra_host_calloc(sizeof(size_t) * (size_t)c->size);
-    if (lens == NULL) return RA_ERR_NOMEM;
-    ra_status st = ra_comm_allgather(c, rec, sizeof rec, &all, &total, lens,
-                                     left(deadline));
+    size_t total = 0, *lens = NULL;
+    ra_status st = gather(c, rec, sizeof rec, deadline, &all, &total, &lens);
     *verdict = VERDICT_CLAIMED;
     *who = -1;
     size_t off = 0;

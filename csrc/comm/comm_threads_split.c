@@ -70,17 +70,6 @@ static void split_free(tsplit *s) {
     ra_host_free(s, sizeof *s);
 }
 
-/* Why a request exchanging with departed member d fails. */
-static void departed_msg(const tleft *d, const char *pre, char *msg,
-                         size_t n) {
-    if (d->closed)
-        ra_snprintf(msg, n, "%speer rank %d closed this communicator", pre,
-                    d->rank);
-    else
-        ra_snprintf(msg, n, "%speer rank %d failed: %s", pre, d->rank,
-                    d->why);
-}
-
 /* `rank` leaves s; a failed member's communicator fails with `why`.  Its
  * requests are failed by settle_locked.  NULL when out of memory (the
  * others then wait for their deadline). */
@@ -129,7 +118,8 @@ static void settle_locked(ra_tgroup *g, tsplit *s) {
             char pre[128], msg[RA_COMM_MSG_LEN];
             ra_comm_prefix(pre, sizeof pre, owner, r->op, r->x.step);
             if (owner != d->rank)
-                departed_msg(d, pre, msg, sizeof msg);
+                ra_comm_departed_msg(pre, d->rank, d->closed, d->why, msg,
+                                     sizeof msg);
             else if (d->closed)
                 ra_snprintf(msg, sizeof msg, "%scommunicator is closed", pre);
             else
@@ -161,7 +151,7 @@ int ra_tsplit_refuse(ra_tgroup *g, ra_req *q, char *msg, size_t n) {
     tleft *peer = q->x.dst >= 0 ? find_left(s, q->x.dst) : NULL;
     if (peer == NULL && q->x.src >= 0) peer = find_left(s, q->x.src);
     if (peer == NULL) return 0;
-    departed_msg(peer, pre, msg, n);
+    ra_comm_departed_msg(pre, peer->rank, peer->closed, peer->why, msg, n);
     q->ctx_closed = 1;
     if (add_left(s, me, 0, msg) != NULL) settle_locked(g, s);
     return 1;
@@ -210,7 +200,8 @@ void ra_tsplit_close(ra_comm *t, ra_comm *view) {
     if (s != NULL) {
         s->views[view->rank] = NULL;
         s->nclosed++;
-        if (find_left(s, t->rank) == NULL && add_left(s, t->rank, 1, "") != NULL)
+        if (find_left(s, t->rank) == NULL &&
+            add_left(s, t->rank, 1, "") != NULL)
             settle_locked(g, s);
         if (s->nclosed == s->size) {   /* nobody can use it any more */
             *link = s->next;
