@@ -98,7 +98,10 @@ def split_racing_close(comm, rounds, everyone):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("everyone", [False, True], ids=["one", "all"])
 def test_split_racing_close_on_the_same_rank(backend, everyone):
-    rounds = 40 if backend == "threads" else 25
+    # rounds enough that with the fix undone (comm_groups.c appending the
+    # new split to the list close() dropped) most runs crash: threads 7 of
+    # 8, host 4 of 10 (2 busy cores), and the four together every time
+    rounds = 200 if backend == "threads" else 80
     results = launch(split_racing_close, 3, args=(rounds, everyone),
                      backend=backend, timeout=100)
     for seen, slowest in results:
