@@ -477,12 +477,15 @@ static ra_status agree_context(ra_comm *c, ra_comm *root, int color,
             return RA_OK;
         }
         if (verdict == VERDICT_GIVE_UP) {
-            ra_set_error(RA_ERR_COMM, "rank %d: split: rank %d found no "
-                         "free communicator context (%d tries: splits of "
-                         "other communicators on these connections took "
-                         "them, or it ran out of time or memory)", c->rank,
-                         who, round);
-            return RA_ERR_COMM;
+            /* every rank saw the same verdicts: all fail alike */
+            char msg[RA_COMM_MSG_LEN];
+            ra_snprintf(msg, sizeof msg, "rank %d: split: rank %d found no "
+                        "free communicator context (%d tries: splits of "
+                        "other communicators on these connections took "
+                        "them, or it ran out of time or memory)", c->rank,
+                        who, round);
+            ra_set_error(RA_ERR_COMM, "%s", msg);
+            return ra_comm_fail(c, RA_ERR_COMM, msg);
         }
         release_claims(root, owner);
         pause_before_retry(&seed, round, deadline);
