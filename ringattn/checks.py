@@ -11,9 +11,9 @@ import operator
 
 import numpy as np
 
-__all__ = ["flag", "int_or_none", "timeout", "callable_or_none",
-           "dict_or_none", "scale_or_none", "window_sides", "C_INT_MAX",
-           "WINDOW_UNBOUNDED_FROM"]
+__all__ = ["flag", "int_or_none", "ulysses_degree", "timeout",
+           "callable_or_none", "dict_or_none", "scale_or_none",
+           "window_sides", "C_INT_MAX", "WINDOW_UNBOUNDED_FROM"]
 
 C_INT_MAX = 2**31 - 1
 # A window side from here on reaches every position (positions stay inside
@@ -62,6 +62,14 @@ def int_or_none(value, name, minimum, maximum=None):
             f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name}: expected an int {bound}, got {as_int}")
     return as_int
+
+
+def ulysses_degree(value):
+    """`ulysses` as a Python int u >= 1; None is 1 (the plain ring), as
+    everywhere ``ulysses`` is taken.  TypeError for a non-integer (a bool,
+    a float, a string), ValueError for u < 1.  Whether u divides the world
+    size and the heads is checked where those are known."""
+    return int_or_none(value, "ulysses", 1) or 1
 
 
 def scale_or_none(value):

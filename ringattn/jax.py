@@ -33,7 +33,7 @@ from . import jax_ring as _jax_ring
 from . import jax_ulysses as _jax_ulysses
 from . import ring as _ring
 from . import ring_dilated as _ring_dilated
-from .checks import flag
+from .checks import flag, ulysses_degree
 
 __all__ = ["attention", "dilated_attention", "ring_attention",
            "ring_dilated_attention", "merge"]
@@ -164,7 +164,7 @@ def ring_attention(q, k, v, comm=None, *, axis_name=None, ulysses_axis=None,
         raise TypeError("ring_attention: pass exactly one of comm (ringattn's "
                         "communicator) or axis_name / ulysses_axis (shard_map "
                         "mesh axes)")
-    if in_program and ulysses != 1:
+    if in_program and ulysses_degree(ulysses) != 1:
         raise TypeError("ring_attention: ulysses=u is for comm; inside a JAX "
                         "program name the mesh axis: ulysses_axis=...")
     if ulysses_axis is not None:

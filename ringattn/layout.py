@@ -27,6 +27,8 @@ import operator
 
 import numpy as np
 
+from . import checks
+
 __all__ = [
     "LAYOUTS", "shard_indices", "shard_positions", "shard_runs",
     "shard_progressions", "shard", "unshard", "check_ulysses",
@@ -36,13 +38,15 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
 def _as_int(value, name, minimum):
-    """`value` as a Python int >= minimum, else ValueError naming `name`."""
+    """`value` as a Python int >= minimum (NumPy integers too): TypeError
+    naming `name` for a non-integer (a bool, a float, a string), ValueError
+    for one below the minimum -- the rule of ``ringattn.checks``."""
     if isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}: expected an integer, got {value!r}")
+        raise TypeError(f"{name}: expected an integer, got {value!r}")
     try:
         as_int = operator.index(value)
     except TypeError:
-        raise ValueError(
+        raise TypeError(
             f"{name}: expected an integer, got {type(value).__name__} "
             f"{value!r}") from None
     if as_int < minimum:
@@ -67,8 +71,9 @@ def _check_rank(rank, world_size):
 
 
 def check_ulysses(ulysses, world_size):
-    """`ulysses` as an int u >= 1 that divides world_size, else ValueError."""
-    u = _as_int(ulysses, "ulysses", 1)
+    """`ulysses` as an int u >= 1 (None: 1) that divides world_size:
+    TypeError for a non-integer, else ValueError."""
+    u = checks.ulysses_degree(ulysses)
     if world_size % u:
         raise ValueError(
             f"ulysses: expected a divisor of world_size = {world_size} "

@@ -273,12 +273,6 @@ def _prepare(comm, op, named, local_check, causal, scale, call, masks_args):
     return bufs, masks, plan, hop_plan(plan, causal, masks.window)
 
 
-def _ulysses_degree(ulysses):
-    """`ulysses` as an int >= 1 (whether it divides p, and the heads, is
-    checked by ringattn.ulysses)."""
-    return checks.int_or_none(ulysses, "ulysses", 1) or 1
-
-
 def ring_attention(q, k, v, comm, *, causal=False, scale=None,
                    layout="contiguous", seq_len=None, return_lse=False,
                    segment_ids=None, window=None, softcap=None,
@@ -309,11 +303,11 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None,
     shards are ``shard_indices(seq_len, p, layout, ulysses=u)``.  u = 1 is
     the plain ring, u = p pure Ulysses.
     """
-    if _ulysses_degree(ulysses) != 1:
+    if checks.ulysses_degree(ulysses) != 1:
         from .ulysses import ulysses_attention
 
         return ulysses_attention(
-            q, k, v, comm, _ulysses_degree(ulysses), causal=causal,
+            q, k, v, comm, checks.ulysses_degree(ulysses), causal=causal,
             scale=scale, layout=layout, seq_len=seq_len,
             return_lse=return_lse, segment_ids=segment_ids, window=window,
             softcap=softcap, progress=progress, num_threads=num_threads,
@@ -443,11 +437,11 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False,
     this rank's keys' gradients summed over every rank's queries.
     Arguments, masks, profile, timeout and ulysses as ``ring_attention``.
     """
-    if _ulysses_degree(ulysses) != 1:
+    if checks.ulysses_degree(ulysses) != 1:
         from .ulysses import ulysses_attention_backward
 
         return ulysses_attention_backward(
-            dout, q, k, v, out, lse, comm, _ulysses_degree(ulysses),
+            dout, q, k, v, out, lse, comm, checks.ulysses_degree(ulysses),
             causal=causal, scale=scale, layout=layout, seq_len=seq_len,
             segment_ids=segment_ids, window=window, softcap=softcap,
             dlse=dlse, progress=progress, num_threads=num_threads,

@@ -79,16 +79,18 @@ def test_split_and_parent_interleave(backend):
 
 
 def crossed(comm):
-    """Rank 0 sends on the split while rank 1 receives on the parent: a
-    named communicator mismatch, not a silent match."""
+    """Rank 0 sends on the split while rank 1 receives on the parent: no
+    message matches a receive of another communicator, so both wait; the
+    deadline's error says that the peer is in another communicator's
+    operation."""
     half = comm.split(0)
     x, y = np.zeros(4), np.zeros(4)
     other = 1 - comm.rank
     try:
         if comm.rank == 0:
-            half.sendrecv(x, other, y, other, step=0, timeout=10)
+            half.sendrecv(x, other, y, other, step=0, timeout=1.5)
         else:
-            comm.sendrecv(x, other, y, other, step=0, timeout=10)
+            comm.sendrecv(x, other, y, other, step=0, timeout=1.5)
     except CommError as err:
         return str(err)
     return "no error"
@@ -96,10 +98,11 @@ def crossed(comm):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_messages_of_another_communicator_do_not_match(backend):
+def test_messages_of_another_communicator_never_match(backend):
     results = launch(crossed, 2, backend=backend, timeout=40)
-    assert any("communicator mismatch" in m for m in results), results
     assert all(m != "no error" for m in results), results
+    assert any("timed out after 1.5 s waiting for rank" in m and
+               "of another communicator" in m for m in results), results
 
 
 def exchange_all(comm, split):
@@ -164,6 +167,145 @@ def test_alltoall_size_mismatch_fails_both_ranks(backend):
     assert "alltoall" in results[1], results
     assert any("size mismatch" in m and "24 bytes" in m and "40 bytes" in m
                for m in results), results
+
+
+def mismatched_blocks_strict(comm):
+    """Rank 0 sends 3 floats to rank 1, which expects 5 (all the others
+    agree), and comes late, so that rank 1's block is there already: the
+    all-to-all itself raises on both ranks (the sender sees the size its
+    peer expects in the peer's own frame), not only on the receiver."""
+    p = comm.size
+    sends = [np.zeros(3 if comm.rank == 0 and i == 1 else 5)
+             for i in range(p)]
+    recvs = [np.zeros(5) for _ in range(p)]
+    if comm.rank == 0:
+        time.sleep(0.3)
+    try:
+        comm.alltoall(sends, recvs, timeout=10)
+    except CommError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("p", [2, 3])
+def test_alltoall_size_mismatch_fails_both_ranks_in_the_call(backend, p):
+    results = launch(mismatched_blocks_strict, p, backend=backend,
+                     timeout=40)
+    for r in (0, 1):
+        assert results[r].startswith(f"rank {r}: alltoall"), results
+        assert "size mismatch" in results[r] and "24 bytes" in results[r] \
+            and "40 bytes" in results[r], results
+
+
+def in_place(comm, mode):
+    """alltoall where sends and receives share memory, as MPI_IN_PLACE
+    users write it: what rank j sent is what it held at the call."""
+    p, r = comm.size, comm.rank
+    if mode == "same list":
+        xs = [np.full(3, 10.0 * r + j) for j in range(p)]
+        comm.alltoall(xs, xs)
+        return [x.tolist() for x in xs]
+    if mode == "one buffer, shifted":
+        # send block j overlaps receive blocks j - 1 and j
+        buf = 1000.0 * r + np.arange(3 * p + 1, dtype=np.float64)
+        comm.alltoall([buf[3 * j:3 * j + 3] for j in range(p)],
+                      [buf[3 * j + 1:3 * j + 4] for j in range(p)])
+        return [buf[3 * j + 1:3 * j + 4].tolist() for j in range(p)]
+    if mode == "one send array":
+        # every block sends the array that is also receive block 0
+        x = np.full(2, 1.0 + r)
+        recvs = [x] + [np.zeros(2) for _ in range(p - 1)]
+        comm.alltoall([x] * p, recvs)
+        return [y.tolist() for y in recvs]
+    raise AssertionError(mode)
+
+
+def in_place_expected(mode, p, r):
+    if mode == "same list":
+        return [[10.0 * j + r] * 3 for j in range(p)]
+    if mode == "one buffer, shifted":
+        return [(1000.0 * j + np.arange(3 * r, 3 * r + 3)).tolist()
+                for j in range(p)]
+    return [[1.0 + j] * 2 for j in range(p)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["same list", "one buffer, shifted",
+                                  "one send array"])
+def test_alltoall_in_place(backend, p, mode):
+    for r, got in enumerate(launch(in_place, p, args=(mode,),
+                                   backend=backend, timeout=40)):
+        assert got == in_place_expected(mode, p, r), (r, got)
+
+
+def aliased_receives(comm):
+    """The same array as every receive block: a ValueError naming two of
+    them, before any message."""
+    x = np.zeros(4)
+    try:
+        comm.alltoall([np.ones(4)] * comm.size, [x] * comm.size)
+    except Exception as err:
+        return type(err).__name__, str(err), comm.stats()["messages"]
+    return "no error", "", comm.stats()["messages"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alltoall_refuses_overlapping_receive_blocks(backend):
+    for r, (name, text, sent) in enumerate(
+            launch(aliased_receives, 3, backend=backend, timeout=40)):
+        assert (name, sent) == ("ValueError", 0), (name, text, sent)
+        assert text == (f"rank {r}: alltoall: recvs[0] and recvs[1] overlap "
+                        f"(each block is written by its own rank)"), text
+
+
+def numpy_integer_arguments(comm):
+    """NumPy integers are integers for split and sendrecv; a bool, a float
+    or a string is a TypeError, an integer out of range a ValueError."""
+    other = np.int64(1 - comm.rank)
+    half = comm.split(np.int64(0), key=np.int32(-comm.rank))
+    got = np.zeros(2)
+    half.sendrecv(np.full(2, float(comm.rank)), np.int64(1 - half.rank), got,
+                  np.uint8(1 - half.rank), step=np.int64(3))
+    errors = []
+    for call in (lambda: comm.split(np.float64(0)),
+                 lambda: comm.split(0, key=1.5),
+                 lambda: comm.split(np.int64(-2)),
+                 lambda: comm.sendrecv(got, True, got, other),
+                 lambda: comm.sendrecv(got, other, got, other, step=True),
+                 lambda: comm.sendrecv(got, other, got, other, step=1.0),
+                 lambda: comm.sendrecv(got, np.int64(2), got, other)):
+        try:
+            call()
+            errors.append("no error")
+        except Exception as err:
+            errors.append(f"{type(err).__name__}: {err}")
+    return half.rank, got.tolist(), errors, comm.stats()["messages"]
+
+
+@pytest.mark.timeout(60)
+def test_numpy_integers_and_the_integer_rule_in_comm_arguments():
+    results = launch(numpy_integer_arguments, 2, backend="threads",
+                     timeout=40)
+    # the split's two allgathers (records, verdicts on the context), the
+    # sendrecv
+    split_messages = 2 * 2 * (2 - 1) + 1
+    for r, (rank, got, errors, sent) in enumerate(results):
+        assert rank == 1 - r and got == [float(1 - r)] * 2
+        assert errors == [
+            "TypeError: color must be an int or None, got numpy.float64",
+            "TypeError: key must be an int or None, got float",
+            "ValueError: color must be in [0, 2147483647] or None, got -2",
+            "TypeError: dst must be a rank (int) or None, got bool",
+            "TypeError: step must be an int, got bool",
+            "TypeError: step must be an int, got float",
+            "ValueError: dst must be a rank in [0, 2), got 2",
+        ], errors
+        assert sent == split_messages
 
 
 # ---- failures: a dead rank, a stuck peer, abort, close ----------------------

@@ -122,7 +122,9 @@ def test_a_peer_abort_frame_that_is_not_utf8_is_a_comm_error():
     try:
         link = _socket_to(port)         # rank 1 connected to rank 0's port
         reason = b"bad \xff bytes \xe2\x82"
-        frame = struct.pack("<IIqQ", 0x52414631, 9, -1, len(reason)) + reason
+        # comm_host_internal.h: magic "RAF2" | kind | step | nbytes | back
+        frame = struct.pack("<IIqQQ", 0x52414632, 9, -1, len(reason),
+                            2**64 - 1) + reason
 
         def send_abort():
             link.sendall(frame)

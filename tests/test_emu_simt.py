@@ -25,10 +25,12 @@ independent of how ringattn is installed; no GPU.
 * tests/emu/test_convert.cpp: float16 and bfloat16 conversions in a kernel,
   bit for bit NumPy's and ml_dtypes' on 250k values.
 * tools/cuda_selftest.cu on the emulated GPU: every kernel variant against
-  the float64 reference, the quick and the full grid with the checker, and
-  the quick grid again under AddressSanitizer + UBSan (kernels and
-  emulator).
+  the float64 reference, the quick and the full grid with the checker (the
+  full grid in shards of a few minutes each), and the quick grid again
+  under AddressSanitizer + UBSan (kernels and emulator).
 """
+
+import re
 
 import pytest
 
@@ -114,20 +116,60 @@ def _selftest(builder):
                            [ROOT / "csrc" / "core" / "status.c"])
 
 
+# The full grid in shards (`selftest full I/N`: every N-th case from case
+# I - 1): the whole grid takes 10 to 16 minutes on 2 cores with the
+# checker, more than the suite's 600 s timeout allows one test; a shard
+# takes an eighth of it (the cases' costs spread evenly enough: the
+# slowest shard about 1.3 times the mean).
+FULL_SHARDS = 8
+
+
+def _plan(exe, *args):
+    """(cases the run would take, cases in the grid) from a dry run."""
+    rc, out = run(exe, "plan", *args, timeout=60)
+    m = re.search(r"^selftest plan \w+ \d+/\d+: (\d+) of (\d+) cases$", out, re.M)
+    assert rc == 0 and m, out
+    return int(m[1]), int(m[2])
+
+
+def test_selftest_full_grid_shards_run_every_case_once(builder):
+    """Shard I of N takes the grid's cases I - 1, I - 1 + N, ...: their
+    counts sum to the full grid's, and each is what that rule gives (a dry
+    run walks the same grid as the real one)."""
+    exe = _selftest(builder)
+    ran, total = _plan(exe, "full")
+    assert ran == total > 600
+    counts = [_plan(exe, "full", f"{i}/{FULL_SHARDS}") for i in range(1, FULL_SHARDS + 1)]
+    assert all(t == total for _, t in counts)
+    assert [n for n, _ in counts] == [len(range(i, total, FULL_SHARDS))
+                                      for i in range(FULL_SHARDS)]
+    assert sum(n for n, _ in counts) == total
+
+
 def test_selftest_quick_grid_on_the_emulated_gpu(builder):
     rc, out = run(_selftest(builder), "quick", timeout=1200)
     assert rc == 0, out[-4000:]
     assert "0 of" in out and "FAIL" not in out, out[-4000:]
 
 
+# The slowest shard took 149 s on the 2-core machine with other jobs on it
+# (83 s the quickest); 900 s leaves room for a machine six times slower.
 @pytest.mark.slow
-def test_selftest_full_grid_on_the_emulated_gpu(builder):
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("shard", range(1, FULL_SHARDS + 1))
+def test_selftest_full_grid_on_the_emulated_gpu(builder, shard):
     """The whole grid (4 dtypes, D 8..256, causal, GQA/MQA, S_q != S_k both
-    ways, strides, masks, huge scores, merge, copy): about 9 minutes on 2
-    cores with the checker."""
-    rc, out = run(_selftest(builder), "full", timeout=3000)
+    ways, strides, masks, huge scores, merge, copy), one shard per test:
+    every case of the shard passes, and the shard ran the cases the rule
+    gives it."""
+    exe = _selftest(builder)
+    want, total = _plan(exe, "full", f"{shard}/{FULL_SHARDS}")
+    rc, out = run(exe, "full", f"{shard}/{FULL_SHARDS}", timeout=850)
     assert rc == 0, out[-4000:]
-    assert "selftest full: 0 of" in out and "FAIL" not in out, out[-4000:]
+    m = re.search(rf"^selftest full {shard}/{FULL_SHARDS}: (\d+) of (\d+) cases failed "
+                  rf"\(grid cases {shard - 1}, .* of (\d+)\)$", out, re.M)
+    assert m and "FAIL" not in out, out[-4000:]
+    assert (int(m[1]), int(m[2]), int(m[3])) == (0, want, total), m[0]
 
 
 @pytest.mark.slow

@@ -96,23 +96,33 @@ def test_shard_handles_bfloat16(rng):
 
 # ---------------------------------------------------------------- errors
 
-@pytest.mark.parametrize("args,match", [
-    ((10, 2, "diagonal"), "layout: expected one of"),
-    ((10, 2, None), "layout"),
-    ((10, 0, "contiguous"), "world_size: expected an integer >= 1, got 0"),
-    ((-1, 2, "zigzag"), "n: expected an integer >= 0, got -1"),
-    ((10.0, 2, "striped"), "n: expected an integer"),
-    ((10, 2.5, "striped"), "world_size: expected an integer"),
-    ((10, True, "striped"), "world_size: expected an integer"),
+@pytest.mark.parametrize("args,error,match", [
+    ((10, 2, "diagonal"), ValueError, "layout: expected one of"),
+    ((10, 2, None), ValueError, "layout"),
+    ((10, 0, "contiguous"), ValueError,
+     "world_size: expected an integer >= 1, got 0"),
+    ((-1, 2, "zigzag"), ValueError, "n: expected an integer >= 0, got -1"),
+    # not an integer: TypeError (NumPy integers are integers)
+    ((10.0, 2, "striped"), TypeError, "n: expected an integer"),
+    ((10, 2.5, "striped"), TypeError, "world_size: expected an integer"),
+    ((10, True, "striped"), TypeError, "world_size: expected an integer"),
+    ((10, "2", "striped"), TypeError, "world_size: expected an integer"),
 ])
-def test_shard_indices_rejects_bad_arguments(args, match):
-    with pytest.raises(ValueError, match=match):
+def test_shard_indices_rejects_bad_arguments(args, error, match):
+    with pytest.raises(error, match=match):
         L.shard_indices(*args)
 
 
-@pytest.mark.parametrize("rank", [-1, 4, 1.0])
-def test_shard_rejects_bad_rank(rank):
-    with pytest.raises(ValueError, match="rank"):
+def test_shard_indices_takes_numpy_integers():
+    assert [x.tolist() for x in L.shard_indices(np.int64(5), np.uint8(2),
+                                                "contiguous")] == \
+        [[0, 1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("rank,error", [(-1, ValueError), (4, ValueError),
+                                        (1.0, TypeError)])
+def test_shard_rejects_bad_rank(rank, error):
+    with pytest.raises(error, match="rank"):
         L.shard(np.zeros((1, 8)), rank, 4, "contiguous")
 
 

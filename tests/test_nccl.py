@@ -608,6 +608,102 @@ def test_split_and_alltoall_across_ranks(p, monkeypatch):
         assert back == [float(i) for i in range(p)]
 
 
+def in_place_rank(comm):
+    """Device all-to-alls in place, as on the host backends: the same arrays
+    both ways, and views of one buffer shifted by an element (each send
+    block overlaps two receive blocks; they are set aside on the device
+    first); overlapping receive blocks are a ValueError before anything
+    moves; a NumPy integer is a color."""
+    r, p, dev = comm.rank, comm.size, comm.device
+    xs = [ra.to_device(np.full(3, 10.0 * r + j), dev) for j in range(p)]
+    comm.alltoall(xs, xs)
+    buf = ra.to_device(1000.0 * r + np.arange(3 * p + 1, dtype=np.float64),
+                       dev)
+    comm.alltoall([buf.narrow(0, 3 * j, 3) for j in range(p)],
+                  [buf.narrow(0, 3 * j + 1, 3) for j in range(p)])
+    shifted = _host(buf)
+    x = ra.to_device(np.zeros(4), dev)
+    try:
+        comm.alltoall([ra.to_device(np.ones(4), dev)] * p, [x] * p)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    half = comm.split(np.int64(0), key=np.int32(comm.rank))
+    return ([_host(y).tolist() for y in xs],
+            [shifted[3 * j + 1:3 * j + 4].tolist() for j in range(p)],
+            refused, (half.rank, half.size))
+
+
+def _check_in_place(results):
+    p = len(results)
+    for r, (same, shifted, refused, split) in enumerate(results):
+        assert same == [[10.0 * j + r] * 3 for j in range(p)]
+        assert shifted == [(1000.0 * j + np.arange(3 * r, 3 * r + 3)).tolist()
+                           for j in range(p)]
+        if p > 1:
+            assert refused == (f"rank {r}: alltoall: recvs[0] and recvs[1] "
+                               f"overlap (each block is written by its own "
+                               f"rank)"), refused
+        assert split == (r, p)
+
+
+def test_world_size_1_alltoall_in_place(comm1):
+    _check_in_place([in_place_rank(comm1)])
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_alltoall_in_place_across_ranks(p, monkeypatch):
+    if not _multi_rank_ok(p, monkeypatch):
+        pytest.skip(f"{p} ranks need {p} GPUs or NCCL >= 2.30")
+    _check_in_place(ra.launch(in_place_rank, p, backend="nccl",
+                              timeout=LAUNCH_TIMEOUT))
+
+
+def split_racing_close_rank(comm, rounds):
+    """Rank 0 splits a split while another of its threads closes it (the
+    others just split): the split raises CommError or returns a closed
+    communicator, never crashes (the Python side of the race is the
+    backends' common code)."""
+    import threading
+
+    outcomes = []
+    for i in range(rounds):
+        kid = comm.split(0)
+        if comm.rank == 0:
+            box = {}
+
+            def split():
+                try:
+                    box["kid"] = kid.split(0, timeout=20)
+                except ra.CommError as err:
+                    box["error"] = str(err)
+
+            t = threading.Thread(target=split)
+            t.start()
+            time.sleep(0.002 * (i % 3))
+            kid.close()
+            t.join(30)
+            assert not t.is_alive()
+            outcomes.append("error" if "error" in box else
+                            "closed" if box["kid"].closed else "open")
+        else:
+            try:
+                kid.split(0, timeout=20)
+            except ra.CommError:
+                pass
+            kid.close()
+        comm.barrier(timeout=20)
+    return outcomes
+
+
+def test_split_racing_close_on_nccl(monkeypatch):
+    if not _multi_rank_ok(2, monkeypatch):
+        pytest.skip("2 ranks need 2 GPUs or NCCL >= 2.30")
+    outcomes = ra.launch(split_racing_close_rank, 2, args=(6,),
+                         backend="nccl", timeout=LAUNCH_TIMEOUT)[0]
+    assert "open" not in outcomes, outcomes
+
+
 def ulysses_rank(comm, q, k, v, dout, layout, causal, u):
     r, p, dev = comm.rank, comm.size, comm.device
     qs, ks, vs, ds = (ra.to_device(ra.shard(x, r, p, layout, ulysses=u), dev)

@@ -5,6 +5,9 @@
  * run by tools/gpu_check.sh (stage "selftest"):
  *   nvcc -O2 -std=c++17 -Icsrc -Icuda -DRA_WITH_CUDA tools/cuda_selftest.cu
  *        cuda/*.o csrc/core/status.c -o selftest && ./selftest [quick|full]
+ * "full I/N" runs shard I of N (every N-th case of the grid, from case
+ * I - 1; the N shards run each case once: the test suite runs the full grid
+ * on the emulated GPU in shards); "plan full I/N" only counts them.
  *
  * What runs (each case prints one line "ok ..." or "FAIL ..."):
  *   run_case      forward (out in the input dtype and in the accumulator
@@ -613,14 +616,48 @@ static bool run_copy(ra_dtype s, ra_dtype d) {
 
 /* ---- the grids ------------------------------------------------------------ */
 
+/* Which cases of the grid this run takes: every case has an index in grid
+ * order; shard i of n (1-based) runs the cases with index % n == i - 1, so
+ * the n shards together run every case exactly once.  A dry run ("plan")
+ * walks the same grid and runs nothing, to count the cases. */
+struct Grid {
+    int shard = 0, shards = 1;  // 0-based shard of `shards`
+    bool dry = false;
+    int index = 0, ran = 0, fails = 0;
+    template <class Case> void run(Case &&one_case) {
+        if (index++ % shards != shard) return;
+        ran++;
+        if (!dry && !one_case()) fails++;
+    }
+};
+
+/* "I/N" with 1 <= I <= N <= 1000 */
+static bool parse_shard(const char *s, Grid &g) {
+    int i = 0, n = 0, used = 0;
+    if (sscanf(s, "%d/%d%n", &i, &n, &used) != 2 || s[used] != '\0' || n < 1 || n > 1000 ||
+        i < 1 || i > n)
+        return false;
+    g.shard = i - 1;
+    g.shards = n;
+    return true;
+}
+
 int main(int argc, char **argv) {
-    const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
-    if (argc > 1 && !quick && strcmp(argv[1], "full") != 0) {
-        fprintf(stderr, "usage: %s [quick|full]\n", argv[0]);
+    // selftest [plan] [quick|full] [I/N]
+    int a = 1;
+    Grid grid;
+    if (a < argc && strcmp(argv[a], "plan") == 0) grid.dry = true, a++;
+    const char *which = a < argc ? argv[a++] : "full";
+    const bool quick = strcmp(which, "quick") == 0;
+    const bool sharded = a < argc;
+    if ((!quick && strcmp(which, "full") != 0) || (sharded && !parse_shard(argv[a++], grid)) ||
+        a < argc) {
+        fprintf(stderr, "usage: %s [plan] [quick|full] [I/N]  (shard I of N, 1 <= I <= N)\n",
+                argv[0]);
         return 2;
     }
     int dev_count = 0;
-    if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+    if (!grid.dry && (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0)) {
         printf("selftest: no CUDA device\n");
         return 2;
     }
@@ -630,20 +667,22 @@ int main(int argc, char **argv) {
     const int shapes[][5] = {{1, 1, 1, 1, 1}, {2, 7, 7, 2, 2}, {1, 113, 113, 4, 2},
                              {2, 65, 200, 3, 1}, {1, 200, 65, 2, 2}, {1, 130, 257, 2, 1}};
     const int quick_shape[5] = {2, 17, 40, 2, 1};  // GQA, S_q != S_k, 2 query blocks
-    int fails = 0, n = 0;
-    auto count = [&](bool ok) { fails += !ok; n++; };
     for (ra_dtype t : dts)
         for (int D : dims) {
             const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
             if (quick) {
                 const int *s = quick_shape;
-                count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, true, false));
+                grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, true,
+                                               false); });
                 continue;
             }
             for (const auto &s : shapes)
                 for (int c = 0; c < 2; c++) {
-                    count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, c, false));
-                    if (tc) count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, c, true));
+                    grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, c,
+                                                   false); });
+                    if (tc)
+                        grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, c,
+                                                       true); });
                 }
         }
     // odd sizes, GQA, S_q != S_k, empty query rows (causal with S_q > S_k),
@@ -676,7 +715,7 @@ int main(int argc, char **argv) {
                 if (sixteen && (D == 59 || D == 96) && ci % 4 != 0) continue;
                 StridedCase c = strided_cases[ci];
                 c.D = D;
-                count(run_strided(t, c));
+                grid.run([&] { return run_strided(t, c); });
             }
     // masks: documents (runs from length 1, random unsorted ids, long
     // runs whose tiles lie in one document), windows ((0,0), (1,0),
@@ -719,10 +758,10 @@ int main(int argc, char **argv) {
                 // the generic kernels by lane width (D 8 and 59 share one), the
                 // tensor-core ones
                 if (tc || D == 8 || D == 59 || D == 96 || D == 256)
-                    count(run_masked(t, D, quick_mask, false));
+                    grid.run([&] { return run_masked(t, D, quick_mask, false); });
                 if (t == RA_BFLOAT16 && (D == 59 || D == 64))  // the long walks
                     for (int ci = n_mask_cases - 2; ci < n_mask_cases; ci++)
-                        count(run_masked(t, D, mask_cases[ci], false));
+                        grid.run([&] { return run_masked(t, D, mask_cases[ci], false); });
                 continue;
             }
             // the tensor-core kernels (and the generic ones as a control on every
@@ -734,8 +773,9 @@ int main(int argc, char **argv) {
             if (!every && !third) continue;
             for (int ci = 0; ci < n_mask_cases; ci++) {
                 if (!every && ci % 3 != D % 3) continue;
-                count(run_masked(t, D, mask_cases[ci], false));
-                if (tc && ci % 3 == 0) count(run_masked(t, D, mask_cases[ci], true));
+                grid.run([&] { return run_masked(t, D, mask_cases[ci], false); });
+                if (tc && ci % 3 == 0)
+                    grid.run([&] { return run_masked(t, D, mask_cases[ci], true); });
             }
         }
     }
@@ -743,25 +783,33 @@ int main(int argc, char **argv) {
     // tensor-core ones (the exponent rule of cuda/mask.cuh)
     for (int c = 0; c < 2; c++) {
         if (quick && c == 0) continue;
-        count(run_huge(RA_FLOAT32, 59, c, 1e9));
-        count(run_huge(RA_FLOAT64, 59, c, 1e18));
-        count(run_huge(RA_FLOAT16, 64, c, 300.0));
-        count(run_huge(RA_BFLOAT16, 64, c, 1e4));
-        count(run_huge(RA_BFLOAT16, 64, c, 1e9));
+        grid.run([&] { return run_huge(RA_FLOAT32, 59, c, 1e9); });
+        grid.run([&] { return run_huge(RA_FLOAT64, 59, c, 1e18); });
+        grid.run([&] { return run_huge(RA_FLOAT16, 64, c, 300.0); });
+        grid.run([&] { return run_huge(RA_BFLOAT16, 64, c, 1e4); });
+        grid.run([&] { return run_huge(RA_BFLOAT16, 64, c, 1e9); });
         if (!quick) {
-            count(run_huge(RA_FLOAT32, 128, c, 1e9));
-            count(run_huge(RA_BFLOAT16, 96, c, 1e9));
-            count(run_huge(RA_FLOAT16, 128, c, 300.0));
-            count(run_huge(RA_BFLOAT16, 128, c, 1e9));
+            grid.run([&] { return run_huge(RA_FLOAT32, 128, c, 1e9); });
+            grid.run([&] { return run_huge(RA_BFLOAT16, 96, c, 1e9); });
+            grid.run([&] { return run_huge(RA_FLOAT16, 128, c, 300.0); });
+            grid.run([&] { return run_huge(RA_BFLOAT16, 128, c, 1e9); });
         }
     }
     for (ra_dtype t : dts)
         for (int D : {59, 64}) {
             if (quick && D == 64 && (t == RA_FLOAT32 || t == RA_FLOAT64)) continue;
-            count(run_merge(t, D));
+            grid.run([&] { return run_merge(t, D); });
         }
     for (ra_dtype s : dts)
-        for (ra_dtype d : dts) count(run_copy(s, d));
-    printf("selftest %s: %d of %d cases failed\n", quick ? "quick" : "full", fails, n);
-    return fails ? 1 : 0;
+        for (ra_dtype d : dts) grid.run([&] { return run_copy(s, d); });
+    if (grid.dry)
+        printf("selftest plan %s %d/%d: %d of %d cases\n", which, grid.shard + 1, grid.shards,
+               grid.ran, grid.index);
+    else if (sharded)  // the grid's cases are numbered from 0
+        printf("selftest %s %d/%d: %d of %d cases failed (grid cases %d, %d, %d, ... of %d)\n",
+               which, grid.shard + 1, grid.shards, grid.fails, grid.ran, grid.shard,
+               grid.shard + grid.shards, grid.shard + 2 * grid.shards, grid.index);
+    else
+        printf("selftest %s: %d of %d cases failed\n", which, grid.fails, grid.ran);
+    return grid.fails ? 1 : 0;
 }

@@ -12,6 +12,7 @@
 #include "comm/comm_py.h"
 #include "core/buffer.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
@@ -63,22 +64,46 @@ int ra_comm_usable(CommObject *self, const char *op) {
     return 0;
 }
 
-/* Peer argument: None -> -1, else an int in [0, size). */
+int ra_parse_index(PyObject *obj, const char *name, const char *what,
+                   long long lo, long long hi, const char *suffix,
+                   long long *out) {
+    PyObject *index = PyBool_Check(obj) ? NULL : PyNumber_Index(obj);
+    if (index == NULL) {
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_TypeError))
+            return -1;
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be %s, got %s", name, what,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(index, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        Py_DECREF(index);
+        return -1;
+    }
+    if (overflow || v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "%s must be in [%lld, %lld]%s, got %S",
+                     name, lo, hi, suffix, index);
+        Py_DECREF(index);
+        return -1;
+    }
+    Py_DECREF(index);
+    *out = v;
+    return 0;
+}
+
+/* Peer argument: None -> -1, else a rank in [0, size). */
 static int parse_peer(PyObject *obj, const char *name, int size, int *out) {
     *out = -1;
     if (obj == Py_None) return 0;
-    long v = PyLong_AsLong(obj);
-    if (v == -1 && PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "%s must be a rank (int) or None, "
-                         "got %s", name, Py_TYPE(obj)->tp_name);
-        }
+    long long v;
+    if (ra_parse_index(obj, name, "a rank (int) or None", LLONG_MIN,
+                       LLONG_MAX, "", &v) < 0)
         return -1;
-    }
     if (v < 0 || v >= size) {
-        PyErr_Format(PyExc_ValueError, "%s must be a rank in [0, %d), got %ld",
-                     name, size, v);
+        PyErr_Format(PyExc_ValueError, "%s must be a rank in [0, %d), got "
+                     "%lld", name, size, v);
         return -1;
     }
     *out = (int)v;
@@ -140,6 +165,7 @@ PyObject *ra_comm_wrap(ra_comm *c, PyObject *group) {
     self->comm = c;
     self->group = Py_XNewRef(group);
     self->parent = self->children = self->dict = NULL;
+    self->closing = 0;
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
@@ -148,14 +174,19 @@ static RequestObject *comm_start(CommObject *self, PyObject *args,
                                  PyObject *kw, const char *fname) {
     static char *kwlist[] = {"send", "dst", "recv", "src", "step", "timeout",
                              NULL};
-    PyObject *send_obj, *dst_obj, *recv_obj, *src_obj, *tobj = Py_None;
+    PyObject *send_obj, *dst_obj, *recv_obj, *src_obj, *step_obj = NULL;
+    PyObject *tobj = Py_None;
     long long step = -1;
     double timeout;
     char fmt[64];
-    ra_snprintf(fmt, sizeof fmt, "OOOO|$LO:%s", fname);
+    ra_snprintf(fmt, sizeof fmt, "OOOO|$OO:%s", fname);
     if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &send_obj,
-                                     &dst_obj, &recv_obj, &src_obj, &step,
+                                     &dst_obj, &recv_obj, &src_obj, &step_obj,
                                      &tobj))
+        return NULL;
+    if (step_obj != NULL &&
+        ra_parse_index(step_obj, "step", "an int", LLONG_MIN, LLONG_MAX, "",
+                       &step) < 0)
         return NULL;
     if (ra_parse_timeout(tobj, &timeout) < 0) return NULL;
     if (ra_comm_usable(self, fname) < 0) return NULL;
@@ -335,6 +366,9 @@ static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *comm_close(CommObject *self, PyObject *unused) {
     (void)unused;
+    /* a split that finishes on another thread from now on closes its new
+     * communicator itself (comm_groups.c) */
+    self->closing = 1;
     /* the communicators split from this one first (an nccl split has
      * resources of its own) */
     if (self->children != NULL) {
@@ -510,6 +544,8 @@ static PyMethodDef comm_methods[] = {
 };
 
 static PyGetSetDef comm_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL,
+     NULL},
     {"rank", (getter)comm_get_rank, NULL, "this rank", NULL},
     {"size", (getter)comm_get_size, NULL, "number of ranks", NULL},
     {"backend", (getter)comm_get_backend, NULL,

@@ -16,9 +16,11 @@
  *   comm_core.c     failure state, deadlines, generic collectives
  *                   (barrier, allgather, alltoall from sendrecv)
  *   comm_split.c    sub-communicators: ra_comm_split
- *   comm_host.c     TCP backend ("host"): framed transport, progress
- *                   thread; comm_host_boot.c joins its full mesh
- *   comm_threads.c  in-process backend ("threads")
+ *   comm_host.c     TCP backend ("host"): the vtable; comm_host_engine.c
+ *                   its progress thread (frames matched by context);
+ *                   comm_host_boot.c joins its full mesh
+ *   comm_threads.c  in-process backend ("threads"); comm_threads_split.c
+ *                   the splits on it and who left them
  *   comm_auth.c     SHA-256 / HMAC for the host handshake
  *   comm_nccl.c     NCCL backend ("nccl"), device pointers on a CUDA stream:
  *                   bootstrap, watchdog, close; comm_nccl_xfer.c one
@@ -61,6 +63,11 @@ typedef enum ra_xfer_kind {
 #define RA_XFER_KIND_MASK ((1 << RA_XFER_KIND_BITS) - 1)
 #define RA_XFER_MAX_CONTEXT ((1u << (31 - RA_XFER_KIND_BITS)) - 1)
 
+/* The context a wire kind carries (0: the transport's own communicator). */
+static inline uint32_t ra_xfer_context(int kind) {
+    return (uint32_t)kind >> RA_XFER_KIND_BITS;
+}
+
 /* One sendrecv: either side may be absent (peer < 0).  Pointers are host
  * memory for host/threads, device memory of `device_id` for nccl.  nccl:
  * the transfer runs on the communicator's own stream after the work queued
@@ -80,6 +87,15 @@ typedef struct ra_xfer {
     int device_type;          /* ra_device_type */
     int device_id;
     void *stream;
+    /* The same operation's other direction with each peer, when known
+     * (back_known; zeroed: unknown): the bytes this rank receives from dst
+     * and the bytes it sends to src.  host carries the first in the frame
+     * header and checks the peer's against the second, so that a size
+     * mismatch fails both ranks, not only the receiver (comm_core.c fills
+     * them for an all-to-all and for an exchange with one peer). */
+    int back_known;
+    size_t recv_from_dst;
+    size_t send_to_src;
 } ra_xfer;
 
 typedef enum ra_req_state {
@@ -93,7 +109,10 @@ typedef struct ra_comm ra_comm;
 /* One all-to-all: block i of `send` goes to rank i and block i of `recv`
  * comes from rank i (arrays of `size` entries; a block may be empty; the
  * sizes a pair exchanges must agree, and a mismatch fails both ranks
- * where the backend can see it).  Memory as in ra_xfer. */
+ * where the backend can see it).  Memory as in ra_xfer.  Receive blocks
+ * may not overlap each other; a send block may overlap receive blocks (in
+ * place, as MPI_IN_PLACE: what is sent is the send blocks' content at the
+ * call): such blocks are copied aside first (ra_a2a_staged). */
 typedef struct ra_a2a {
     const void *const *send;
     const size_t *send_nbytes;
@@ -109,7 +128,7 @@ typedef struct ra_a2a {
  * PyMem_RawMalloc-compatible ra_host_alloc since threads without the GIL
  * touch it. */
 typedef struct ra_req {
-    ra_comm *comm;
+    ra_comm *comm;            /* where it runs: the transport of a split */
     ra_xfer x;
     const char *op;           /* "sendrecv", "barrier", "allgather",
                                * "alltoall" */
@@ -126,6 +145,10 @@ typedef struct ra_req {
     int send_done, recv_done;
     int copying;              /* threads: copies running outside the lock */
     int doomed;               /* threads: fail once the copies finished */
+    /* failed because its split was closed, here or by a member: fails the
+     * split on this rank, not the transport it shares (set before the
+     * request finishes) */
+    int ctx_closed;
     void *impl;               /* backend extra (nccl: CUDA event) */
 } ra_req;
 
@@ -158,6 +181,20 @@ typedef struct ra_comm_vtable {
      * transport down; bounded time; called once.  Other threads may still
      * call into the backend afterwards (and get "closed" errors). */
     void (*close)(ra_comm *c);
+    /* Transports that splits share (host, threads; comm_split.c).  open:
+     * the split `view` (context, members) starts on transport t, before
+     * its first transfer.  close: it stops; its requests in flight on this
+     * rank fail at once ("communicator is closed"), the other members are
+     * told, and theirs fail too ("peer rank R closed this communicator"),
+     * their splits failing with them; the transport and its other
+     * communicators carry on.  Both once per split, without the GIL. */
+    ra_status (*context_open)(ra_comm *t, ra_comm *view);
+    void (*context_close)(ra_comm *t, ra_comm *view);
+    /* Optional: r ran out of time waiting for `peer`; if that peer is in an
+     * operation of another communicator with this rank (a split and its
+     * parent used in another order), say so in buf (else leave it ""). */
+    void (*stall_hint)(ra_comm *c, ra_req *r, int peer, char *buf,
+                       size_t n);
     /* Free the backend state; called once, after close, when nobody uses
      * the communicator any more. */
     void (*destroy)(ra_comm *c);
@@ -178,8 +215,12 @@ struct ra_comm {
     int *members;
     uint32_t context;
     /* on a communicator with its own transport: the context the next
-     * split may take (the ranks agree on the largest, comm_split.c) */
+     * split may take (the ranks agree on the largest, comm_split.c); the
+     * contexts below it were taken (host: one with no open split is closed) */
     _Atomic uint32_t next_context;
+    /* under mu: the contexts that splits in progress on this rank proposed
+     * or agreed on and have not opened yet (comm_split.c) */
+    struct ra_ctx_claim *claims;
     pthread_mutex_t mu;       /* failure state, request completion */
     pthread_cond_t cv;
     _Atomic int failed;
@@ -246,10 +287,27 @@ ra_status ra_comm_allgather(ra_comm *c, const void *in, size_t nbytes,
 
 /* Every block of `a` to its rank and from it, under one deadline; the
  * backend's own all-to-all or pairwise sendrecv steps (step s: send to
- * rank + s, receive from rank - s). */
+ * rank + s, receive from rank - s).  Overlapping receive blocks are a
+ * ValueError naming them, before any communication. */
 ra_status ra_comm_alltoall(ra_comm *c, const ra_a2a *a, double timeout);
+/* staged[i] = 1 for the send blocks that overlap a receive block (other
+ * than the block to itself being its own receive block exactly), which
+ * must be copied aside before anything is received; returns their bytes
+ * in all.  RA_ERR_VALUE (set, naming them) when two receive blocks
+ * overlap.  staged: `size` entries. */
+ra_status ra_a2a_staged(int rank, int size, const ra_a2a *a,
+                        unsigned char *staged, size_t *staged_bytes);
 /* 1 when c, or the transport it runs on, has failed. */
 int ra_comm_is_failed(ra_comm *c);
+/* A split took `context` on transport t: t's next_context moves past it
+ * (comm_split.c; a backend's context_open). */
+void ra_comm_context_taken(ra_comm *t, uint32_t context);
+
+/* Why an operation (prefix `pre`) that exchanges with rank `peer` fails
+ * once that peer left its split: "peer rank R closed this communicator",
+ * or "peer rank R failed: <why>" (host, threads). */
+void ra_comm_departed_msg(const char *pre, int peer, int closed,
+                          const char *why, char *msg, size_t n);
 
 /* "rank R: op step S: " prefix for messages */
 void ra_comm_prefix(char *buf, size_t n, int rank, const char *op,
@@ -265,6 +323,12 @@ void ra_comm_prefix(char *buf, size_t n, int rank, const char *op,
  * one has c's default timeout; `timeout` bounds the split. */
 ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
                         ra_comm **out);
+/* 1 when a split in progress on this rank agreed on `context` and has not
+ * opened it on transport t yet (its messages may come already).  t->mu
+ * held. */
+int ra_comm_context_pending(ra_comm *t, uint32_t context);
+/* Free t's claims (none are left once no split runs). */
+void ra_comm_claims_free(ra_comm *t);
 
 /* ---- backends ---------------------------------------------------------- */
 

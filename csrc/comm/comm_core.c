@@ -49,8 +49,18 @@ ra_status ra_comm_init_base(ra_comm *c, const ra_comm_vtable *vt, int rank,
 }
 
 void ra_comm_destroy_base(ra_comm *c) {
+    ra_comm_claims_free(c);
     pthread_cond_destroy(&c->cv);
     pthread_mutex_destroy(&c->mu);
+}
+
+void ra_comm_departed_msg(const char *pre, int peer, int closed,
+                          const char *why, char *msg, size_t n) {
+    if (closed)
+        ra_snprintf(msg, n, "%speer rank %d closed this communicator", pre,
+                    peer);
+    else
+        ra_snprintf(msg, n, "%speer rank %d failed: %s", pre, peer, why);
 }
 
 void ra_comm_prefix(char *buf, size_t n, int rank, const char *op,
@@ -100,6 +110,15 @@ ra_status ra_comm_check_usable(ra_comm *c, const char *op) {
 int ra_comm_is_failed(ra_comm *c) {
     return atomic_load(&c->failed) ||
            (c->transport != NULL && atomic_load(&c->transport->failed));
+}
+
+void ra_comm_context_taken(ra_comm *t, uint32_t context) {
+    /* only ever forward, also when splits open at the same time */
+    uint32_t next = atomic_load(&t->next_context);
+    while (next <= context &&
+           !atomic_compare_exchange_weak(&t->next_context, &next,
+                                         context + 1)) {
+    }
 }
 
 void ra_comm_abort(ra_comm *c, const char *reason) {
@@ -193,6 +212,36 @@ static ra_status self_copy(ra_comm *c, ra_req *r) {
     return RA_OK;
 }
 
+/* Make and start the request of transfer x on t (a communicator, or the
+ * transport a split runs on: x then in t's ranks and the split's context). */
+static ra_status start_request(ra_comm *t, const ra_xfer *x, const char *op,
+                               double msg_timeout, double deadline, int local,
+                               ra_req **out) {
+    ra_req *r = ra_req_new(t, x, op, msg_timeout);
+    if (r == NULL) return RA_ERR_NOMEM;
+    r->deadline = deadline;
+    ra_status st;
+    if (local) {
+        st = self_copy(t, r);
+        ra_req_release(r);    /* the backend's reference */
+    } else if (x->dst < 0 && x->src < 0) {
+        req_fail_now(r, RA_OK, NULL);
+        ra_req_release(r);
+        st = RA_OK;
+    } else {
+        st = t->vt->sendrecv_start(t, r);  /* takes the backend reference */
+    }
+    if (st != RA_OK) {
+        ra_set_error(st, "%s", r->msg);
+        /* a closed split fails alone (the backend failed it) */
+        if (st != RA_ERR_VALUE && !r->ctx_closed) ra_comm_fail(t, st, r->msg);
+        ra_req_release(r);
+        return st;
+    }
+    *out = r;
+    return RA_OK;
+}
+
 static ra_status start_deadline(ra_comm *c, const ra_xfer *x, const char *op,
                                 double msg_timeout, double deadline,
                                 ra_req **out) {
@@ -206,45 +255,28 @@ static ra_status start_deadline(ra_comm *c, const ra_xfer *x, const char *op,
                      c->size - 1);
         return RA_ERR_VALUE;
     }
+    ra_xfer y = *x;
+    if (!y.back_known && y.dst >= 0 && y.dst == y.src) {
+        /* one peer both ways: each side knows what the other expects */
+        y.back_known = 1;
+        y.recv_from_dst = y.recv_nbytes;
+        y.send_to_src = y.send_nbytes;
+    }
     int local = (x->dst == c->rank || x->src == c->rank) &&
                 c->vt->device_type != RA_DEV_CUDA;
-    if (c->transport != NULL && !local && (x->dst >= 0 || x->src >= 0)) {
-        /* a split: the same transfer between the members' ranks of the
-         * transport, tagged with the split's context */
-        ra_xfer y = *x;
-        y.dst = x->dst < 0 ? -1 : c->members[x->dst];
-        y.src = x->src < 0 ? -1 : c->members[x->src];
-        y.kind = (x->kind & RA_XFER_KIND_MASK) |
-                 (int)(c->context << RA_XFER_KIND_BITS);
-        if (x->dst >= 0) atomic_fetch_add(&c->bytes_sent, x->send_nbytes);
-        if (x->src >= 0)
-            atomic_fetch_add(&c->bytes_received, x->recv_nbytes);
-        atomic_fetch_add(&c->messages, 1);
-        return start_deadline(c->transport, &y, op, msg_timeout, deadline,
-                              out);
-    }
-    ra_req *r = ra_req_new(c, x, op, msg_timeout);
-    if (r == NULL) return RA_ERR_NOMEM;
-    r->deadline = deadline;
-    ra_status st;
-    if (local) {
-        st = self_copy(c, r);
-        ra_req_release(r);    /* the backend's reference */
-    } else if (x->dst < 0 && x->src < 0) {
-        req_fail_now(r, RA_OK, NULL);
-        ra_req_release(r);
-        st = RA_OK;
-    } else {
-        st = c->vt->sendrecv_start(c, r);  /* takes the backend reference */
-    }
-    if (st != RA_OK) {
-        ra_set_error(st, "%s", r->msg);
-        if (st != RA_ERR_VALUE) ra_comm_fail(c, st, r->msg);
-        ra_req_release(r);
-        return st;
-    }
-    *out = r;
-    return RA_OK;
+    if (c->transport == NULL || local || (x->dst < 0 && x->src < 0))
+        return start_request(c, &y, op, msg_timeout, deadline, local, out);
+    /* a split: the same transfer between the members' ranks of the
+     * transport, tagged with the split's context */
+    RA_CHECK(ra_comm_check_usable(c->transport, op));
+    y.dst = x->dst < 0 ? -1 : c->members[x->dst];
+    y.src = x->src < 0 ? -1 : c->members[x->src];
+    y.kind = (x->kind & RA_XFER_KIND_MASK) |
+             (int)(c->context << RA_XFER_KIND_BITS);
+    if (x->dst >= 0) atomic_fetch_add(&c->bytes_sent, x->send_nbytes);
+    if (x->src >= 0) atomic_fetch_add(&c->bytes_received, x->recv_nbytes);
+    atomic_fetch_add(&c->messages, 1);
+    return start_request(c->transport, &y, op, msg_timeout, deadline, 0, out);
 }
 
 ra_status ra_comm_start(ra_comm *c, const ra_xfer *x, const char *op,
@@ -285,14 +317,16 @@ static ra_status wait_deadline(ra_req *r, double deadline,
     }
     {
         /* timed out */
-        char pre[128], msg[RA_COMM_MSG_LEN];
+        char pre[128], msg[RA_COMM_MSG_LEN], hint[192] = "";
         ra_comm_prefix(pre, sizeof pre, c->rank, r->op, r->x.step);
         pthread_mutex_lock(&c->mu);
         int peer = !r->recv_done ? r->x.src : r->x.dst;
         pthread_mutex_unlock(&c->mu);
+        if (c->vt->stall_hint != NULL)
+            c->vt->stall_hint(c, r, peer, hint, sizeof hint);
         ra_snprintf(msg, sizeof msg,
-                    "%stimed out after %.1f s waiting for rank %d", pre,
-                    msg_timeout, peer);
+                    "%stimed out after %.1f s waiting for rank %d%s", pre,
+                    msg_timeout, peer, hint);
         ra_comm_fail(c, RA_ERR_TIMEOUT, msg);
         /* the backend finishes every pending request promptly on abort */
         pthread_mutex_lock(&c->mu);
@@ -311,7 +345,8 @@ done:
     if (atomic_load(&r->state) == RA_REQ_FAILED) {
         st = r->status != RA_OK ? r->status : RA_ERR_COMM;
         ra_set_error(st, "%s", r->msg);
-        ra_comm_fail(c, st, r->msg);
+        /* a closed split fails alone (the backend failed it) */
+        if (!r->ctx_closed) ra_comm_fail(c, st, r->msg);
         return st;
     }
     return st;
@@ -530,6 +565,9 @@ static ra_status generic_alltoall(ra_comm *c, const ra_a2a *a,
         x.recv = a->recv[src];
         x.recv_nbytes = a->recv_nbytes[src];
         x.src = src;
+        x.back_known = 1;
+        x.recv_from_dst = a->recv_nbytes[dst];
+        x.send_to_src = a->send_nbytes[src];
         x.device_type = a->device_type;
         x.device_id = a->device_id;
         x.stream = a->stream;
@@ -553,9 +591,110 @@ static ra_status generic_alltoall(ra_comm *c, const ra_a2a *a,
     return st;
 }
 
+/* ---- in-place blocks ----------------------------------------------------- */
+
+typedef struct block {
+    uintptr_t lo, hi;         /* [lo, hi) */
+    int index;
+} block;
+
+static int by_start(const void *a, const void *b) {
+    const block *x = a, *y = b;
+    if (x->lo != y->lo) return x->lo < y->lo ? -1 : 1;
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+ra_status ra_a2a_staged(int rank, int size, const ra_a2a *a,
+                        unsigned char *staged, size_t *staged_bytes) {
+    *staged_bytes = 0;
+    memset(staged, 0, (size_t)size);
+    block *recv = ra_host_alloc(sizeof(block) * (size_t)size);
+    if (recv == NULL) return RA_ERR_NOMEM;
+    int n = 0;
+    for (int j = 0; j < size; j++)
+        if (a->recv_nbytes[j] > 0)
+            recv[n++] = (block){(uintptr_t)a->recv[j],
+                                (uintptr_t)a->recv[j] + a->recv_nbytes[j], j};
+    qsort(recv, (size_t)n, sizeof *recv, by_start);
+    ra_status st = RA_OK;
+    for (int k = 1; k < n; k++) {
+        if (recv[k].lo < recv[k - 1].hi) {
+            int i = recv[k - 1].index, j = recv[k].index;
+            ra_set_error(RA_ERR_VALUE, "rank %d: alltoall: recvs[%d] and "
+                         "recvs[%d] overlap (each block is written by its "
+                         "own rank)", rank, i < j ? i : j, i < j ? j : i);
+            st = RA_ERR_VALUE;
+            goto done;
+        }
+    }
+    /* sorted, disjoint receive blocks: the last one starting before a send
+     * block ends is the only one that can overlap it */
+    for (int i = 0; i < size; i++) {
+        size_t len = a->send_nbytes[i];
+        if (len == 0) continue;
+        uintptr_t lo = (uintptr_t)a->send[i], hi = lo + len;
+        int left = 0, right = n;          /* first block with start >= hi */
+        while (left < right) {
+            int mid = (left + right) / 2;
+            if (recv[mid].lo < hi) left = mid + 1;
+            else right = mid;
+        }
+        if (left == 0 || recv[left - 1].hi <= lo) continue;
+        const block *b = &recv[left - 1];
+        /* the block to itself in its own receive block: a plain no-op */
+        if (i == rank && b->index == rank && b->lo == lo && b->hi == hi)
+            continue;
+        staged[i] = 1;
+        *staged_bytes += len;
+    }
+done:
+    ra_host_free(recv, sizeof(block) * (size_t)size);
+    return st;
+}
+
+/* Host memory in place: the send blocks that overlap receive blocks are
+ * copied aside, then exchanged from there. */
+static ra_status host_alltoall(ra_comm *c, const ra_a2a *a, double timeout) {
+    int p = c->size;
+    size_t total = 0;
+    unsigned char *staged = ra_host_alloc((size_t)p);
+    if (staged == NULL) return RA_ERR_NOMEM;
+    ra_status st = ra_a2a_staged(c->rank, p, a, staged, &total);
+    if (st != RA_OK || total == 0) {
+        if (st == RA_OK) st = generic_alltoall(c, a, timeout);
+        ra_host_free(staged, (size_t)p);
+        return st;
+    }
+    unsigned char *copy = ra_host_alloc(total);
+    const void **send = ra_host_alloc(sizeof(void *) * (size_t)p);
+    if (copy == NULL || send == NULL) {
+        ra_set_error(RA_ERR_NOMEM, "rank %d: alltoall: cannot set %zu bytes "
+                     "of in-place send blocks aside", c->rank, total);
+        st = RA_ERR_NOMEM;
+        goto done;
+    }
+    size_t off = 0;
+    for (int i = 0; i < p; i++) {
+        send[i] = a->send[i];
+        if (!staged[i]) continue;
+        memcpy(copy + off, a->send[i], a->send_nbytes[i]);
+        send[i] = copy + off;
+        off += a->send_nbytes[i];
+    }
+    ra_a2a b = *a;
+    b.send = send;
+    st = generic_alltoall(c, &b, timeout);
+done:
+    ra_host_free(send, sizeof(void *) * (size_t)p);
+    ra_host_free(copy, total);
+    ra_host_free(staged, (size_t)p);
+    return st;
+}
+
 ra_status ra_comm_alltoall(ra_comm *c, const ra_a2a *a, double timeout) {
     RA_CHECK(ra_comm_check_usable(c, "alltoall"));
     if (!(timeout > 0)) timeout = c->default_timeout;
+    /* nccl: device memory, set aside on the device by the backend */
     if (c->vt->alltoall != NULL) return c->vt->alltoall(c, a, timeout);
-    return generic_alltoall(c, a, timeout);
+    return host_alltoall(c, a, timeout);
 }

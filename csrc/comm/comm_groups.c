@@ -12,26 +12,17 @@
 
 /* ---- split -------------------------------------------------------------- */
 
-/* An int in [lo, hi] or None (-> none_value). */
+/* An int in [lo, hi] (NumPy integers too) or None (-> none_value). */
 static int parse_int_arg(PyObject *obj, const char *name, long lo, long hi,
                          int none_value, int *out) {
     if (obj == Py_None) {
         *out = none_value;
         return 0;
     }
-    if (PyBool_Check(obj) || !PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int or None, got %s",
-                     name, Py_TYPE(obj)->tp_name);
+    long long v;
+    if (ra_parse_index(obj, name, "an int or None", lo, hi, " or None",
+                       &v) < 0)
         return -1;
-    }
-    int overflow = 0;
-    long v = PyLong_AsLongAndOverflow(obj, &overflow);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (overflow || v < lo || v > hi) {
-        PyErr_Format(PyExc_ValueError, "%s must be in [%ld, %ld] or None, "
-                     "got %R", name, lo, hi, obj);
-        return -1;
-    }
     *out = (int)v;
     return 0;
 }
@@ -51,14 +42,13 @@ PyObject *ra_comm_split_py(CommObject *self, PyObject *args, PyObject *kw) {
                       &key) < 0)
         return NULL;
     /* forget the splits closed since the last one */
-    if (self->children == NULL) {
-        self->children = PyList_New(0);
-        if (self->children == NULL) return NULL;
-    }
-    for (Py_ssize_t i = PyList_GET_SIZE(self->children) - 1; i >= 0; i--) {
-        CommObject *kid = (CommObject *)PyList_GET_ITEM(self->children, i);
-        if (kid->comm == NULL || atomic_load(&kid->comm->closed))
-            if (PySequence_DelItem(self->children, i) < 0) return NULL;
+    if (self->children != NULL) {
+        for (Py_ssize_t i = PyList_GET_SIZE(self->children) - 1; i >= 0;
+             i--) {
+            CommObject *kid = (CommObject *)PyList_GET_ITEM(self->children, i);
+            if (kid->comm == NULL || atomic_load(&kid->comm->closed))
+                if (PySequence_DelItem(self->children, i) < 0) return NULL;
+        }
     }
     ra_comm *c = NULL;
     ra_status st;
@@ -70,6 +60,24 @@ PyObject *ra_comm_split_py(CommObject *self, PyObject *args, PyObject *kw) {
     CommObject *kid = (CommObject *)ra_comm_wrap(c, NULL);
     if (kid == NULL) return NULL;
     kid->parent = Py_NewRef((PyObject *)self);
+    /* another thread may have closed this communicator while the split
+     * ran (GIL released): then its new split closes at once, and telling
+     * its members, fails theirs too */
+    if (self->closing || atomic_load(&self->comm->closed)) {
+        PyObject *r = PyObject_CallMethod((PyObject *)kid, "close", NULL);
+        Py_XDECREF(r);
+        Py_DECREF(kid);
+        if (r == NULL) return NULL;
+        ra_module_state *mst = ra_state_get();
+        PyErr_Format(mst ? mst->CommError : PyExc_RuntimeError,
+                     "rank %d: split: communicator is closed",
+                     self->comm->rank);
+        return NULL;
+    }
+    if (self->children == NULL && (self->children = PyList_New(0)) == NULL) {
+        Py_DECREF(kid);
+        return NULL;
+    }
     if (PyList_Append(self->children, (PyObject *)kid) < 0) {
         Py_DECREF(kid);
         return NULL;

@@ -13,7 +13,9 @@
  * An all-to-all is one op too: the block to self is a device copy on the
  * comm stream, and every other block one ncclSend/ncclRecv of a single
  * group (blocks of 0 bytes are left out on both sides, which agree on the
- * sizes), with one completion event.
+ * sizes), with one completion event.  In place (send blocks that overlap
+ * receive blocks), those send blocks are first copied into the op's
+ * scratch on the comm stream, which NCCL then sends from.
  *
  * Staged transfers carry host memory (comm_core.c's generic barrier and
  * allgather) through device scratch; the waiting caller polls their event
@@ -247,6 +249,70 @@ static ra_status issue_group(nccl_state *nc, ra_req *r, const void *send,
     return RA_OK;
 }
 
+/* The all-to-all a2a on the comm stream (after it waited for the caller's
+ * stream): send blocks that overlap receive blocks (in place) copied aside
+ * into op's scratch first, then the block to itself, then one group. */
+static ra_status issue_alltoall(nccl_state *nc, ra_req *r, nccl_op *op,
+                                const ra_a2a *a2a, char *err, size_t n) {
+    ra_comm *c = nc->c;
+    const int me = c->rank, p = c->size;
+    unsigned char *staged = ra_host_alloc((size_t)p);
+    const void **send = ra_host_alloc(sizeof(void *) * (size_t)p);
+    ra_status st = RA_OK;
+    cudaError_t e = cudaSuccess;
+    size_t total = 0, off = 0;
+    if (staged == NULL || send == NULL) {
+        st = RA_ERR_NOMEM;
+        goto done;
+    }
+    RA_CHECKGOTO(ra_a2a_staged(me, p, a2a, staged, &total), st, done);
+    if (total > 0) {
+        RA_CHECKGOTO(ra_cuda_malloc(nc->device, total, &op->scratch), st,
+                     done);
+        op->scratch_bytes = total;
+        /* the scratch block may have served the compute stream until its
+         * free: the comm stream waits for that stream too */
+        void *compute = NULL;
+        RA_CHECKGOTO(ra_cuda_compute_stream(nc->device, &compute), st, done);
+        if (compute != r->x.stream &&
+            ((e = cudaEventRecord(nc->ready, (cudaStream_t)compute)) !=
+                 cudaSuccess ||
+             (e = cudaStreamWaitEvent(nc->stream, nc->ready, 0)) !=
+                 cudaSuccess)) {
+            st = ra_cuda_status((int)e, "cudaStreamWaitEvent", __FILE__,
+                                __LINE__);
+            goto done;
+        }
+    }
+    ra_a2a b = *a2a;
+    for (int i = 0; i < p; i++) {
+        send[i] = a2a->send[i];
+        if (!staged[i]) continue;
+        send[i] = (unsigned char *)op->scratch + off;
+        e = cudaMemcpyAsync((void *)send[i], a2a->send[i],
+                            a2a->send_nbytes[i], cudaMemcpyDeviceToDevice,
+                            nc->stream);
+        if (e != cudaSuccess) break;
+        off += a2a->send_nbytes[i];
+    }
+    b.send = send;
+    if (e == cudaSuccess && b.send_nbytes[me] > 0 && b.send[me] != b.recv[me])
+        e = cudaMemcpyAsync(b.recv[me], b.send[me], b.send_nbytes[me],
+                            cudaMemcpyDeviceToDevice, nc->stream);
+    if (e != cudaSuccess) {
+        st = ra_cuda_status((int)e, "cudaMemcpyAsync", __FILE__, __LINE__);
+        goto done;
+    }
+    st = issue_group(nc, r, NULL, NULL, &b, err, n);
+    if (st != RA_OK) goto out;      /* err says why */
+done:
+    if (st != RA_OK) ra_snprintf(err, n, "%s", ra_last_error());
+out:
+    ra_host_free(send, sizeof(void *) * (size_t)p);
+    ra_host_free(staged, (size_t)p);
+    return st;
+}
+
 /* Enqueue the transfer of `r` (or the all-to-all `a2a`) on the comm
  * stream; `op` gets its event.  Runs with issue_mu held and the device
  * entered. */
@@ -304,12 +370,7 @@ static ra_status issue(nccl_state *nc, ra_req *r, nccl_op *op,
                                        cudaMemcpyHostToDevice, nc->stream));
     }
     if (a2a != NULL) {
-        const int me = c->rank;
-        if (a2a->send_nbytes[me] > 0 && a2a->send[me] != a2a->recv[me])
-            ISSUE_CUDA(cudaMemcpyAsync(a2a->recv[me], a2a->send[me],
-                                       a2a->send_nbytes[me],
-                                       cudaMemcpyDeviceToDevice, nc->stream));
-        RA_CHECK(issue_group(nc, r, NULL, NULL, a2a, err, n));
+        RA_CHECK(issue_alltoall(nc, r, op, a2a, err, n));
     } else if (x->dst == c->rank) {
         if (x->send_nbytes > 0 && send != recv)
             ISSUE_CUDA(cudaMemcpyAsync(recv, send, x->send_nbytes,
@@ -416,6 +477,16 @@ ra_status ra_nccl_alltoall(ra_comm *c, const ra_a2a *a, double timeout) {
         ra_set_error(RA_ERR_VALUE, "%sthe nccl backend moves CUDA device "
                      "memory, got host memory", pre);
         return RA_ERR_VALUE;
+    }
+    {
+        /* overlapping receive blocks: a ValueError before anything moves
+         * (issue_alltoall sets in-place send blocks aside) */
+        size_t total = 0;
+        unsigned char *staged = ra_host_alloc((size_t)c->size);
+        if (staged == NULL) return RA_ERR_NOMEM;
+        ra_status st = ra_a2a_staged(c->rank, c->size, a, staged, &total);
+        ra_host_free(staged, (size_t)c->size);
+        RA_CHECK(st);
     }
     ra_xfer x;
     memset(&x, 0, sizeof x);

@@ -18,7 +18,9 @@ typedef struct CommObject {
     PyObject *parent;         /* the Comm split from (its transport), or NULL */
     PyObject *children;       /* list of the Comms split from this one, or
                                * NULL; closed with it */
-    PyObject *dict;           /* instance attributes (e.g. cached splits) */
+    PyObject *dict;           /* instance attributes (__dict__: the
+                               * Ulysses groups kept on it, ulysses.py) */
+    int closing;              /* close() began (set with the GIL held) */
 } CommObject;
 
 typedef struct RequestObject {
@@ -39,6 +41,13 @@ int ra_comm_exec(PyObject *m, ra_module_state *st);
 PyObject *ra_refuse_pickle(PyObject *self, PyObject *unused);
 /* None -> -1 (backend default); else a positive finite float. */
 int ra_parse_timeout(PyObject *obj, double *out);
+/* An integer argument: an int or anything with __index__ (NumPy integers)
+ * but not a bool, else TypeError "<name> must be <what>, got <type>";
+ * outside [lo, hi] ValueError "<name> must be in [lo, hi]<suffix>, got
+ * <value>".  0, or -1 with the exception set. */
+int ra_parse_index(PyObject *obj, const char *name, const char *what,
+                   long long lo, long long hi, const char *suffix,
+                   long long *out);
 /* A new Comm owning `c` (freed here if that fails); `group` (or NULL) is
  * kept alive with it. */
 PyObject *ra_comm_wrap(ra_comm *c, PyObject *group);

@@ -10,15 +10,22 @@
  * host, threads: the new communicator runs on c's transport (the sockets,
  * the threads group): ra_comm.transport points at it, members[] maps the
  * new ranks to the transport's, and every transfer carries the split's
- * context in its kind, so a message of one communicator never matches a
- * receive of another.  The context must be the same on every member and
- * unique among the communicators any two ranks share: each rank sends its
- * transport's next_context, all take the largest and move next_context
- * past it.  After a split every member holds the same next_context, so a
- * later split that includes two ranks gives them a context neither has
- * used.  A failure of the split fails the transport (and so every
+ * context in its kind, and the transport matches a receive only with a
+ * message of its own context: communicators on one transport never see
+ * each other's messages, and may run at the same time (from different
+ * threads).  The context must be the same on every member and unique
+ * among the communicators any two ranks share: each rank proposes its
+ * transport's next_context, all take the largest, and every member
+ * checks that no split of another communicator on its transport took it
+ * meanwhile (a second exchange, below: splits of different communicators
+ * may run at the same time); the transport's next_context then moves past
+ * it.  After a split every member holds the same next_context, so a later
+ * split that includes two ranks gives them a context neither has used.
+ * A failure of the split fails the transport (and so every
  * communicator on it); aborting a split aborts the transport; closing one
- * leaves the transport open.
+ * leaves the transport open: the transport's context_close fails the
+ * split's transfers in flight and tells its other members, whose copies
+ * of the split then fail ("peer rank R closed this communicator").
  *
  * nccl: a new NCCL communicator.  The group's first rank makes a fresh
  * unique id and hands it to the others in a second allgather over c; the
@@ -27,13 +34,16 @@
  * groups would meet there: the split refuses it.
  *
  * Record (little-endian, RECORD_BYTES): magic "RAS1" | color i32 (-1: no
- * group) | key i32 | next_context u32.
+ * group) | key i32 | proposed context u32; then (host, threads) a verdict
+ * (VERDICT_BYTES): magic "RAV1" | 0 taken, 1 claimed, 2 gave up.
  */
 #include "comm/comm.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define RECORD_MAGIC "RAS1"
 #define RECORD_BYTES 16
@@ -67,7 +77,9 @@ static void view_abort(ra_comm *c) {
 }
 
 static void view_close(ra_comm *c) {
-    (void)c;   /* the transport stays open for its other communicators */
+    /* the transport stays open for its other communicators */
+    ra_comm *t = c->transport;
+    if (t->vt->context_close != NULL) t->vt->context_close(t, c);
 }
 
 static void view_destroy(ra_comm *c) {
@@ -90,6 +102,7 @@ static ra_status view_unreachable(ra_comm *c, ra_req *r) {
         .sendrecv_start = view_unreachable, .wait = NULL, .barrier = NULL,   \
         .allgather = NULL, .alltoall = NULL, .abort = view_abort,             \
         .close = view_close, .destroy = view_destroy,                         \
+        .context_open = NULL, .context_close = NULL,                          \
     }
 
 static const ra_comm_vtable view_vtables[] = {
@@ -128,6 +141,13 @@ static ra_status make_view(ra_comm *c, const int *members, int size,
     v->transport = root;
     v->members = map;
     v->context = context;
+    /* known to the transport before its first transfer (which also moves
+     * the transport's next_context past it) */
+    if (root->vt->context_open != NULL &&
+        (st = root->vt->context_open(root, v)) != RA_OK) {
+        ra_comm_destroy_base(v);
+        goto fail;
+    }
     *out = v;
     return RA_OK;
 fail:
@@ -244,6 +264,234 @@ static int by_color(const void *a, const void *b) {
     return (x->rank > y->rank) - (x->rank < y->rank);
 }
 
+/* ---- the context (host, threads) ---------------------------------------- */
+
+/* Two splits of different communicators on one transport may run at the
+ * same time on a rank (from two threads), and reach the ranks in other
+ * orders; each rank's proposals must then differ, and two splits must
+ * never agree on one context where they share a rank.  So a rank reserves
+ * its proposal (no other split in progress here proposes it), and after
+ * the ranks agree on the largest proposal each claims it: its own
+ * proposal, a context past next_context nobody here claimed, or another
+ * split's mere proposal (which that split then no longer owns).  If any
+ * rank cannot, a second exchange tells them all, and they try again after
+ * a short random pause (which breaks the symmetry of two splits that keep
+ * colliding), until the deadline.  A claim lasts until the split opens
+ * (context_open moves next_context past it) or gives up. */
+typedef struct ra_ctx_claim {
+    uint32_t context;
+    const void *owner;        /* the split's token */
+    int agreed;               /* claimed; else only proposed */
+    struct ra_ctx_claim *next;
+} ra_ctx_claim;
+
+#define VERDICT_MAGIC "RAV1"
+#define VERDICT_BYTES 5
+enum { VERDICT_TAKEN = 0, VERDICT_CLAIMED = 1, VERDICT_GIVE_UP = 2 };
+
+static ra_ctx_claim *find_claim(ra_comm *t, uint32_t context) {
+    for (ra_ctx_claim *k = t->claims; k != NULL; k = k->next)
+        if (k->context == context) return k;
+    return NULL;
+}
+
+int ra_comm_context_pending(ra_comm *t, uint32_t context) {
+    const ra_ctx_claim *k = find_claim(t, context);
+    return k != NULL && k->agreed;
+}
+
+/* The claims of `owner` (NULL: all) go (t->mu held, or t unshared). */
+static void drop_claims(ra_comm *t, const void *owner) {
+    ra_ctx_claim **link = &t->claims;
+    while (*link != NULL) {
+        ra_ctx_claim *k = *link;
+        if (owner != NULL && k->owner != owner) {
+            link = &k->next;
+            continue;
+        }
+        *link = k->next;
+        ra_host_free(k, sizeof *k);
+    }
+}
+
+void ra_comm_claims_free(ra_comm *t) { drop_claims(t, NULL); }
+
+static void release_claims(ra_comm *t, const void *owner) {
+    pthread_mutex_lock(&t->mu);
+    drop_claims(t, owner);
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* The first context from next_context on that no split in progress here
+ * proposed or claimed, reserved for `owner`. */
+static ra_status reserve_context(ra_comm *t, const void *owner,
+                                 uint32_t *out) {
+    ra_ctx_claim *k = ra_host_calloc(sizeof *k);
+    if (k == NULL) return RA_ERR_NOMEM;
+    pthread_mutex_lock(&t->mu);
+    uint32_t context = atomic_load(&t->next_context);
+    while (context < RA_XFER_MAX_CONTEXT && find_claim(t, context) != NULL)
+        context++;
+    k->context = context;
+    k->owner = owner;
+    k->next = t->claims;
+    t->claims = k;
+    pthread_mutex_unlock(&t->mu);
+    *out = context;
+    return RA_OK;
+}
+
+/* Claim the agreed `context` for `owner` here: VERDICT_CLAIMED, or
+ * VERDICT_TAKEN (another split here claimed it, or it lies below
+ * next_context: taken before), or VERDICT_GIVE_UP (out of memory). */
+static int claim_context(ra_comm *t, const void *owner, uint32_t context) {
+    ra_ctx_claim *fresh = ra_host_calloc(sizeof *fresh);
+    int verdict = VERDICT_TAKEN;
+    pthread_mutex_lock(&t->mu);
+    ra_ctx_claim *k = find_claim(t, context);
+    if (k != NULL && (k->owner == owner || !k->agreed)) {
+        k->owner = owner;
+        k->agreed = 1;
+        verdict = VERDICT_CLAIMED;
+    } else if (k == NULL && context >= atomic_load(&t->next_context)) {
+        if (fresh != NULL) {
+            *fresh = (ra_ctx_claim){context, owner, 1, t->claims};
+            t->claims = fresh;
+            fresh = NULL;
+            verdict = VERDICT_CLAIMED;
+        } else {
+            verdict = VERDICT_GIVE_UP;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (fresh != NULL) ra_host_free(fresh, sizeof *fresh);
+    return verdict;
+}
+
+/* The time left before `deadline` for one exchange (never 0, which would
+ * mean the default timeout). */
+static double left(double deadline) {
+    double t = deadline - ra_now();
+    return t > 1e-3 ? t : 1e-3;
+}
+
+/* Every rank's `n` bytes of rec, before `deadline`: *all (*total bytes)
+ * and *lens (c->size entries), for the caller to free (also on failure). */
+static ra_status gather(ra_comm *c, const void *rec, size_t n,
+                        double deadline, void **all, size_t *total,
+                        size_t **lens) {
+    *lens = ra_host_calloc(sizeof(size_t) * (size_t)c->size);
+    if (*lens == NULL) return RA_ERR_NOMEM;
+    return ra_comm_allgather(c, rec, n, all, total, *lens, left(deadline));
+}
+
+/* Every rank's record (color, key, proposed context) into e; *largest:
+ * the largest proposal. */
+static ra_status exchange_records(ra_comm *c, int color, int key,
+                                  uint32_t proposal, double deadline,
+                                  split_entry *e, uint32_t *largest) {
+    unsigned char rec[RECORD_BYTES];
+    memcpy(rec, RECORD_MAGIC, 4);
+    put_u32(rec + 4, (uint32_t)(int32_t)color);
+    put_u32(rec + 8, (uint32_t)(int32_t)key);
+    put_u32(rec + 12, proposal);
+    void *all = NULL;
+    size_t total = 0, *lens = NULL;
+    ra_status st = gather(c, rec, sizeof rec, deadline, &all, &total, &lens);
+    if (st == RA_OK) st = read_records(c, all, lens, e);
+    *largest = 0;
+    for (int i = 0; st == RA_OK && i < c->size; i++)
+        if (e[i].context > *largest) *largest = e[i].context;
+    if (all != NULL) ra_host_free(all, total);
+    ra_host_free(lens, sizeof(size_t) * (size_t)c->size);
+    return st;
+}
+
+/* Every rank's verdict on the agreed context: the lowest one (GIVE_UP
+ * above all), and *who, a rank that gave up. */
+static ra_status exchange_verdicts(ra_comm *c, int mine, double deadline,
+                                   int *verdict, int *who) {
+    unsigned char rec[VERDICT_BYTES];
+    memcpy(rec, VERDICT_MAGIC, 4);
+    rec[4] = (unsigned char)mine;
+    void *all = NULL;
+    size_t total = 0, *lens = NULL;
+    ra_status st = gather(c, rec, sizeof rec, deadline, &all, &total, &lens);
+    *verdict = VERDICT_CLAIMED;
+    *who = -1;
+    size_t off = 0;
+    for (int i = 0; st == RA_OK && i < c->size; off += lens[i], i++) {
+        const unsigned char *r = (const unsigned char *)all + off;
+        if (lens[i] != VERDICT_BYTES || memcmp(r, VERDICT_MAGIC, 4) != 0 ||
+            r[4] > VERDICT_GIVE_UP) {
+            st = bad_record(c, i, "bad context verdict");
+        } else if (r[4] == VERDICT_GIVE_UP) {
+            *verdict = VERDICT_GIVE_UP;
+            if (*who < 0) *who = i;
+        } else if (r[4] == VERDICT_TAKEN && *verdict != VERDICT_GIVE_UP) {
+            *verdict = VERDICT_TAKEN;
+        }
+    }
+    if (all != NULL) ra_host_free(all, total);
+    ra_host_free(lens, sizeof(size_t) * (size_t)c->size);
+    return st;
+}
+
+/* A pause of up to `round` ms (at most 10), not past the deadline. */
+static void pause_before_retry(uint64_t *seed, int round, double deadline) {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    double cap = (round < 10 ? round : 10) * 1e-3;
+    double t = cap * (double)(*seed % 1024) / 1024.0;
+    if (t > deadline - ra_now()) t = deadline - ra_now();
+    if (!(t > 0)) return;
+    struct timespec ts = {(time_t)t, (long)((t - (double)(time_t)t) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* The context of the new communicators, claimed on this rank when it
+ * joins one (color >= 0); every rank's record in e. */
+static ra_status agree_context(ra_comm *c, ra_comm *root, int color,
+                               int key, double deadline, const void *owner,
+                               split_entry *e, uint32_t *out) {
+    uint64_t seed = (uint64_t)(uintptr_t)owner ^
+                    (uint64_t)(ra_now() * 1e9) ^ ((uint64_t)c->rank << 32);
+    if (seed == 0) seed = 1;
+    for (int round = 1;; round++) {
+        uint32_t proposal, context;
+        RA_CHECK(reserve_context(root, owner, &proposal));
+        RA_CHECK(exchange_records(c, color, key, proposal, deadline, e,
+                                  &context));
+        /* (past the last context: refused by the caller on every rank) */
+        int mine = VERDICT_CLAIMED;
+        if (color >= 0 && context < RA_XFER_MAX_CONTEXT)
+            mine = claim_context(root, owner, context);
+        if (mine == VERDICT_TAKEN && ra_now() >= deadline)
+            mine = VERDICT_GIVE_UP;
+        int verdict, who;
+        RA_CHECK(exchange_verdicts(c, mine, deadline, &verdict, &who));
+        if (verdict == VERDICT_CLAIMED) {
+            *out = context;
+            return RA_OK;
+        }
+        if (verdict == VERDICT_GIVE_UP) {
+            /* every rank saw the same verdicts: all fail alike */
+            char msg[RA_COMM_MSG_LEN];
+            ra_snprintf(msg, sizeof msg, "rank %d: split: rank %d found no "
+                        "free communicator context (%d tries: splits of "
+                        "other communicators on these connections took "
+                        "them, or it ran out of time or memory)", c->rank,
+                        who, round);
+            ra_set_error(RA_ERR_COMM, "%s", msg);
+            return ra_comm_fail(c, RA_ERR_COMM, msg);
+        }
+        release_claims(root, owner);
+        pause_before_retry(&seed, round, deadline);
+    }
+}
+
 /* ---- the split ---------------------------------------------------------- */
 
 ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
@@ -259,30 +507,26 @@ ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
     double deadline = ra_now() + timeout;
     ra_comm *root = c->transport != NULL ? c->transport : c;
     int p = c->size, nccl = c->vt->device_type == RA_DEV_CUDA;
+    int token;                /* names this split's claims while it runs */
     ra_status st = RA_OK;
-    void *all = NULL;
-    size_t total = 0;
-    size_t *lens = ra_host_calloc(sizeof(size_t) * (size_t)p);
     split_entry *e = ra_host_calloc(sizeof(split_entry) * (size_t)p);
     split_entry *sorted = ra_host_calloc(sizeof(split_entry) * (size_t)p);
     int *members = ra_host_calloc(sizeof(int) * (size_t)p);
-    if (!lens || !e || !sorted || !members) {
+    if (!e || !sorted || !members) {
         st = RA_ERR_NOMEM;
         goto done;
     }
-    unsigned char rec[RECORD_BYTES];
-    memcpy(rec, RECORD_MAGIC, 4);
-    put_u32(rec + 4, (uint32_t)(int32_t)color);
-    put_u32(rec + 8, (uint32_t)(int32_t)key);
-    put_u32(rec + 12, atomic_load(&root->next_context));
-    RA_CHECKGOTO(ra_comm_allgather(c, rec, sizeof rec, &all, &total, lens,
-                                   timeout), st, done);
-    RA_CHECKGOTO(read_records(c, all, lens, e), st, done);
-
-    /* the agreed context, and the next one past it */
+    /* the agreed context (nccl: only recorded, each split has an NCCL
+     * communicator of its own) */
     uint32_t context = 0;
-    for (int i = 0; i < p; i++)
-        if (e[i].context > context) context = e[i].context;
+    if (nccl) {
+        RA_CHECKGOTO(exchange_records(c, color, key,
+                                      atomic_load(&root->next_context),
+                                      deadline, e, &context), st, done);
+    } else {
+        RA_CHECKGOTO(agree_context(c, root, color, key, deadline, &token, e,
+                                   &context), st, done);
+    }
     if (context >= RA_XFER_MAX_CONTEXT) {
         ra_set_error(RA_ERR_COMM, "rank %d: split: no communicator context "
                      "left (%u splits over this transport)", c->rank,
@@ -290,7 +534,9 @@ ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
         st = ra_comm_fail(c, RA_ERR_COMM, ra_last_error());
         goto done;
     }
-    atomic_store(&root->next_context, context + 1);
+    /* a member's transport moves next_context when its split opens there
+     * (make_view); the others' at once */
+    if (nccl || color < 0) ra_comm_context_taken(root, context);
 
     memcpy(sorted, e, sizeof(split_entry) * (size_t)p);
     qsort(sorted, (size_t)p, sizeof *sorted, by_color);
@@ -306,8 +552,10 @@ ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
         if (sorted[i].rank == c->rank) new_rank = i;
     }
     if (!nccl) {
-        if (color >= 0)
+        if (color >= 0) {
             st = make_view(c, members, size, new_rank, context, out);
+            if (st != RA_OK) ra_comm_context_taken(root, context);
+        }
         goto done;
     }
     unsigned char id[RA_NCCL_ID_BYTES];
@@ -326,8 +574,8 @@ ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
     st = ra_nccl_comm_create(&o, out);
     if (st == RA_OK) (*out)->default_timeout = c->default_timeout;
 done:
-    if (all != NULL) ra_host_free(all, total);
-    ra_host_free(lens, sizeof(size_t) * (size_t)p);
+    /* opened (its context below next_context) or given up */
+    if (!nccl) release_claims(root, &token);
     ra_host_free(e, sizeof(split_entry) * (size_t)p);
     ra_host_free(sorted, sizeof(split_entry) * (size_t)p);
     ra_host_free(members, sizeof(int) * (size_t)p);

@@ -4,12 +4,18 @@
  *
  * For every ordered pair (src, dst) the group keeps a FIFO of posted sends
  * and a FIFO of posted receives.  Starting a sendrecv posts its send and its
- * receive; whenever a send meets the oldest receive of its pair (or the
- * other way round) the rank that arrived second copies the bytes directly
- * from the sender's buffer into the receiver's, with no lock held, and both
- * requests advance.  Posting never blocks, so a ring where every rank sends
- * first cannot deadlock.  Kind, step and size are checked when the pair
- * meets.  Deadlines are the waiters' (comm_core.c).
+ * receive; whenever a send meets the oldest receive of its pair and its
+ * context (or the other way round) the rank that arrived second copies the
+ * bytes directly from the sender's buffer into the receiver's, with no lock
+ * held, and both requests advance.  Posting never blocks, so a ring where
+ * every rank sends first cannot deadlock.  Kind, step and size are checked
+ * when the pair meets.  Deadlines are the waiters' (comm_core.c).
+ *
+ * Contexts: a split of a rank's communicator (comm_split.c) posts here with
+ * its context in the kind, and only requests of one context meet, so the
+ * communicators of a group run independently (from different threads).
+ * comm_threads_split.c keeps the splits and who left them (closed, or
+ * failed because a member they exchanged with left).
  *
  * Failures: a rank whose communicator fails (or closes) is marked dead;
  * every request posted by it or waiting on it fails at once, and the ranks
@@ -17,26 +23,11 @@
  * group without anybody waiting for a timeout.  Lock order: group lock,
  * then a communicator's lock.
  */
-#include "comm/comm.h"
+#include "comm/comm_threads_internal.h"
 
 #include <stdio.h>
 #include <string.h>
 
-struct ra_tgroup {
-    int size;
-    double timeout;
-    _Atomic int refs;
-    pthread_mutex_t mu;
-    int *taken;
-    ra_comm **comms;          /* live communicators by rank (or NULL) */
-    int *dead;
-    int *pending_kill;
-    char *dead_msg;           /* size x RA_COMM_MSG_LEN */
-    ra_req **sendq;           /* [src * size + dst] heads, linked by next */
-    ra_req **recvq;           /* [src * size + dst] heads, by next_recv */
-};
-
-#define DEAD_MSG(g, r) ((g)->dead_msg + (size_t)(r) * RA_COMM_MSG_LEN)
 
 /* ---- queues ------------------------------------------------------------ */
 
@@ -54,15 +45,19 @@ static void push_recv(ra_tgroup *g, int src, int dst, ra_req *r) {
     *p = r;
 }
 
-static ra_req *pop_send(ra_tgroup *g, int src, int dst) {
+/* The oldest posted send (receive) of the pair in `context`, taken out. */
+static ra_req *take_send(ra_tgroup *g, int src, int dst, uint32_t context) {
     ra_req **p = &g->sendq[src * g->size + dst];
+    while (*p && ra_xfer_context((*p)->x.kind) != context) p = &(*p)->next;
     ra_req *r = *p;
     if (r) *p = r->next;
     return r;
 }
 
-static ra_req *pop_recv(ra_tgroup *g, int src, int dst) {
+static ra_req *take_recv(ra_tgroup *g, int src, int dst, uint32_t context) {
     ra_req **p = &g->recvq[src * g->size + dst];
+    while (*p && ra_xfer_context((*p)->x.kind) != context)
+        p = &(*p)->next_recv;
     ra_req *r = *p;
     if (r) *p = r->next_recv;
     return r;
@@ -98,7 +93,8 @@ static void maybe_finish(ra_req *r) {
     }
 }
 
-static void fail_req(ra_tgroup *g, ra_req *r, ra_status st, const char *msg) {
+void ra_tgroup_fail_req(ra_tgroup *g, ra_req *r, ra_status st,
+                        const char *msg) {
     unlink_req(g, r);
     if (r->doomed || atomic_load(&r->state) != RA_REQ_PENDING) return;
     r->doomed = 1;
@@ -127,14 +123,14 @@ static void kill_rank_locked(ra_tgroup *g, int d) {
         if (victim == NULL) break;
         int owner = victim->comm->rank;
         if (owner == d) {
-            fail_req(g, victim, RA_ERR_COMM, DEAD_MSG(g, d));
+            ra_tgroup_fail_req(g, victim, RA_ERR_COMM, DEAD_MSG(g, d));
             continue;
         }
         char pre[128], msg[RA_COMM_MSG_LEN];
         ra_comm_prefix(pre, sizeof pre, owner, victim->op, victim->x.step);
         ra_snprintf(msg, sizeof msg, "%speer rank %d failed: %s", pre, d,
                     DEAD_MSG(g, d));
-        fail_req(g, victim, RA_ERR_COMM, msg);
+        ra_tgroup_fail_req(g, victim, RA_ERR_COMM, msg);
         if (!g->dead[owner] && !g->pending_kill[owner]) {
             ra_snprintf(DEAD_MSG(g, owner), RA_COMM_MSG_LEN, "%s", msg);
             g->pending_kill[owner] = 1;
@@ -171,17 +167,11 @@ static int check_pair(ra_tgroup *g, ra_req *s, ra_req *r) {
     char pre_s[128], pre_r[128], ms[RA_COMM_MSG_LEN], mr[RA_COMM_MSG_LEN];
     ra_comm_prefix(pre_s, sizeof pre_s, a, s->op, s->x.step);
     ra_comm_prefix(pre_r, sizeof pre_r, b, r->op, r->x.step);
-    if (s->x.kind != r->x.kind) {
-        /* the same operation of two communicators that share this group
-         * (splits, comm_split.c) says so */
-        const char *what = strcmp(s->op, r->op) == 0 ? "communicator"
-                                                     : "operation";
-        ra_snprintf(ms, sizeof ms, "%s%s mismatch: rank %d is in %s of "
-                 "context %d", pre_s, what, b, r->op,
-                 r->x.kind >> RA_XFER_KIND_BITS);
-        ra_snprintf(mr, sizeof mr, "%s%s mismatch: rank %d is in %s of "
-                 "context %d", pre_r, what, a, s->op,
-                 s->x.kind >> RA_XFER_KIND_BITS);
+    if (s->x.kind != r->x.kind) {   /* one context: another operation */
+        ra_snprintf(ms, sizeof ms, "%soperation mismatch: rank %d is in %s",
+                    pre_s, b, r->op);
+        ra_snprintf(mr, sizeof mr, "%soperation mismatch: rank %d is in %s",
+                    pre_r, a, s->op);
     } else if (s->x.step != r->x.step) {
         ra_snprintf(ms, sizeof ms, "%sstep mismatch: rank %d expects step %lld",
                     pre_s, b, (long long)r->x.step);
@@ -201,8 +191,8 @@ static int check_pair(ra_tgroup *g, ra_req *s, ra_req *r) {
     } else {
         return 1;
     }
-    fail_req(g, s, RA_ERR_COMM, ms);
-    fail_req(g, r, RA_ERR_COMM, mr);
+    ra_tgroup_fail_req(g, s, RA_ERR_COMM, ms);
+    ra_tgroup_fail_req(g, r, RA_ERR_COMM, mr);
     if (!g->dead[a]) {
         ra_snprintf(DEAD_MSG(g, a), RA_COMM_MSG_LEN, "%s", ms);
         kill_rank_locked(g, a);
@@ -224,19 +214,20 @@ static ra_status threads_start(ra_comm *c, ra_req *q) {
     ra_comm_prefix(pre, sizeof pre, me, q->op, q->x.step);
     int bad = g->dead[me] ? me : (dst >= 0 && g->dead[dst]) ? dst
                                : (src >= 0 && g->dead[src]) ? src : -1;
-    if (bad >= 0) {
+    uint32_t context = ra_xfer_context(q->x.kind);
+    if (bad >= 0 || ra_tsplit_refuse(g, q, msg, sizeof msg)) {
         if (bad == me)
             ra_snprintf(msg, sizeof msg, "%s", DEAD_MSG(g, me));
-        else
+        else if (bad >= 0)
             ra_snprintf(msg, sizeof msg, "%speer rank %d failed: %s", pre, bad,
                         DEAD_MSG(g, bad));
-        fail_req(g, q, RA_ERR_COMM, msg);
+        ra_tgroup_fail_req(g, q, RA_ERR_COMM, msg);
         pthread_mutex_unlock(&g->mu);
         ra_snprintf(q->msg, sizeof q->msg, "%s", msg);
         return RA_ERR_COMM;
     }
     if (dst >= 0) {
-        ra_req *r = pop_recv(g, me, dst);
+        ra_req *r = take_recv(g, me, dst, context);
         if (r == NULL) {
             push_send(g, me, dst, q);
         } else if (check_pair(g, q, r)) {
@@ -244,7 +235,7 @@ static ra_status threads_start(ra_comm *c, ra_req *q) {
         }
     }
     if (src >= 0 && !q->doomed) {
-        ra_req *s = pop_send(g, src, me);
+        ra_req *s = take_send(g, src, me, context);
         if (s == NULL) {
             push_recv(g, src, me, q);
         } else if (check_pair(g, s, q)) {
@@ -288,6 +279,27 @@ static ra_status threads_start(ra_comm *c, ra_req *q) {
     return RA_OK;
 }
 
+static void threads_stall_hint(ra_comm *c, ra_req *r, int peer, char *buf,
+                               size_t n) {
+    ra_tgroup *g = c->impl;
+    if (g == NULL || peer < 0) return;
+    uint32_t context = ra_xfer_context(r->x.kind);
+    int me = c->rank, size = g->size;
+    pthread_mutex_lock(&g->mu);
+    /* the peer's send to this rank, or its receive from it, elsewhere */
+    const ra_req *other = NULL;
+    for (const ra_req *q = g->sendq[peer * size + me]; q && !other;
+         q = q->next)
+        if (ra_xfer_context(q->x.kind) != context) other = q;
+    for (const ra_req *q = g->recvq[me * size + peer]; q && !other;
+         q = q->next_recv)
+        if (ra_xfer_context(q->x.kind) != context) other = q;
+    if (other != NULL)
+        ra_snprintf(buf, n, " (rank %d is in a %s of another communicator "
+                    "with this rank)", peer, other->op);
+    pthread_mutex_unlock(&g->mu);
+}
+
 static void threads_abort(ra_comm *c) {
     ra_tgroup *g = c->impl;
     if (g == NULL) return;
@@ -304,13 +316,26 @@ static void threads_abort(ra_comm *c) {
 static void threads_close(ra_comm *c) {
     ra_tgroup *g = c->impl;
     if (g == NULL) return;
+    int me = c->rank, n = g->size;
     pthread_mutex_lock(&g->mu);
-    if (!g->dead[c->rank]) {
-        ra_snprintf(DEAD_MSG(g, c->rank), RA_COMM_MSG_LEN,
-                    "rank %d closed its communicator", c->rank);
-        kill_rank_locked(g, c->rank);
+    if (!g->dead[me]) {
+        /* what it has in flight itself (another thread's operation) */
+        for (int x = 0; x < n; x++) {
+            ra_req *r;
+            while ((r = g->sendq[me * n + x]) != NULL ||
+                   (r = g->recvq[x * n + me]) != NULL) {
+                char pre[128], msg[RA_COMM_MSG_LEN];
+                ra_comm_prefix(pre, sizeof pre, me, r->op, r->x.step);
+                ra_snprintf(msg, sizeof msg, "%scommunicator is closed", pre);
+                ra_tgroup_fail_req(g, r, RA_ERR_COMM, msg);
+            }
+        }
+        /* and the peers that wait on it */
+        ra_snprintf(DEAD_MSG(g, me), RA_COMM_MSG_LEN,
+                    "rank %d closed its communicator", me);
+        kill_rank_locked(g, me);
     }
-    g->comms[c->rank] = NULL;
+    g->comms[me] = NULL;
     pthread_mutex_unlock(&g->mu);
 }
 
@@ -330,12 +355,16 @@ static const ra_comm_vtable threads_vtable = {
     .abort = threads_abort,
     .close = threads_close,
     .destroy = threads_destroy,
+    .context_open = ra_tsplit_open,
+    .context_close = ra_tsplit_close,
+    .stall_hint = threads_stall_hint,
 };
 
 /* ---- group ------------------------------------------------------------- */
 
 static void group_free(ra_tgroup *g) {
     size_t n = (size_t)g->size;
+    ra_tsplit_free_all(g);
     ra_host_free(g->taken, sizeof(int) * n);
     ra_host_free(g->comms, sizeof(ra_comm *) * n);
     ra_host_free(g->dead, sizeof(int) * n);
