@@ -23,7 +23,8 @@
 #              forces it.  Stages that need the package build it first.
 #   selftest   tools/cuda_selftest.cu, every kernel variant vs float64
 #              ("full" grid); linked with the build's CUDA objects
-#   tests      pytest -m gpu tests/test_cuda.py tests/test_cuda_interop.py
+#   tests      pytest -m gpu tests/test_cuda.py tests/test_cuda_fwd_tc.py
+#              tests/test_cuda_interop.py
 #              tests/test_jax_ffi_gpu.py (the XLA FFI CUDA handlers: they
 #              skip, with the reason shown, where JAX there has no CUDA)
 #   sanitize   compute-sanitizer memcheck, racecheck, synccheck, initcheck
@@ -317,9 +318,9 @@ PY
 }
 
 stage_tests() {
-    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py test_jax_ffi_gpu.py (~3.5 min)"
-    pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_interop.py" \
-        "$REPO/tests/test_jax_ffi_gpu.py"
+    note "== tests: pytest -m gpu test_cuda.py test_cuda_fwd_tc.py test_cuda_interop.py test_jax_ffi_gpu.py (~3.5 min)"
+    pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_fwd_tc.py" \
+        "$REPO/tests/test_cuda_interop.py" "$REPO/tests/test_jax_ffi_gpu.py"
 }
 
 stage_nccl() {
