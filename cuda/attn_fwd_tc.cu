@@ -140,9 +140,13 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks, bool vec_out) {
                                                kend);
         }
         if constexpr (M) {
+            // the ids by cp.async too: a plain load here would make every
+            // tile wait for global memory (600 cycles in the one-warp schedule)
             if (docs && threadIdx.x < kBlockK) {
                 const int64_t key = k0 + threadIdx.x;
-                skid[buf * kBlockK + threadIdx.x] = key < kend ? kids.at(key) : 0;
+                const bool ok = key < kend;
+                ra::cp_async4(skid + buf * kBlockK + threadIdx.x,
+                              ok ? kids.ids + key * kids.stride : kids.ids, ok);
             }
         }
     };

@@ -2,6 +2,7 @@
  * mma.cuh -- the sm_80+ tensor-core building blocks of ringattn's fast
  * kernels, as thin wrappers over PTX:
  *   cp_async16      16-byte global -> shared copy (zero-fills when !valid)
+ *   cp_async4       the same for 4 bytes
  *   ldmatrix_x4     four 8x8 16-bit matrices from shared memory into the
  *                   mma fragment layout (optionally transposed)
  *   mma_16816       D(16x8, f32) += A(16x16) * B(16x8), f16 or bf16 inputs
@@ -35,6 +36,18 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool va
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     const int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+#endif
+}
+/* 4-byte global -> shared copy through L1 (cp.async.ca: .cg takes only 16
+ * bytes), zero-filling when !valid: a strided int32 such as a key's
+ * segment id, in the same commit group as the tile it belongs to */
+__device__ __forceinline__ void cp_async4(void *smem, const void *gmem, bool valid) {
+#ifdef RA_CUDA_EMULATED
+    ra_emu_cp_async(smem, gmem, 4, valid ? 4 : 0);
+#else
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    const int n = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
