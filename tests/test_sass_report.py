@@ -112,22 +112,26 @@ def test_inner_loop_is_the_innermost_one_holding_the_mma():
 
 
 # a loop whose prefetch (taken on every tile but the last) has two
-# alternatives: cp.async for a whole tile, plain loads and stores for the
-# sequence's last, partial one
+# alternatives, cp.async for a whole tile, plain loads and stores for the
+# sequence's last, partial one, and after them a cp.async of its own (the
+# tile's segment ids) that both lead to
 LOOP_ALT = [
     (0x00, "S2R R0, SR_TID.X", {}),
     (0x10, "LDSM.16.M88.4 R4, [R2]", {}),                      # header
     (0x20, "HMMA.16816.F32 R8, R4, R6, R8", {}),
-    (0x30, "@P1 BRA 0xa0", {}),                                # no next tile
+    (0x30, "@P1 BRA 0xd0", {}),                                # no next tile
     (0x40, "@P2 BRA 0x70", {}),                                # the last tile?
     (0x50, "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R10.64]", {}),  # whole tile
     (0x60, "BRA 0x90", {}),
     (0x70, "LDG.E.128 R12, desc[UR4][R10.64]", {}),            # partial tile
     (0x80, "STS.128 [R3], R12", {}),
-    (0x90, "LDGDEPBAR", {}),                                   # join: commit
-    (0xa0, "ISETP.NE.AND P0, PT, R1, RZ, PT", {}),
-    (0xb0, "@P0 BRA 0x10", {}),                                # latch
-    (0xc0, "EXIT", {}),
+    (0x90, "@P3 BRA 0xc0", {}),                                # join: ids?
+    (0xa0, "LDGSTS.E [R5], desc[UR4][R14.64]", {}),            # the ids
+    (0xb0, "NOP", {}),
+    (0xc0, "LDGDEPBAR", {}),                                   # commit
+    (0xd0, "ISETP.NE.AND P0, PT, R1, RZ, PT", {}),
+    (0xe0, "@P0 BRA 0x10", {}),                                # latch
+    (0xf0, "EXIT", {}),
 ]
 
 
@@ -135,10 +139,11 @@ def test_a_branch_that_bypasses_the_hot_work_is_cold():
     [(_, instrs)] = sr.parse_sass(listing(KERNEL, LOOP_ALT)).items()
     lp = sr.inner_loop(instrs)
     per, cold = lp["per_tile"], lp["cold"]
-    assert (per["LDGSTS"], per["DEPBAR"], per["LDG"], per["STS"]) == (1, 1, 0, 0)
+    assert (per["LDGSTS"], per["DEPBAR"], per["LDG"], per["STS"]) == (2, 1, 0, 0)
     assert (cold["LDG"], cold["STS"], cold["total"]) == (1, 1, 2)
-    # always: LDSM, HMMA, BRA, ISETP, latch; hot: BRA, LDGSTS, BRA, LDGDEPBAR
-    assert per["total"] == 9
+    # always: LDSM, HMMA, BRA, ISETP, latch; the prefetch: BRA, LDGSTS,
+    # BRA, BRA, LDGSTS, NOP, LDGDEPBAR
+    assert per["total"] == 12
     [region] = lp["regions"]
     assert region["hot"] and region["cold_alternative"] == 2
 

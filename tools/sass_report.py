@@ -53,16 +53,16 @@ into
     "hot" when it holds cp.async (LDGSTS) or tensor/ldmatrix work (the next
     tile's prefetch, skipped only on the last tile) and "cold" otherwise
     (the mask tests of tiles that are not fully visible, sequence tails,
-    and the like).  Inside a hot region only the blocks that lead to a hot
-    block or follow one (within the region) are its path; a branch that
-    bypasses them (the last tile's plain loads beside the cp.async of
-    every other tile) is cold.
+    and the like).  Inside a hot region only its path from entry to exit
+    through the most hot instructions (ties: the most instructions) is
+    counted; a branch that bypasses them (the last tile's plain loads
+    beside the cp.async of every other tile) is cold.
 per_tile = always + the hot regions' paths: the path of a full tile in the
 middle of a sequence; `cold` is the sum of the rest (an upper bound on what
 a masked tile adds: exclusive paths are all counted).  Limits: the split
 is structural, not a profile (a cold region taken on every tile would be
-missed, a hot one skipped would be counted, and so would both of two
-alternatives that are both hot); a loop the compiler unrolled
+missed, a hot one skipped would be counted, and of two alternatives that
+are both hot only the hotter); a loop the compiler unrolled
 by n shows n tiles per iteration, and a loop nested inside the tile loop (a
 k-step loop left rolled, e.g. by `#pragma unroll 1`) is counted once, not
 per trip: the HMMA count per tile shows both; indirect branches (BRX/JMX)
@@ -456,17 +456,44 @@ def inner_loop(instrs):
     def ins_of(bs):
         return [ins for b in sorted(bs) for ins in instrs[blocks[b][0]:blocks[b][1]]]
 
-    def is_hot(b):
-        return any(i.base in HOT for i in instrs[blocks[b][0]:blocks[b][1]])
+    def n_hot(b):
+        return sum(1 for i in instrs[blocks[b][0]:blocks[b][1]] if i.base in HOT)
 
-    def closure(start, edges, within):
-        seen, stack = set(start), list(start)
-        while stack:
-            for y in edges.get(stack.pop(), ()):
-                if y in within and y not in seen:
-                    seen.add(y)
-                    stack.append(y)
-        return seen
+    def size(b):
+        return blocks[b][1] - blocks[b][0]
+
+    def hottest_path(comp):
+        """The blocks of the region's path with the most hot instructions
+        (ties: the most instructions), entry to exit; None when the region
+        is not acyclic."""
+        members = set(comp)
+        inner = {b: [v for v in succ.get(b, ()) if v in members] for b in comp}
+        indeg = {b: 0 for b in comp}
+        for b in comp:
+            for v in inner[b]:
+                indeg[v] += 1
+        order, ready = [], [b for b in comp if indeg[b] == 0]
+        while ready:
+            b = ready.pop()
+            order.append(b)
+            for v in inner[b]:
+                indeg[v] -= 1
+                if indeg[v] == 0:
+                    ready.append(v)
+        if len(order) != len(comp):
+            return None
+        best, nxt = {}, {}
+        for b in reversed(order):
+            tail = max(((best[v], v) for v in inner[b]), default=((0, 0), None))
+            best[b] = (n_hot(b) + tail[0][0], size(b) + tail[0][1])
+            nxt[b] = tail[1]
+        entries = [b for b in comp if any(u not in members for u in pred.get(b, ()))] or comp
+        b = max(entries, key=lambda e: best[e])
+        path = []
+        while b is not None:
+            path.append(b)
+            b = nxt[b]
+        return set(path)
 
     pred = {}
     for u in body:
@@ -477,18 +504,18 @@ def inner_loop(instrs):
     cold = mix_of([])
     for comp in regions:
         members = set(comp)
-        seeds = {b for b in comp if is_hot(b)}
-        # a hot region's path: its hot blocks and what leads to them or
-        # follows them inside the region; the rest (an alternative that
-        # bypasses them, such as a tail tile's plain loads) is cold
-        path_blocks = (closure(seeds, succ, members) | closure(seeds, pred, members)
-                       if seeds else set())
+        hot = any(n_hot(b) for b in comp)
+        # a hot region's path: from its entry to its exit through the most
+        # hot work; the rest (a branch that bypasses it, such as a tail
+        # tile's plain loads) is cold.  A region with a loop of its own
+        # counts whole.
+        path_blocks = (hottest_path(comp) or members) if hot else set()
         alt = members - path_blocks
         hot_blocks |= path_blocks
         cold = add_mix(cold, mix_of(ins_of(alt)))
         out_regions.append({"start": hex(instrs[blocks[comp[0]][0]].addr),
-                            "instructions": len(ins_of(comp)), "hot": bool(seeds),
-                            "cold_alternative": len(ins_of(alt)) if seeds else 0})
+                            "instructions": len(ins_of(comp)), "hot": hot,
+                            "cold_alternative": len(ins_of(alt)) if hot else 0})
     path = ins_of(hot_blocks)
     return {"header": hex(instrs[blocks[lp["header"]][0]].addr),
             "latches": [hex(instrs[blocks[b][1] - 1].addr) for b in lp["latches"]],
