@@ -13,8 +13,8 @@
 #ifndef RA_FWD_TC_EPILOGUE_CUH
 #define RA_FWD_TC_EPILOGUE_CUH
 
-#include "../mma.cuh"
-#include "traits.cuh"
+#include "mma.cuh"
+#include "fwd_tc/traits.cuh"
 
 namespace ra {
 namespace fwd_tc {
