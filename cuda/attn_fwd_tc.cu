@@ -135,9 +135,9 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks, bool vec_out) {
             loader.template load<kBlockK>(smem, at, kg, p.k_seq_stride, k0);
             loader.template load<kBlockK>(smem, at + Tr::kTileBytes, vg, p.v_seq_stride, k0);
         } else {
-            loader.template load_tail<kBlockK>(smem, at, kg, p.k_seq_stride, k0, kend);
-            loader.template load_tail<kBlockK>(smem, at + Tr::kTileBytes, vg, p.v_seq_stride, k0,
-                                               kend);
+            loader.template load_checked<kBlockK, false>(smem, at, kg, p.k_seq_stride, k0, kend);
+            loader.template load_checked<kBlockK, false>(smem, at + Tr::kTileBytes, vg,
+                                                         p.v_seq_stride, k0, kend);
         }
         if constexpr (M) {
             // the ids by cp.async too: a plain load here would make every
@@ -145,7 +145,7 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks, bool vec_out) {
             if (docs && threadIdx.x < kBlockK) {
                 const int64_t key = k0 + threadIdx.x;
                 const bool ok = key < kend;
-                ra::cp_async4(skid + buf * kBlockK + threadIdx.x,
+                ra::cp_async<4>(skid + buf * kBlockK + threadIdx.x,
                               ok ? kids.ids + key * kids.stride : kids.ids, ok);
             }
         }
@@ -164,7 +164,7 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks, bool vec_out) {
     // whether its ids all equal the block's one id).
     ra::Hit cur = next_tile(0);
     if (cur.tile < n_tiles) {
-        loader.template load_zfill<kBlockQ>(smem, 0, qg, p.q_seq_stride, q0, p.seqlen_q);
+        loader.template load_checked<kBlockQ, true>(smem, 0, qg, p.q_seq_stride, q0, p.seqlen_q);
         stage(cur.tile, 0);
         ra::cp_async_commit();
     }

@@ -105,11 +105,11 @@ __device__ __forceinline__ void accumulate(float (&o)[Tr::D / 8][4],
  * split the 16-byte chunks: this thread's column chunk and swizzled row
  * offset are fixed (kThreads is a multiple of 8 rows' chunks), its rows
  * step by kThreads / kChunks.
- *   load        cp.async, every row < limit (the key tiles but a
- *               sequence's last): one address per tile, a step per chunk
- *   load_tail   the last key tile: plain loads, rows >= limit zero (once
- *               per block at most, so synchronous)
- *   load_zfill  cp.async, rows >= limit zero-filled (the Q tile) */
+ *   load            cp.async, every row < limit (the key tiles but a
+ *                   sequence's last): one address per tile, a step per chunk
+ *   load_checked    rows >= limit zero: by cp.async zero-fill (ASYNC: the
+ *                   Q tile), or by plain loads and stores (the last key
+ *                   tile: once per block at most, so synchronous) */
 template <class Tr>
 struct TileLoader {
     static constexpr int kRowStep = Tr::kThreads / Tr::kChunks;
@@ -134,31 +134,25 @@ struct TileLoader {
         const int64_t step = kRowStep * ld;
 #pragma unroll
         for (int it = 0; it < ROWS / kRowStep; it++)
-            cp_async16(to + it * kRowStep * Tr::kRowBytes, src + it * step, true);
+            cp_async<16>(to + it * kRowStep * Tr::kRowBytes, src + it * step, true);
     }
 
-    template <int ROWS, typename T>
-    __device__ __forceinline__ void load_tail(unsigned char *smem, uint32_t tile, const T *g,
-                                              int64_t ld, int64_t row0, int64_t limit) const {
-        unsigned char *to = smem + tile + dst;
-#pragma unroll
-        for (int it = 0; it < ROWS / kRowStep; it++) {
-            const int64_t r = row0 + row + it * kRowStep;
-            uint4 x = make_uint4(0u, 0u, 0u, 0u);
-            if (r < limit) x = *reinterpret_cast<const uint4 *>(g + r * ld + col);
-            *reinterpret_cast<uint4 *>(to + it * kRowStep * Tr::kRowBytes) = x;
-        }
-    }
-
-    template <int ROWS, typename T>
-    __device__ __forceinline__ void load_zfill(unsigned char *smem, uint32_t tile, const T *g,
-                                               int64_t ld, int64_t row0, int64_t limit) const {
+    template <int ROWS, bool ASYNC, typename T>
+    __device__ __forceinline__ void load_checked(unsigned char *smem, uint32_t tile, const T *g,
+                                                 int64_t ld, int64_t row0, int64_t limit) const {
         unsigned char *to = smem + tile + dst;
 #pragma unroll
         for (int it = 0; it < ROWS / kRowStep; it++) {
             const int64_t r = row0 + row + it * kRowStep;
             const bool ok = r < limit;
-            cp_async16(to + it * kRowStep * Tr::kRowBytes, ok ? g + r * ld + col : g, ok);
+            unsigned char *d = to + it * kRowStep * Tr::kRowBytes;
+            if constexpr (ASYNC) {
+                cp_async<16>(d, ok ? g + r * ld + col : g, ok);
+            } else {
+                uint4 x = make_uint4(0u, 0u, 0u, 0u);
+                if (ok) x = *reinterpret_cast<const uint4 *>(g + r * ld + col);
+                *reinterpret_cast<uint4 *>(d) = x;
+            }
         }
     }
 };
