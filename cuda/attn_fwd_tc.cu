@@ -1,6 +1,6 @@
 /*
  * attn_fwd_tc.cu -- the tensor-core attention forward for float16 and
- * bfloat16 with head_dim 64 or 128 (flash attention 2's algorithm on
+ * bfloat16 with head_dim 64 or 128 (FlashAttention-2's algorithm on
  * mma.sync m16n8k16, sm_80 and newer).
  *
  * Computes out = softmax(scale * q k^T + mask) v and lse per query row,
@@ -10,17 +10,20 @@
  * Shapes: q, out (B, S_q, H, D); k, v (B, S_k, H_kv, D); lse (B, H, S_q)
  * float32.  Rows must be 16-byte aligned (checked by ra_fwd_tc_supported).
  *
- * Algorithm: a block of 4 warps owns 64 query rows (16 per warp) of one
+ * Algorithm: a block of 8 warps owns 128 query rows (16 per warp) of one
  * (b, h).  K and V tiles of 64 keys stream through shared memory, double
- * buffered with cp.async (tile n+1 loads while tile n computes).  Per tile
- * each warp computes S = Q K^T (16 x 64) with ldmatrix + mma, scales it into
- * log2 units, masks it only when the tile is not fully visible (sequence
- * tail or causal diagonal), updates its running row max / sum (online
- * softmax, rows reduced across the 4 lanes of a quad), converts P to 16-bit
- * A fragments in registers and accumulates O += P V (V via ldmatrix.trans).
- * Key tiles entirely in the causal future are never loaded.  Rows that see
- * no key keep m = -inf and l = 0 and end as out 0, lse -inf; a NaN score
- * makes l (so out and lse) NaN.
+ * buffered with cp.async (tile n + 1 loads while tile n computes; one
+ * barrier per tile).  Per tile each warp computes S = Q K^T (16 x 64) with
+ * ldmatrix + mma from addresses computed once (fwd_tc/mainloop.cuh), masks
+ * it only when the tile is not fully visible to the warp's rows (sequence
+ * tail or causal diagonal), exponentiates it against its rows' pivots
+ * (online softmax with a lazy rescale, fwd_tc/softmax.cuh), converts P to
+ * 16-bit A fragments in registers and accumulates O += P V (V via
+ * ldmatrix.trans).  Key tiles entirely in the causal future are never
+ * loaded.  Rows that see no key end as out 0, lse -inf; a NaN score makes
+ * l (so out and lse) NaN.  The results (fwd_tc/epilogue.cuh) go out through
+ * shared memory in 16-byte stores, or merge into the running state.
+ * Tile shapes and the model's numbers behind them: fwd_tc/traits.cuh.
  *
  * The masked variant (M, mask.cuh) walks only the key tiles the block's
  * window span and document ids leave, tests the elements of the tiles not
@@ -28,33 +31,32 @@
  * tile's ids staged in shared memory with it), and soft-caps the scores:
  * s = c * tanh(scale * q.k / c), in log2 units.
  *
- * Launch: grid B * H * ceil(S_q / 64) (1-D, heaviest causal blocks first),
- * 128 threads, dynamic shared memory 5 * 64 * D * 2 bytes (Q, 2 x K, 2 x V),
- * with M 2 * 64 ids and 8 words of document tile bits more.
+ * Launch: grid B * H * ceil(S_q / 128) (1-D, heaviest causal blocks first),
+ * 256 threads, dynamic shared memory 4 * 64 * D * 2 bytes (Q 128 rows,
+ * 2 x K, 2 x V of 64), with M 2 * 64 ids and 16 words of document tile bits
+ * more.
  */
 #include "attn_kernels.cuh"
-#include "mma.cuh"
+#include "fwd_tc/epilogue.cuh"
+#include "fwd_tc/mainloop.cuh"
+#include "fwd_tc/softmax.cuh"
+#include "fwd_tc/traits.cuh"
 
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kBlockQ = 64;
-constexpr int kBlockK = 64;
-constexpr int kThreads = kWarps * 32;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+using ra::fwd_tc::Traits;
 
 template <typename T, int D, bool M>
-__global__ void __launch_bounds__(kThreads)
-fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
-    unsigned char *smem_raw = ra::dynamic_smem();
-    T *sq = reinterpret_cast<T *>(smem_raw);      // 64 x D
-    T *sk = sq + kBlockQ * D;                      // 2 x 64 x D
-    T *sv = sk + 2 * kBlockK * D;                  // 2 x 64 x D
-    int32_t *skid = reinterpret_cast<int32_t *>(sv + 2 * kBlockK * D);  // M: 2 x 64 ids
-    uint32_t *doc_words = reinterpret_cast<uint32_t *>(skid + 2 * kBlockK);  // M: 8
-    constexpr int kDT = D / 8;                     // n-tiles of O
-    constexpr int kNT = kBlockK / 8;               // n-tiles of S
+__global__ void __launch_bounds__(Traits<D>::kThreads, Traits<D>::min_blocks(M))
+fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks, bool vec_out) {
+    using Tr = Traits<D>;
+    namespace ft = ra::fwd_tc;
+    constexpr int kBlockQ = Tr::kBlockQ, kBlockK = Tr::kBlockK, kWarps = Tr::kWarps;
+    constexpr int kNT = kBlockK / 8;  // n-tiles of S
+    constexpr int kDT = D / 8;        // n-tiles of O
+    unsigned char *smem = ra::dynamic_smem();
+    int32_t *skid = reinterpret_cast<int32_t *>(smem + Tr::kIdsOffset);       // M: 2 x 64 ids
+    uint32_t *doc_words = reinterpret_cast<uint32_t *>(smem + Tr::kWordsOffset);  // M: 16
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -67,127 +69,140 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
 
     const ra::Range keys = ra::block_keys<kBlockQ, M>(p, q0);
     const int64_t kbegin = keys.begin, kend = keys.end;  // kbegin = 0 without M
-    const int n_tiles = (int)((kend + kBlockK - 1) / kBlockK);
-    const int64_t qpos_first = p.q_pos_offset + q0 * p.q_pos_stride;
+    // key tile j: keys kbegin + 64 j .. + 63; the first n_whole lie below
+    // kend entirely (the loader's fast path)
+    const int64_t n_tiles = kend > kbegin ? (kend - kbegin + kBlockK - 1) / kBlockK : 0;
+    const int64_t n_whole = kend > kbegin ? (kend - kbegin) / kBlockK : 0;
 
-    // this thread's two rows (g and g + 8 of the warp's 16)
-    const int64_t row_a = q0 + warp * 16 + g, row_b = row_a + 8;
-    const int64_t qpos_a = p.q_pos_offset + row_a * p.q_pos_stride;
-    const int64_t qpos_b = p.q_pos_offset + row_b * p.q_pos_stride;
-    const float sl2 = (float)p.scale * kLog2e;
+    // this warp's rows w0 .. w0 + 15 (this thread's: g and g + 8 of them)
+    const int64_t w0 = q0 + warp * 16;
+    const int64_t w_last = w0 + 15 < p.seqlen_q ? w0 + 15 : p.seqlen_q - 1;
+    const int64_t wpos_first = p.q_pos_offset + w0 * p.q_pos_stride;
+    const float sl2 = (float)p.scale * ft::kLog2e;
 
-    // masks (M): the rows' key spans and ids, the block's bounds, soft-capping
-    ra::Span seen_a{}, seen_b{};
-    int64_t blk_lo = 0, blk_hi = 0;  // keys at or past blk_lo, up to blk_hi, every row sees
+    // Tiles [full_first, full_end) are fully visible to every row of the
+    // warp: no element tests there (with M only when the tile's ids are
+    // all the block's one id).  Causal: the tiles wholly at or before the
+    // warp's first row.  M: the keys every row of the warp sees.
+    int64_t full_first = 0, full_end = 0;
+    if constexpr (M) {
+        const int64_t w_lo = ra::keys_seen_by(p, p.q_pos_offset + w_last * p.q_pos_stride).lo;
+        const int64_t w_hi = ra::keys_seen_by(p, wpos_first).hi;
+        const int64_t klo = ra::count_below_sat(w_lo, p.k_pos_offset, p.k_pos_stride, p.seqlen_k);
+        int64_t khi = ra::count_upto_sat(w_hi, p.k_pos_offset, p.k_pos_stride, p.seqlen_k);
+        khi = khi < kend ? khi : kend;
+        full_first = klo > kbegin ? (klo - kbegin + kBlockK - 1) / kBlockK : 0;
+        full_end = khi > kbegin ? (khi - kbegin) / kBlockK : 0;
+    } else {
+        int64_t kvis = p.seqlen_k;
+        if (p.causal) {
+            const int64_t c = ra::count_upto(wpos_first, p.k_pos_offset, p.k_pos_stride, p.seqlen_k);
+            kvis = c < kvis ? c : kvis;
+        }
+        full_end = kvis / kBlockK;
+    }
+
+    // masks (M): the rows' segment ids, soft-capping
     int32_t qid_a = 0, qid_b = 0;
     const bool docs = M && ra::mask_docs(p.mask);
     const bool capped = M && p.mask.softcap > 0;
     const float cap_in = capped ? (float)(p.scale / p.mask.softcap) : 0.f;
-    const float cap_out = capped ? (float)(p.mask.softcap * (double)kLog2e) : 0.f;
-    const int64_t m_tiles = kend > kbegin ? (kend - kbegin + kBlockK - 1) / kBlockK : 0;
+    const float cap_out = capped ? (float)(p.mask.softcap * (double)ft::kLog2e) : 0.f;
     ra::SegIds kids{};
     ra::DocTiles<kBlockK, kWarps> tiles;
     if constexpr (M) {
-        seen_a = ra::keys_seen_by(p, qpos_a);
-        seen_b = ra::keys_seen_by(p, qpos_b);
-        const int64_t q_end = q0 + kBlockQ < p.seqlen_q ? q0 + kBlockQ : p.seqlen_q;
-        blk_lo = ra::keys_seen_by(p, p.q_pos_offset + (q_end - 1) * p.q_pos_stride).lo;
-        blk_hi = ra::keys_seen_by(p, qpos_first).hi;
         if (docs) {
+            const int64_t q_end = q0 + kBlockQ < p.seqlen_q ? q0 + kBlockQ : p.seqlen_q;
             const ra::SegIds qids = ra::q_seg_ids(p.mask, b);
             kids = ra::kv_seg_ids(p.mask, b);
-            qid_a = row_a < p.seqlen_q ? qids.at(row_a) : 0;
-            qid_b = row_b < p.seqlen_q ? qids.at(row_b) : 0;
+            qid_a = w0 + g < p.seqlen_q ? qids.at(w0 + g) : 0;
+            qid_b = w0 + g + 8 < p.seqlen_q ? qids.at(w0 + g + 8) : 0;
             tiles.init_block(qids, q0, q_end, kids, kbegin, kend, doc_words);
         }
     }
-    auto next_tile = [&](int64_t it) -> ra::Hit {
+    auto next_tile = [&](int64_t j) -> ra::Hit {
         if constexpr (M) {
-            if (docs) return tiles.next(it, m_tiles);
+            if (docs) return tiles.next(j, n_tiles);
         }
-        return ra::Hit{it, true};
+        return ra::Hit{j, true};
     };
-    // cp.async keys [k0, k0 + 64) into buffer buf (and with documents their ids)
-    auto stage = [&](int64_t k0, int buf) {
-        ra::cp_async_tile<T, D, kBlockK, kThreads>(sk + buf * kBlockK * D, kg, p.k_seq_stride,
-                                                   k0, kend);
-        ra::cp_async_tile<T, D, kBlockK, kThreads>(sv + buf * kBlockK * D, vg, p.v_seq_stride,
-                                                   k0, kend);
+    const ft::TileLoader<Tr> loader(threadIdx.x);
+    // keys of tile j into stage buf (and with documents their ids)
+    auto stage = [&](int64_t j, int buf) {
+        const uint32_t at = Tr::kQBytes + (uint32_t)buf * Tr::kStageBytes;
+        const int64_t k0 = kbegin + j * kBlockK;
+        if (j < n_whole) {
+            loader.template load<kBlockK>(smem, at, kg, p.k_seq_stride, k0);
+            loader.template load<kBlockK>(smem, at + Tr::kTileBytes, vg, p.v_seq_stride, k0);
+        } else {
+            loader.template load_checked<kBlockK, false>(smem, at, kg, p.k_seq_stride, k0, kend);
+            loader.template load_checked<kBlockK, false>(smem, at + Tr::kTileBytes, vg,
+                                                         p.v_seq_stride, k0, kend);
+        }
         if constexpr (M) {
+            // the ids by cp.async too: a plain load here would make every
+            // tile wait for global memory (600 cycles in the one-warp schedule)
             if (docs && threadIdx.x < kBlockK) {
                 const int64_t key = k0 + threadIdx.x;
-                skid[buf * kBlockK + threadIdx.x] = key < kend ? kids.at(key) : 0;
+                const bool ok = key < kend;
+                ra::cp_async<4>(skid + buf * kBlockK + threadIdx.x,
+                              ok ? kids.ids + key * kids.stride : kids.ids, ok);
             }
         }
     };
 
+    const ft::FragAddr<Tr> frag(warp, lane);
     float o[kDT][4];
 #pragma unroll
     for (int i = 0; i < kDT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m_a = -CUDART_INF_F, m_b = -CUDART_INF_F, l_a = 0.f, l_b = 0.f;
+    ft::RowState rows;
+    rows.init();
+    const float mul = capped ? 1.f : sl2;  // raw (or capped) scores -> log2 units
 
-    // Key tiles stream double buffered: tile it + 1 loads while tile it
-    // computes.  Without M tile it is keys [64 it, 64 it + 64); with M it is
-    // the it-th tile the masks leave (cur: its index from kbegin, and whether
-    // its ids all equal the block's one id).
+    // Key tiles stream double buffered.  Without M the it-th tile is tile
+    // it; with M the it-th tile the masks leave (cur: its number, and
+    // whether its ids all equal the block's one id).
     ra::Hit cur = next_tile(0);
-    if (M ? cur.tile < m_tiles : n_tiles > 0) {
-        ra::cp_async_tile<T, D, kBlockQ, kThreads>(sq, qg, p.q_seq_stride, q0, p.seqlen_q);
-        stage(M ? kbegin + cur.tile * kBlockK : 0, 0);
+    if (cur.tile < n_tiles) {
+        loader.template load_checked<kBlockQ, true>(smem, 0, qg, p.q_seq_stride, q0, p.seqlen_q);
+        stage(cur.tile, 0);
         ra::cp_async_commit();
     }
 
-    for (int it = 0; M ? cur.tile < m_tiles : it < n_tiles; it++) {
+    for (int it = 0; cur.tile < n_tiles; it++) {
         const int buf = it & 1;
-        ra::Hit nxt{};
-        if constexpr (M) nxt = next_tile(cur.tile + 1);
-        if (M ? nxt.tile < m_tiles : it + 1 < n_tiles) {
-            // buffer buf ^ 1 was released by the __syncthreads ending it - 1
-            stage(M ? kbegin + nxt.tile * kBlockK : (int64_t)(it + 1) * kBlockK, buf ^ 1);
+        ra::cp_async_wait<0>();
+        // tile `it` (and Q) visible to every warp, and every warp done with
+        // tile it - 1, whose stage the prefetch below refills
+        __syncthreads();
+        const ra::Hit nxt = next_tile(cur.tile + 1);
+        if (nxt.tile < n_tiles) {
+            stage(nxt.tile, buf ^ 1);
             ra::cp_async_commit();
-            ra::cp_async_wait<1>();
-        } else {
-            ra::cp_async_wait<0>();
         }
-        __syncthreads();  // tile `it` (and Q) visible to every warp
+        const uint32_t at = (uint32_t)buf * Tr::kStageBytes;
 
-        const T *kt = sk + buf * kBlockK * D;
-        const T *vt = sv + buf * kBlockK * D;
-        const int64_t k0 = M ? kbegin + cur.tile * kBlockK : (int64_t)it * kBlockK;
-        const bool same = cur.same;
-
-        // S = Q K^T for this warp's 16 rows x 64 keys
         float s[kNT][4];
-#pragma unroll
-        for (int i = 0; i < kNT; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t a[4];
-            ra::frag_a<D>(a, sq, warp * 16, kk * 16);
-#pragma unroll
-            for (int n2 = 0; n2 < kNT / 2; n2++) {
-                uint32_t bk[4];
-                ra::frag_b_nk<D>(bk, kt, n2 * 16, kk * 16);
-                ra::mma_16816<T>(s[2 * n2], a, bk[0], bk[1]);
-                ra::mma_16816<T>(s[2 * n2 + 1], a, bk[2], bk[3]);
-            }
-        }
+        ft::scores<T, Tr>(s, smem, frag, at);
 
-        // scale (or soft-cap) into log2 units; mask only tiles that are not
-        // fully visible
-        if constexpr (M) {
-            const bool full = k0 + kBlockK <= kend &&
-                p.k_pos_offset + k0 * p.k_pos_stride >= blk_lo &&
-                p.k_pos_offset + (k0 + kBlockK - 1) * p.k_pos_stride <= blk_hi && same;
+        // soft-cap (into log2 units); mask only tiles not fully visible to
+        // every row of the warp
+        if (capped) {
 #pragma unroll
             for (int i = 0; i < kNT; i++) {
 #pragma unroll
-                for (int e = 0; e < 4; e++)
-                    s[i][e] = capped ? ra::tanh_acc(s[i][e] * cap_in) * cap_out : s[i][e] * sl2;
+                for (int e = 0; e < 4; e++) s[i][e] = ra::tanh_acc(s[i][e] * cap_in) * cap_out;
             }
-            if (!full) {
+        }
+        if (!(full_first <= cur.tile && cur.tile < full_end && cur.same)) {
+            const int64_t k0 = kbegin + cur.tile * kBlockK;
+            const int64_t qpos_a = p.q_pos_offset + (w0 + g) * p.q_pos_stride;
+            const int64_t qpos_b = qpos_a + 8 * p.q_pos_stride;
+            if constexpr (M) {
+                const ra::Span seen_a = ra::keys_seen_by(p, qpos_a);
+                const ra::Span seen_b = ra::keys_seen_by(p, qpos_b);
                 const int32_t *ids = skid + buf * kBlockK;
-                const bool doc_test = docs && !same;
+                const bool doc_test = docs && !cur.same;
 #pragma unroll
                 for (int i = 0; i < kNT; i++) {
 #pragma unroll
@@ -203,16 +218,7 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
                             s[i][2 + e] = -CUDART_INF_F;
                     }
                 }
-            }
-        } else {
-            const bool full = k0 + kBlockK <= p.seqlen_k &&
-                (!p.causal || p.k_pos_offset + (k0 + kBlockK - 1) * p.k_pos_stride <= qpos_first);
-#pragma unroll
-            for (int i = 0; i < kNT; i++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[i][e] *= sl2;
-            }
-            if (!full) {
+            } else {
 #pragma unroll
                 for (int i = 0; i < kNT; i++) {
 #pragma unroll
@@ -227,144 +233,46 @@ fwd_tc_kernel(ra_attn_fwd_params p, int64_t n_qblocks) {
             }
         }
 
-        // online softmax: row max over the quad, rescale, exponentiate
-        float mx_a = m_a, mx_b = m_b;
-#pragma unroll
-        for (int i = 0; i < kNT; i++) {
-            mx_a = fmaxf(mx_a, fmaxf(s[i][0], s[i][1]));
-            mx_b = fmaxf(mx_b, fmaxf(s[i][2], s[i][3]));
-        }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-        // a row with no visible key so far keeps -inf; use 0 as its pivot
-        const float piv_a = mx_a == -CUDART_INF_F ? 0.f : mx_a;
-        const float piv_b = mx_b == -CUDART_INF_F ? 0.f : mx_b;
-        const float alpha_a = exp2f(m_a - piv_a), alpha_b = exp2f(m_b - piv_b);
-        m_a = mx_a;
-        m_b = mx_b;
-        float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-        for (int i = 0; i < kNT; i++) {
-            s[i][0] = exp2f(s[i][0] - piv_a);
-            s[i][1] = exp2f(s[i][1] - piv_a);
-            s[i][2] = exp2f(s[i][2] - piv_b);
-            s[i][3] = exp2f(s[i][3] - piv_b);
-            sum_a += s[i][0] + s[i][1];
-            sum_b += s[i][2] + s[i][3];
-        }
-        l_a = l_a * alpha_a + sum_a;  // per-lane partial; quad-reduced at the end
-        l_b = l_b * alpha_b + sum_b;
-#pragma unroll
-        for (int i = 0; i < kDT; i++) {
-            o[i][0] *= alpha_a;
-            o[i][1] *= alpha_a;
-            o[i][2] *= alpha_b;
-            o[i][3] *= alpha_b;
-        }
-
-        // O += P V: P's C fragments become A fragments (16 keys per k-step)
-#pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; kk++) {
-            uint32_t a[4];
-            ra::a_from_c<T>(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-            for (int d2 = 0; d2 < kDT / 2; d2++) {
-                uint32_t bv[4];
-                ra::frag_b_kn<D>(bv, vt, kk * 16, d2 * 16);
-                ra::mma_16816<T>(o[2 * d2], a, bv[0], bv[1]);
-                ra::mma_16816<T>(o[2 * d2 + 1], a, bv[2], bv[3]);
-            }
-        }
-        __syncthreads();  // every warp done with buffer buf before it is refilled
-        if constexpr (M) cur = nxt;
+        rows.step(s, o, mul);                       // s becomes P
+        ft::accumulate<T, Tr>(o, s, smem, frag, at);  // O += P V
+        cur = nxt;
     }
 
     // epilogue: finish the row sums, normalise, store or merge
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-    const bool ok_a = row_a < p.seqlen_q, ok_b = row_b < p.seqlen_q;
-    // a NaN l (a NaN score: exp2f(NaN) went into the sum) is not empty
-    const bool empty_a = l_a == 0.f, empty_b = l_b == 0.f;
-    const float inv_a = empty_a ? 0.f : 1.f / l_a, inv_b = empty_b ? 0.f : 1.f / l_b;
-    const float lse_a = empty_a ? -CUDART_INF_F : (m_a + log2f(l_a)) * kLn2;
-    const float lse_b = empty_b ? -CUDART_INF_F : (m_b + log2f(l_b)) * kLn2;
-    float *lse_base = (float *)p.lse + b * p.lse_batch_stride + h * p.lse_head_stride;
-    const int64_t orow_a = b * p.out_batch_stride + row_a * p.out_seq_stride + h * p.out_head_stride;
-    const int64_t orow_b = orow_a + 8 * p.out_seq_stride;
-
+    float lse[2];
+    rows.finish(lse, mul);
+    const ra::QBlock at = ra::q_block<kBlockQ>(p, n_qblocks, ft::block_index_again());
+    const int64_t w_first = at.q0 + (threadIdx.x / 32) * 16;
+    const ft::Rows r = ft::rows_of(p, at.b, at.h, w_first + (threadIdx.x % 32) / 4);
     if (p.accumulate) {
-        // out is the float32 running state; weights of old state and new part
-        const float lo_a = ok_a ? lse_base[row_a * p.lse_seq_stride] : -CUDART_INF_F;
-        const float lo_b = ok_b ? lse_base[row_b * p.lse_seq_stride] : -CUDART_INF_F;
-        __syncwarp();  // the quad has read the old lse before lane t == 0 writes
-        float w1_a = 1.f, w2_a = 0.f, w1_b = 1.f, w2_b = 0.f, ln_a = lo_a, ln_b = lo_b;
-        if (!empty_a) {
-            const float mm = fmaxf(lo_a, lse_a);
-            const float e1 = __expf(lo_a - mm), e2 = __expf(lse_a - mm), sum = e1 + e2;
-            w1_a = e1 / sum; w2_a = e2 / sum * inv_a; ln_a = mm + logf(sum);
-        }
-        if (!empty_b) {
-            const float mm = fmaxf(lo_b, lse_b);
-            const float e1 = __expf(lo_b - mm), e2 = __expf(lse_b - mm), sum = e1 + e2;
-            w1_b = e1 / sum; w2_b = e2 / sum * inv_b; ln_b = mm + logf(sum);
-        }
-        float *out = (float *)p.out;
-#pragma unroll
-        for (int i = 0; i < kDT; i++) {
-            const int d = i * 8 + 2 * t;
-            if (ok_a && !empty_a) {
-                float2 *dst = reinterpret_cast<float2 *>(out + orow_a + d);
-                const float2 old = w1_a != 0.f ? *dst : make_float2(0.f, 0.f);
-                *dst = make_float2(w1_a * old.x + w2_a * o[i][0], w1_a * old.y + w2_a * o[i][1]);
-            }
-            if (ok_b && !empty_b) {
-                float2 *dst = reinterpret_cast<float2 *>(out + orow_b + d);
-                const float2 old = w1_b != 0.f ? *dst : make_float2(0.f, 0.f);
-                *dst = make_float2(w1_b * old.x + w2_b * o[i][2], w1_b * old.y + w2_b * o[i][3]);
-            }
-        }
-        if (t == 0) {
-            if (ok_a && !empty_a) lse_base[row_a * p.lse_seq_stride] = ln_a;
-            if (ok_b && !empty_b) lse_base[row_b * p.lse_seq_stride] = ln_b;
-        }
-    } else {
-        const bool out_f32 = p.out_dtype == RA_FLOAT32;
-#pragma unroll
-        for (int i = 0; i < kDT; i++) {
-            const int d = i * 8 + 2 * t;
-            if (out_f32) {
-                float *out = (float *)p.out;
-                if (ok_a) *reinterpret_cast<float2 *>(out + orow_a + d) = make_float2(o[i][0] * inv_a, o[i][1] * inv_a);
-                if (ok_b) *reinterpret_cast<float2 *>(out + orow_b + d) = make_float2(o[i][2] * inv_b, o[i][3] * inv_b);
-            } else {
-                T *out = (T *)p.out;
-                if (ok_a) *reinterpret_cast<uint32_t *>(out + orow_a + d) = ra::pack2<T>(o[i][0] * inv_a, o[i][1] * inv_a);
-                if (ok_b) *reinterpret_cast<uint32_t *>(out + orow_b + d) = ra::pack2<T>(o[i][2] * inv_b, o[i][3] * inv_b);
-            }
-        }
-        if (t == 0) {
-            if (ok_a) lse_base[row_a * p.lse_seq_stride] = lse_a;
-            if (ok_b) lse_base[row_b * p.lse_seq_stride] = lse_b;
-        }
+        ft::merge_running_state(p, o, r, rows.l, lse);
+        return;
     }
+    const float inv[2] = {rows.l[0] == 0.f ? 0.f : 1.f / rows.l[0],
+                          rows.l[1] == 0.f ? 0.f : 1.f / rows.l[1]};
+    if (vec_out)
+        ft::store_staged<T, Tr>(p, o, r, inv, smem, threadIdx.x / 32, at.b, at.h, w_first);
+    else
+        ft::store_direct<T>(p, o, r, inv);
+    ft::store_lse(r, lse);
 }
 
 struct Launch {
     template <typename T, int D, bool M>
     static ra_status run(const ra_attn_fwd_params &p, cudaStream_t s) {
-        const size_t smem = (size_t)(kBlockQ + 4 * kBlockK) * D * sizeof(T) +
-                            (M ? 2 * kBlockK * sizeof(int32_t) + 2 * kWarps * sizeof(uint32_t)
-                               : 0);
+        using Tr = Traits<D>;
+        const size_t smem = Tr::smem_bytes(M);
         RA_CHECK(ra_set_smem(fwd_tc_kernel<T, D, M>, smem));
-        const int64_t n_qblocks = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
+        const int64_t n_qblocks = (p.seqlen_q + Tr::kBlockQ - 1) / Tr::kBlockQ;
         int64_t blocks = 0;
         RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
-        // grid: B * H * ceil(S_q / 64) blocks of 128 threads
-        RA_LAUNCH((fwd_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_qblocks);
+        // 16-bit out in 16-byte stores when its rows allow them
+        const bool vec_out = !p.accumulate && p.out_dtype == p.dtype && ra_aligned(p.out, 16) &&
+                             p.out_batch_stride % 8 == 0 && p.out_seq_stride % 8 == 0 &&
+                             p.out_head_stride % 8 == 0;
+        // grid: B * H * ceil(S_q / 128) blocks of 256 threads
+        RA_LAUNCH((fwd_tc_kernel<T, D, M>), (unsigned)blocks, Tr::kThreads, smem, s)(
+            p, n_qblocks, vec_out);
         RA_CUDA_CHECK_LAUNCH("fwd_tc_kernel");
         return RA_OK;
     }
@@ -385,7 +293,7 @@ bool ra_fwd_tc_supported(const ra_attn_fwd_params &p) {
                           p.v_batch_stride, p.v_seq_stride, p.v_head_stride};
     for (int64_t x : s8)
         if (x % 8 != 0) return false;
-    // outputs are stored two elements at a time
+    // outputs are stored at least two elements at a time
     const unsigned ob = p.out_dtype == RA_FLOAT32 ? 8 : 4;
     if (!ra_aligned(p.out, ob)) return false;
     if (p.out_batch_stride % 2 || p.out_seq_stride % 2 || p.out_head_stride % 2) return false;

@@ -159,7 +159,8 @@ namespace ra {
 
 /* Where a kernel block sits, for the 1-D grids of the attention kernels
  * (p: forward or backward params).
- *   q_block: a block owning ROWS query rows of one (b, h), blockIdx.x =
+ *   q_block: a block owning ROWS query rows of one (b, h), blockIdx.x (or
+ *            the block index given) =
  *            (b * H + h) * n_qblocks + (n_qblocks - 1 - qb), so the last
  *            query rows (the heaviest causal blocks) start first; hk is the
  *            kv head h reads, q0 = qb * ROWS the first owned row.
@@ -170,15 +171,19 @@ struct QBlock { int64_t b, h, hk, q0; };
 struct KBlock { int64_t b, hk, group, k0; };
 
 template <int ROWS, typename P>
-__device__ __forceinline__ QBlock q_block(const P &p, int64_t n_qblocks) {
-    const int64_t qb = n_qblocks - 1 - (int64_t)blockIdx.x % n_qblocks;
-    const int64_t bh = (int64_t)blockIdx.x / n_qblocks;
+__device__ __forceinline__ QBlock q_block(const P &p, int64_t n_qblocks, int64_t block) {
+    const int64_t qb = n_qblocks - 1 - block % n_qblocks;
+    const int64_t bh = block / n_qblocks;
     QBlock r;
     r.h = bh % p.heads;
     r.b = bh / p.heads;
     r.hk = r.h / (p.heads / p.heads_kv);
     r.q0 = qb * ROWS;
     return r;
+}
+template <int ROWS, typename P>
+__device__ __forceinline__ QBlock q_block(const P &p, int64_t n_qblocks) {
+    return q_block<ROWS>(p, n_qblocks, (int64_t)blockIdx.x);
 }
 template <int ROWS, typename P>
 __device__ __forceinline__ KBlock k_block(const P &p, int64_t n_kblocks) {

@@ -1,7 +1,8 @@
 /*
  * mma.cuh -- the sm_80+ tensor-core building blocks of ringattn's fast
  * kernels, as thin wrappers over PTX:
- *   cp_async16      16-byte global -> shared copy (zero-fills when !valid)
+ *   cp_async<N>     N-byte global -> shared copy, N = 16 (cp_async16) or 4
+ *                   (zero-fills when !valid)
  *   ldmatrix_x4     four 8x8 16-bit matrices from shared memory into the
  *                   mma fragment layout (optionally transposed)
  *   mma_16816       D(16x8, f32) += A(16x16) * B(16x8), f16 or bf16 inputs
@@ -28,14 +29,25 @@
 
 namespace ra {
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+/* N-byte global -> shared copy, zero-filling when !valid: 16 bytes past L1
+ * (cp.async.cg), 4 through it (cp.async.ca: .cg takes only 16; a strided
+ * int32 such as a key's segment id, in its tile's commit group) */
+template <int N>
+__device__ __forceinline__ void cp_async(void *smem, const void *gmem, bool valid) {
+    static_assert(N == 4 || N == 16, "cp.async of 4 or 16 bytes");
 #ifdef RA_CUDA_EMULATED
-    ra_emu_cp_async(smem, gmem, 16, valid ? 16 : 0);
+    ra_emu_cp_async(smem, gmem, N, valid ? N : 0);
 #else
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    const int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+    const int n = valid ? N : 0;
+    if constexpr (N == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
 #endif
+}
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+    cp_async<16>(smem, gmem, valid);
 }
 __device__ __forceinline__ void cp_async_commit() {
 #ifdef RA_CUDA_EMULATED

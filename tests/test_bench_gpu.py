@@ -110,9 +110,11 @@ def test_accuracy_row_without_torch_math_shows_a_dash():
 
 def test_speed_row_shows_the_model_next_to_the_measured_time():
     # bf16, D 128, S 4096, causal at the bench's shape: the H100 baseline
-    # measured 1.26 ms forward (218 TFLOP/s); the model's time of fwd_tc
+    # measured 1.26 ms forward (218 TFLOP/s); the model's time of fwd_tc as
+    # built (kernel_counts.json: the baseline's kernel 1.30 ms, the 128-row
+    # one 0.97 ms)
     pred = model_prediction("fwd", "bfloat16", 128, 4096, True, 4, 16)
-    assert set(pred) == {"fwd_tc", "total"} and 1.0e-3 < pred["total"] < 1.6e-3
+    assert set(pred) == {"fwd_tc", "total"} and 0.6e-3 < pred["total"] < 1.6e-3
     r = {"pass": "fwd", "dtype": "bfloat16", "causal": True, "D": 128, "S": 4096, "B": 4,
          "H": 16, "ra": 218.0, "flash": 311.0, "cudnn": 577.0, "ms": 1.26, "model": pred}
     cells = format_speed_row(r).split()
@@ -137,13 +139,20 @@ def test_model_rows_name_every_kernel_and_the_measured_over_model_ratio():
     assert lines[1].startswith("measured/model: median 2.00")
 
 
+BASELINE_COUNTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "tools", "h100_baseline_counts.json")
+
+
+@pytest.mark.skipif(not os.path.exists(BASELINE_COUNTS), reason="no tools/ in this tree")
 def test_model_follows_the_work_and_the_occupancy_the_profile_saw():
-    # Nsight Compute: 2 blocks per SM for all three kernels at D 128
-    counts = model.load_counts()
+    # Nsight Compute: 2 blocks per SM for all three kernels at D 128 (the
+    # measured build, whose counts tools/ keeps)
+    base = model.load_counts(BASELINE_COUNTS)
     for name in ("fwd_tc", "dkdv_tc", "dq_tc"):
-        rec = counts[f"{name}<bf16,128,->"]
+        rec = base[f"{name}<bf16,128,->"]
         smem = rec["dynamic_smem"]
         assert model.occupancy(rec["registers"], smem, 32 * rec["warps"]) == 2
+    counts = model.load_counts()
     full = model.predict("fwd", "bf16", 128, 16384, False, 1, 16, counts=counts)["total"]
     causal = model.predict("fwd", "bf16", 128, 16384, True, 1, 16, counts=counts)["total"]
     quarter = model.predict("fwd", "bf16", 128, 8192, False, 1, 16, counts=counts)["total"]

@@ -1,8 +1,9 @@
 """tools/perf_model.py and ringattn/bench/model.py without a GPU: the model
 reproduces the measured H100 baseline within 20 % on every row, its design
-counting reproduces the SASS of today's forward, and docs/results.md shows
-the tables the tool prints today (so the documented calibration and design
-ratios cannot drift from the code)."""
+counting reproduces the SASS of the baseline's forward, and docs/results.md
+shows the tables the tool prints today (so the documented calibration,
+design ratios and the built forward's predictions cannot drift from the code
+and kernel_counts.json)."""
 import importlib.util
 import os
 
@@ -25,7 +26,7 @@ def test_model_reproduces_the_h100_baseline_within_20_percent():
 
 
 @pytest.mark.parametrize("D", [64, 128])
-def test_counting_a_design_reproduces_the_sass_of_todays_forward(D):
+def test_counting_a_design_reproduces_the_sass_of_the_baseline_forward(D):
     sass = pm.m.load_counts(pm.BASELINE_COUNTS)[f"fwd_tc<bf16,{D},->"]["per_tile"]
     mine = pm.mix_fwd(D, 16, 4, 64)
     for c in ("HMMA", "LDSM", "LDGSTS", "MUFU", "FADD", "FMNMX", "F2FP", "SHFL", "BAR"):
@@ -37,6 +38,7 @@ def test_counting_a_design_reproduces_the_sass_of_todays_forward(D):
 def test_docs_show_the_tables_the_tool_prints():
     doc = open(os.path.join(ROOT, "docs", "results.md")).read()
     tables = "\n".join([pm.table_calibration(), pm.table_check(), pm.table_designs("fwd"),
-                        pm.table_designs("bwd")])
+                        pm.table_designs("bwd"), pm.table_forward_sass(),
+                        pm.table_forward_built(), pm.table_forward_masks()])
     missing = [line for line in tables.splitlines() if line.startswith("|") and line not in doc]
     assert not missing, missing[:3]

@@ -111,6 +111,43 @@ def test_inner_loop_is_the_innermost_one_holding_the_mma():
     assert sorted(r["hot"] for r in lp["regions"]) == [False, True]
 
 
+# a loop whose prefetch (taken on every tile but the last) has two
+# alternatives, cp.async for a whole tile, plain loads and stores for the
+# sequence's last, partial one, and after them a cp.async of its own (the
+# tile's segment ids) that both lead to
+LOOP_ALT = [
+    (0x00, "S2R R0, SR_TID.X", {}),
+    (0x10, "LDSM.16.M88.4 R4, [R2]", {}),                      # header
+    (0x20, "HMMA.16816.F32 R8, R4, R6, R8", {}),
+    (0x30, "@P1 BRA 0xd0", {}),                                # no next tile
+    (0x40, "@P2 BRA 0x70", {}),                                # the last tile?
+    (0x50, "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R10.64]", {}),  # whole tile
+    (0x60, "BRA 0x90", {}),
+    (0x70, "LDG.E.128 R12, desc[UR4][R10.64]", {}),            # partial tile
+    (0x80, "STS.128 [R3], R12", {}),
+    (0x90, "@P3 BRA 0xc0", {}),                                # join: ids?
+    (0xa0, "LDGSTS.E [R5], desc[UR4][R14.64]", {}),            # the ids
+    (0xb0, "NOP", {}),
+    (0xc0, "LDGDEPBAR", {}),                                   # commit
+    (0xd0, "ISETP.NE.AND P0, PT, R1, RZ, PT", {}),
+    (0xe0, "@P0 BRA 0x10", {}),                                # latch
+    (0xf0, "EXIT", {}),
+]
+
+
+def test_a_branch_that_bypasses_the_hot_work_is_cold():
+    [(_, instrs)] = sr.parse_sass(listing(KERNEL, LOOP_ALT)).items()
+    lp = sr.inner_loop(instrs)
+    per, cold = lp["per_tile"], lp["cold"]
+    assert (per["LDGSTS"], per["DEPBAR"], per["LDG"], per["STS"]) == (2, 1, 0, 0)
+    assert (cold["LDG"], cold["STS"], cold["total"]) == (1, 1, 2)
+    # always: LDSM, HMMA, BRA, ISETP, latch; the prefetch: BRA, LDGSTS,
+    # BRA, BRA, LDGSTS, NOP, LDGDEPBAR
+    assert per["total"] == 12
+    [region] = lp["regions"]
+    assert region["hot"] and region["cold_alternative"] == 2
+
+
 def test_single_warp_schedule_waits_on_scoreboards():
     [(_, instrs)] = sr.parse_sass(listing(KERNEL, LOOP)).items()
     lat = dict(sr.LATENCY, LDSM=30, MUFU=20)
@@ -147,10 +184,14 @@ def test_names_resource_usage_and_ptxas_lines():
     assert ptx == {"_Zfoo": {"stack": 32, "spill_stores": 32, "spill_loads": 16, "regs": 255}}
 
 
-def test_dynamic_shared_memory_matches_the_profiled_launches():
-    # Nsight Compute on the H100 (bf16, D 128): 82, 66 and 98 KB per block,
-    # the 1 KB sm_90 reserves per block included
-    assert sr.DYNAMIC_SMEM["fwd_tc_kernel"](128, False) + 1024 == 82944
+def test_dynamic_shared_memory_matches_the_launches():
+    # Nsight Compute on the H100 (bf16, D 128): 66 and 98 KB per block for
+    # the backward's kernels, the 1 KB sm_90 reserves per block included;
+    # the forward (128-row blocks, cuda/fwd_tc/traits.cuh): Q 32 KB and two
+    # stages of K and V 64 KB, the masks' ids and words 576 bytes more
+    assert sr.DYNAMIC_SMEM["fwd_tc_kernel"](128, False) == 98304
+    assert sr.DYNAMIC_SMEM["fwd_tc_kernel"](128, True) == 98304 + 576
+    assert sr.DYNAMIC_SMEM["fwd_tc_kernel"](64, False) == 49152
     assert sr.DYNAMIC_SMEM["dkdv_tc_kernel"](128, False) + 1024 == 67328
     assert sr.DYNAMIC_SMEM["dq_tc_kernel"](128, False) + 1024 == 99328
 

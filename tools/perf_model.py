@@ -386,6 +386,110 @@ def table_designs(pas):
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------- the built forward
+
+# kernel_counts.json: the SASS counts of the kernels as built now (rewritten
+# by `sass_report.py --so ... --counts` after a kernel change)
+BUILT_COUNTS = m.COUNTS
+# the masks of the baseline run (bf16, D 128, H 16, S 16384, B 1, causal):
+# measured forward ms (shared/gpu/H100-2026-11-26.md), causal from the table
+MASKS_SHAPE = ("bf16", 128, 16384)
+MEASURED_MASKS = {"window": 2.36e-3, "docs": 1.00e-3}
+
+
+def masked_fwd_blocks(B, H, S, rows, cols, window=None, docs=1):
+    """Tile counts of the masked forward's blocks, causal, heaviest first:
+    a sliding window of `window` keys to the left (the kernel starts at the
+    first row's lowest key), or `docs` equal packed documents (the tiles
+    from the document's start; rows per block divide the length)."""
+    per = []
+    n = S // docs
+    for qb in reversed(range(-(-S // rows))):
+        q0 = qb * rows
+        kend = min(S, q0 + rows)
+        lo = max(0, q0 - window) if window is not None else (q0 // n) * n
+        per.append(-(-(kend - lo) // cols))
+    return per * (B * H)
+
+
+def _fwd_rec(counts, D, masked=False, dtype="bf16"):
+    return counts.get(f"fwd_tc<{dtype},{D},{'M' if masked else '-'}>")
+
+
+def table_forward_sass():
+    """The forward's per-tile mix (one warp, one key tile, sm_90, bf16),
+    as measured (baseline) and as built."""
+    cols = ("HMMA", "LDSM", "LDGSTS", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX")
+    out = ["| kernel | build | regs | warps | " + " | ".join(cols) +
+           " | IMAD + int ALU | (int - 30) / LDSM | total | one warp, cycles |",
+           "|---|---|---:|---:|" + "---:|" * (len(cols) + 4)]
+    for D in (128, 64):
+        for masked in (False, True):
+            for name, path in (("baseline", BASELINE_COUNTS), ("built", BUILT_COUNTS)):
+                rec = _fwd_rec(m.load_counts(path), D, masked)
+                if rec is None:
+                    continue
+                mix = rec["per_tile"]
+                ints = mix.get("IMAD", 0) + mix.get("IALU", 0)
+                out.append(f"| fwd_tc D{D}{' M' if masked else ''} | {name} | "
+                           f"{rec['registers']} | {rec['warps']} | " +
+                           " | ".join(str(mix.get(c, 0)) for c in cols) +
+                           f" | {ints} | {(ints - 30) / mix['LDSM']:.1f} | {mix['total']} | "
+                           f"{rec['cycles']} |")
+    return "\n".join(out)
+
+
+def table_forward_built():
+    """Predicted forward times at the goal's rows: the baseline's counts
+    and the built kernels' counts, against the measured SDPA flash."""
+    base, built = m.load_counts(BASELINE_COUNTS), m.load_counts(BUILT_COUNTS)
+    out = ["| row | baseline predicted ms | built predicted ms | built: blocks/SM, bound | "
+           "SDPA flash measured ms | flash / built |",
+           "|---|---:|---:|---|---:|---:|"]
+    for k in GOAL:
+        dt, D, S, causal = k
+        B, H = shape(D, S)
+        t0 = m.predict("fwd", dt, D, S, causal, B, H, counts=base)["total"]
+        rec = _fwd_rec(built, D, dtype=dt)
+        t1, det = m.kernel_seconds(rec, m.fwd_blocks(B, H, S, causal, rec["block_rows"],
+                                                     rec["tile_rows"]))
+        fl = measured_s(k, 1)
+        out.append(f"| {dt} D{D} S{S} {'causal' if causal else 'full'} | {t0 * 1e3:.2f} | "
+                   f"{t1 * 1e3:.2f} | {det['blocks_per_sm']}, {det['bound']} | "
+                   f"{fl * 1e3:.2f} | {fl / t1:.2f} |")
+    return "\n".join(out)
+
+
+def table_forward_masks():
+    """Window (S/4 to the left) and 8 packed documents against plain
+    causal, forward, at the masks' measured shape: the masked kernel's
+    (M) counts on the visited tiles, the plain one's on causal."""
+    dt, D, S = MASKS_SHAPE
+    B, H = 16384 // S, 2048 // D
+    causal_meas = measured_s((dt, D, S, True), 0)
+    out = ["| case | baseline measured ms (/ causal) | baseline predicted ms (/ causal) | "
+           "built predicted ms (/ causal) |", "|---|---:|---:|---:|"]
+    cells = {}
+    for name, path in (("baseline", BASELINE_COUNTS), ("built", BUILT_COUNTS)):
+        counts = m.load_counts(path)
+        plain, masked = _fwd_rec(counts, D), _fwd_rec(counts, D, True)
+        r, c = masked["block_rows"], masked["tile_rows"]
+        t = {"causal": m.kernel_seconds(plain, m.fwd_blocks(B, H, S, True, plain["block_rows"],
+                                                            plain["tile_rows"]))[0],
+             "window": m.kernel_seconds(masked, masked_fwd_blocks(B, H, S, r, c,
+                                                                  window=S // 4))[0],
+             "docs": m.kernel_seconds(masked, masked_fwd_blocks(B, H, S, r, c, docs=8))[0]}
+        cells[name] = t
+    for case in ("causal", "window", "docs"):
+        meas = causal_meas if case == "causal" else MEASURED_MASKS[case]
+        row = [f"{meas * 1e3:.2f} ({meas / causal_meas:.2f})"]
+        for name in ("baseline", "built"):
+            t = cells[name]
+            row.append(f"{t[case] * 1e3:.2f} ({t[case] / t['causal']:.2f})")
+        out.append(f"| {case} | " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true")
@@ -401,6 +505,12 @@ def main(argv=None):
     print(table_designs("fwd"))
     print("\n## backward designs")
     print(table_designs("bwd"))
+    print("\n## the built forward: per-tile mix\n")
+    print(table_forward_sass())
+    print("\n## the built forward: predicted times\n")
+    print(table_forward_built())
+    print("\n## the built forward: masks against causal\n")
+    print(table_forward_masks())
     return 0
 
 

@@ -53,12 +53,16 @@ into
     "hot" when it holds cp.async (LDGSTS) or tensor/ldmatrix work (the next
     tile's prefetch, skipped only on the last tile) and "cold" otherwise
     (the mask tests of tiles that are not fully visible, sequence tails,
-    and the like).
-per_tile = always + hot regions: the path of a full tile in the middle of
-a sequence; `cold` is the sum of the cold regions (an upper bound on what a
-masked tile adds: exclusive paths are all counted).  Limits: the split
+    and the like).  Inside a hot region only its path from entry to exit
+    through the most hot instructions (ties: the most instructions) is
+    counted; a branch that bypasses them (the last tile's plain loads
+    beside the cp.async of every other tile) is cold.
+per_tile = always + the hot regions' paths: the path of a full tile in the
+middle of a sequence; `cold` is the sum of the rest (an upper bound on what
+a masked tile adds: exclusive paths are all counted).  Limits: the split
 is structural, not a profile (a cold region taken on every tile would be
-missed, a hot one skipped would be counted); a loop the compiler unrolled
+missed, a hot one skipped would be counted, and of two alternatives that
+are both hot only the hotter); a loop the compiler unrolled
 by n shows n tiles per iteration, and a loop nested inside the tile loop (a
 k-step loop left rolled, e.g. by `#pragma unroll 1`) is counted once, not
 per trip: the HMMA count per tile shows both; indirect branches (BRX/JMX)
@@ -97,7 +101,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ---------------------------------------------------------------- the kernels
 
 def _fwd_tc_smem(D, M):
-    return (64 + 4 * 64) * D * 2 + (2 * 64 * 4 + 2 * 4 * 4 if M else 0)
+    # Q 128 rows, 2 stages of K and V 64 rows; M: 2 x 64 ids, 2 x 8 words
+    return (128 + 4 * 64) * D * 2 + (2 * 64 * 4 + 2 * 8 * 4 if M else 0)
 
 
 def _dkdv_tc_smem(D, M):
@@ -109,14 +114,14 @@ def _dq_tc_smem(D, M):
     return (2 * 64 + 4 * 64) * D * 2 + (2 * 64 * 4 + 2 * 4 * 4 if M else 0)
 
 
-# dynamic shared memory per block, as the launchers compute it (attn_fwd_tc.cu
-# Launch::run, attn_bwd_tc_dkdv.cu dkdv_smem_bytes, attn_bwd_tc_dq.cu
+# dynamic shared memory per block, as the launchers compute it (fwd_tc/traits.cuh
+# smem_bytes, attn_bwd_tc_dkdv.cu dkdv_smem_bytes, attn_bwd_tc_dq.cu
 # dq_smem_bytes); keep in step with them
 DYNAMIC_SMEM = {"fwd_tc_kernel": _fwd_tc_smem, "dkdv_tc_kernel": _dkdv_tc_smem,
                 "dq_tc_kernel": _dq_tc_smem}
-# what one iteration of each tensor-core kernel's inner loop covers, per
-# block of 4 warps: (rows the block owns, rows of the streamed tile)
-TILES = {"fwd_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": 64, "warps": 4},
+# what one iteration of each tensor-core kernel's inner loop covers: the
+# rows the block owns, the rows of the streamed tile, the block's warps
+TILES = {"fwd_tc_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "warps": 8},
          "dkdv_tc_kernel": lambda D, M: {"block_rows": 64,
                                          "tile_rows": 64 if D == 64 and not M else 32,
                                          "warps": 4},
@@ -402,6 +407,10 @@ def warp_cycles(instrs, latency=None):
     return max([t] + release[:6])
 
 
+# the instructions that make a conditional region of the loop hot
+HOT = ("LDGSTS", "HMMA", "HGMMA", "LDSM")
+
+
 def inner_loop(instrs):
     """The inner loop of a tensor-core kernel (module docstring), or None."""
     blocks, succ = basic_blocks(instrs)
@@ -447,18 +456,66 @@ def inner_loop(instrs):
     def ins_of(bs):
         return [ins for b in sorted(bs) for ins in instrs[blocks[b][0]:blocks[b][1]]]
 
+    def n_hot(b):
+        return sum(1 for i in instrs[blocks[b][0]:blocks[b][1]] if i.base in HOT)
+
+    def size(b):
+        return blocks[b][1] - blocks[b][0]
+
+    def hottest_path(comp):
+        """The blocks of the region's path with the most hot instructions
+        (ties: the most instructions), entry to exit; None when the region
+        is not acyclic."""
+        members = set(comp)
+        inner = {b: [v for v in succ.get(b, ()) if v in members] for b in comp}
+        indeg = {b: 0 for b in comp}
+        for b in comp:
+            for v in inner[b]:
+                indeg[v] += 1
+        order, ready = [], [b for b in comp if indeg[b] == 0]
+        while ready:
+            b = ready.pop()
+            order.append(b)
+            for v in inner[b]:
+                indeg[v] -= 1
+                if indeg[v] == 0:
+                    ready.append(v)
+        if len(order) != len(comp):
+            return None
+        best, nxt = {}, {}
+        for b in reversed(order):
+            tail = max(((best[v], v) for v in inner[b]), default=((0, 0), None))
+            best[b] = (n_hot(b) + tail[0][0], size(b) + tail[0][1])
+            nxt[b] = tail[1]
+        entries = [b for b in comp if any(u not in members for u in pred.get(b, ()))] or comp
+        b = max(entries, key=lambda e: best[e])
+        path = []
+        while b is not None:
+            path.append(b)
+            b = nxt[b]
+        return set(path)
+
+    pred = {}
+    for u in body:
+        for v in succ.get(u, ()):
+            pred.setdefault(v, []).append(u)
     out_regions = []
     hot_blocks = set(always)
     cold = mix_of([])
     for comp in regions:
-        ins = ins_of(comp)
-        hot = any(i.base in ("LDGSTS", "HMMA", "HGMMA", "LDSM") for i in ins)
-        if hot:
-            hot_blocks |= set(comp)
-        else:
-            cold = add_mix(cold, mix_of(ins))
+        members = set(comp)
+        hot = any(n_hot(b) for b in comp)
+        # a hot region's path: from its entry to its exit through the most
+        # hot work; the rest (a branch that bypasses it, such as a tail
+        # tile's plain loads) is cold.  A region with a loop of its own
+        # counts whole.
+        path_blocks = (hottest_path(comp) or members) if hot else set()
+        alt = members - path_blocks
+        hot_blocks |= path_blocks
+        cold = add_mix(cold, mix_of(ins_of(alt)))
         out_regions.append({"start": hex(instrs[blocks[comp[0]][0]].addr),
-                            "instructions": len(ins), "hot": hot})
+                            "instructions": len(ins_of(comp)), "hot": hot,
+                            "cold_alternative": len(ins_of(alt)) if hot else 0})
     path = ins_of(hot_blocks)
     return {"header": hex(instrs[blocks[lp["header"]][0]].addr),
             "latches": [hex(instrs[blocks[b][1] - 1].addr) for b in lp["latches"]],
