@@ -109,18 +109,26 @@ def _dq_tc_smem(D, M):
     return (2 * 64 + 4 * 64) * D * 2 + (2 * 64 * 4 + 2 * 4 * 4 if M else 0)
 
 
+def _bwd_tc_smem(D, M):
+    # K, V (128 keys), 2 stages of Q, dout (64 rows), P, dS, 2 stages of
+    # lse/band/delta; M: query ids, key ids, document words; BlockState
+    return ((2 * 128 + 4 * 64) * D * 2 + 2 * 64 * 128 * 2 + 3 * 2 * 64 * 4 +
+            (2 * 64 * 4 + 128 * 4 + 2 * 8 * 4 if M else 0) + 128)
+
+
 # dynamic shared memory per block, as the launchers compute it (attn_fwd_tc.cu
 # Launch::run, attn_bwd_tc_dkdv.cu dkdv_smem_bytes, attn_bwd_tc_dq.cu
-# dq_smem_bytes); keep in step with them
+# dq_smem_bytes, attn_bwd_fused.cuh Layout::kBytes); keep in step with them
 DYNAMIC_SMEM = {"fwd_tc_kernel": _fwd_tc_smem, "dkdv_tc_kernel": _dkdv_tc_smem,
-                "dq_tc_kernel": _dq_tc_smem}
-# what one iteration of each tensor-core kernel's inner loop covers, per
-# block of 4 warps: (rows the block owns, rows of the streamed tile)
+                "dq_tc_kernel": _dq_tc_smem, "bwd_tc_kernel": _bwd_tc_smem}
+# what one iteration of each tensor-core kernel's inner loop covers: the
+# rows the block owns, the rows of the streamed tile, the block's warps
 TILES = {"fwd_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": 64, "warps": 4},
          "dkdv_tc_kernel": lambda D, M: {"block_rows": 64,
                                          "tile_rows": 64 if D == 64 and not M else 32,
                                          "warps": 4},
-         "dq_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": 64, "warps": 4}}
+         "dq_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": 64, "warps": 4},
+         "bwd_tc_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "warps": 8}}
 
 # assumed latencies (cycles) of the variable-latency instructions on an
 # H100, for the single-warp schedule: shared-memory loads and ldmatrix
@@ -631,7 +639,7 @@ def uses_local_memory(row):
 # every other kernel is reported and held to "no local memory" by
 # tests/test_sass_report.py, so a new family is checked until it is named here
 SIMT_FAMILIES = ("fwd_simt_kernel", "dkdv_simt_kernel", "dq_simt_kernel", "delta_kernel",
-                 "merge_kernel", "fill_state_kernel", "copy_kernel")
+                 "merge_kernel", "fill_state_kernel", "copy_kernel", "dq_convert_kernel")
 
 
 def cubins_of(path, arch, workdir, cuobjdump):
@@ -711,7 +719,7 @@ def main(argv=None):
     ap.add_argument("inputs", nargs="*", help="cubin, object or shared-library files")
     ap.add_argument("--so", help="a built ringattn extension (its fatbin)")
     ap.add_argument("--compile", action="store_true", help="nvcc -cubin cuda/*.cu for --arch")
-    ap.add_argument("--files", default="attn_fwd_tc,attn_bwd_tc_dkdv,attn_bwd_tc_dq",
+    ap.add_argument("--files", default="attn_fwd_tc,attn_bwd_tc_dkdv,attn_bwd_tc_dq,attn_bwd_fused",
                     help="with --compile: comma-separated cuda/ file stems, or 'all'")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--kernels", help="regex on the kernel labels, e.g. 'fwd_tc<bf16,128'")
