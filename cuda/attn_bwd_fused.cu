@@ -22,8 +22,8 @@
  * query tile) pairs that can see them -- a causal block from the first
  * query that sees its first key, a masked one over the window's span and
  * only the tiles holding one of its document ids, as the split dk/dv kernel
- * does -- with the next pair's Q, dout and row statistics loading by
- * cp.async while this one computes:
+ * does -- with the next pair's Q and dout loading by cp.async (its rows'
+ * lse and delta into registers) while this one computes:
  *   S, dP (mainloop), P and dS (attn_bwd_fused_ds.cuh) into shared memory,
  *   dV += P^T dout, dK += dS^T Q (registers), dQ_part = dS K added into
  *   float32 by red.global.add (attn_bwd_fused_epi.cuh),
@@ -108,10 +108,10 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
         const int64_t m0 = it.m0;
         const T *qg = (const T *)p.q + st.q_off + it.hg * p.q_head_stride;
         const T *dog = (const T *)p.dout + st.dout_off + it.hg * p.dout_head_stride;
-        cp_async_rows<T, D, kBlockM>(smem + L::kQ + buf * L::kQT, qg, p.q_seq_stride, m0,
-                                     p.seqlen_q, tid);
-        cp_async_rows<T, D, kBlockM>(smem + L::kDO + buf * L::kQT, dog, p.dout_seq_stride, m0,
-                                     p.seqlen_q, tid);
+        ra::cp_async_rows<T, D, kBlockM, kThreads>(smem + L::kQ + buf * L::kQT, qg,
+                                                   p.q_seq_stride, m0, p.seqlen_q, tid);
+        ra::cp_async_rows<T, D, kBlockM, kThreads>(smem + L::kDO + buf * L::kQT, dog,
+                                                   p.dout_seq_stride, m0, p.seqlen_q, tid);
         RowLoad r{-CUDART_INF_F, 0.f, 0};
         const int64_t row = m0 + tid;
         if (tid < kBlockM && row < p.seqlen_q) {
@@ -203,10 +203,10 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
             }
         }
         if (first.hg < st.group) {
-            cp_async_rows<T, D, kBlockN>(smem + L::kK, kg, p.k_seq_stride, k0, p.seqlen_k,
-                                         threadIdx.x);
-            cp_async_rows<T, D, kBlockN>(smem + L::kV, vg, p.v_seq_stride, k0, p.seqlen_k,
-                                         threadIdx.x);
+            ra::cp_async_rows<T, D, kBlockN, kThreads>(smem + L::kK, kg, p.k_seq_stride, k0,
+                                                       p.seqlen_k, threadIdx.x);
+            ra::cp_async_rows<T, D, kBlockN, kThreads>(smem + L::kV, vg, p.v_seq_stride, k0,
+                                                       p.seqlen_k, threadIdx.x);
             stage_stats(stage(st, first, 0), 0);
             ra::cp_async_commit();
         }
@@ -331,7 +331,7 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
         // registers; with 32 rows of S and dP live the kernel spilled),
         // reloading the K and V fragments: +32 ldmatrix per warp-tile
         // (144 -> 176); D 64: both m-tiles at once
-        rows_step(std::integral_constant<int, D == 128 && M ? 1 : 2>());
+        rows_step(std::integral_constant<int, D == 128 ? 1 : 2>());
         __syncthreads();  // P and dS visible
 
         // dQ part = dS K: rows 32 wm + 16 i, columns (D / 4) wn + 16 n2
@@ -339,7 +339,10 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
 #pragma unroll
-            for (int n = 0; n < D / 32; n++) dq[i][n][0] = dq[i][n][1] = dq[i][n][2] = dq[i][n][3] = 0.f;
+            for (int n = 0; n < D / 32; n++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) dq[i][n][e] = 0.f;
+            }
         }
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; kk++) {

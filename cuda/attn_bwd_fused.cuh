@@ -7,10 +7,11 @@
  * A block of 8 warps owns kBlockN = 128 keys of one (b, kv head) -- their
  * K and V rows in shared memory, their dK and dV accumulators (128 x D
  * float32 each) in the registers of all 8 warps -- and streams query tiles
- * of kBlockM = 64 rows (Q, dout and the rows' statistics, double buffered
- * with cp.async) for each query head of the GQA group.  Per tile:
+ * of kBlockM = 64 rows (Q and dout double buffered with cp.async, the
+ * rows' statistics loaded a tile ahead) for each query head of the GQA
+ * group.  Per tile:
  *   1. S = Q K^T and dP = dout V^T (64 x 128): warps 2 (rows) x 4 (keys),
- *      32 x 32 each;
+ *      32 x 32 each (at D 128 16 rows at a time, attn_bwd_fused.cu);
  *   2. P, dS (the P/dS step) from the fragments, written to shared memory
  *      as 16-bit [query][key] tiles;
  *   3. dV += P^T dout and dK += dS^T Q (128 x D, k over the 64 queries):
@@ -32,8 +33,9 @@
  *     warps: dK/dV stay spread over 256 threads (128 registers at D 128)
  *     where 16 keys per warp with P in registers would need 256;
  *   - 64 query rows per tile: S and dP are 32 + 32 registers per thread
- *     while dK, dV hold 128 (D 128): estimated 248 in all; the compiled
- *     count is in docs/results.md.
+ *     while dK, dV hold 128 (D 128): estimated 248 in all; compiled, 244 at
+ *     D 128 with S and dP taken 16 rows at a time, 217 at D 64
+ *     (docs/results.md "The backward as built").
  *
  * Shared memory (bytes; every 16-bit tile swizzled, mma.cuh swz):
  *   K, V        2 x 128 x D x 2        (64 KB at D 128)
@@ -112,26 +114,6 @@ struct Layout {
     static constexpr int kEpiDV = kBlockN * kEpiStride * 4;
     static_assert(kEpiDV + kBlockN * kEpiStride * 4 <= kBytes, "epilogue fits");
 };
-
-/* cp.async rows row0 .. row0 + ROWS - 1 of a (seq, D) matrix `g` (row
- * stride ld elements; rows >= limit zero-filled) into a swizzled tile at
- * `smem`: thread `tid` copies chunk tid % (D / 8) of every (kThreads /
- * (D / 8))-th row from tid / (D / 8), a multiple of 8 rows apart, so its
- * swizzled offset is one value plus immediates. */
-template <typename T, int D, int ROWS>
-__device__ __forceinline__ void cp_async_rows(unsigned char *smem, const T *g, int64_t ld,
-                                              int64_t row0, int64_t limit, int tid) {
-    constexpr int kC = D / 8, kStep = kThreads / kC;
-    static_assert(kStep % 8 == 0 && ROWS % kStep == 0, "rows split evenly, 8-row aligned");
-    const int c = tid % kC, r0 = tid / kC;
-    unsigned char *dst = smem + r0 * D * 2 + ((c ^ (r0 & 7)) << 4);
-#pragma unroll
-    for (int it = 0; it < ROWS / kStep; it++) {
-        const int64_t row = row0 + r0 + it * kStep;
-        const bool ok = row < limit;
-        cp_async16(dst + it * kStep * D * 2, ok ? g + row * ld + c * 8 : g, ok);
-    }
-}
 
 }  // namespace bwd_fused
 }  // namespace ra

@@ -229,7 +229,7 @@ struct DocTiles {
 #pragma unroll
                 for (int rr = 0; rr < R; rr += 32) {
                     const int64_t row = base + t * R + rr + lane;
-                    if (row < n) {
+                    if (row < n && (R >= 32 || lane < R)) {  // a tile under 32 rows
                         const int32_t x = ids.at(row);
                         any |= lo <= x && x <= hi;
                         all &= x == lo;

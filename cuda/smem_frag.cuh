@@ -34,6 +34,8 @@
  *         k rows x m columns in the same order as frag_b_nk's)
  *     kn  B of a [k][n] tile through ldsm_x4_t (mma.cuh frag_b_kn)
  *   tid_x                  threadIdx.x, not hoisted out of loops
+ *   cp_async_rows          cp.async of a tile's rows, one swizzled offset
+ *                          per thread
  *   red_add_f32x2          dst[0] += x, dst[1] += y in global float32
  *                          memory with no return value: one
  *                          red.global.add.v2.f32 on sm_90 (8 bytes per
@@ -140,6 +142,29 @@ struct FragAddr {
         for (int k = 0; k < 4; k++) x[k] += (saddr_t)(intptr_t)bytes;
     }
 };
+
+/* cp.async rows row0 .. row0 + ROWS - 1 of a (seq, D) matrix `g` (row
+ * stride ld elements; rows >= limit zero-filled) into a swizzled tile at
+ * `smem` (mma.cuh swz), THREADS threads: thread `tid` copies chunk
+ * tid % (D / 8) of every (THREADS / (D / 8))-th row from tid / (D / 8), a
+ * multiple of 8 rows apart, so its swizzled offset is one value plus
+ * immediates (pass tid_x() inside a loop). */
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void cp_async_rows(unsigned char *smem, const T *g, int64_t ld,
+                                              int64_t row0, int64_t limit, int tid) {
+    constexpr int kC = D / 8, kStep = THREADS / kC;
+    static_assert(kStep % 8 == 0 && ROWS % kStep == 0, "rows split evenly, 8-row aligned");
+    const int c = tid % kC, r0 = tid / kC;
+    unsigned char *dst = smem + r0 * D * 2 + ((c ^ (r0 & 7)) << 4);
+    const int64_t row = row0 + r0;
+    const T *src = g + row * ld + c * 8;  // then a 64-bit add per copy, not a multiply
+    const int64_t step = kStep * ld;
+#pragma unroll
+    for (int it = 0; it < ROWS / kStep; it++) {
+        const bool ok = row + it * kStep < limit;
+        cp_async16(dst + it * kStep * D * 2, ok ? src + it * step : g, ok);
+    }
+}
 
 __device__ __forceinline__ void red_add_f32x2(float *dst, float x, float y) {
 #if defined(RA_CUDA_EMULATED)

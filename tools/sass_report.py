@@ -50,10 +50,11 @@ when an outer loop holds the same ones.  One iteration of it is then split
 into
   - "always": the blocks that dominate every latch (run on every iteration),
   - conditional regions (connected groups of the other blocks), each marked
-    "hot" when it holds cp.async (LDGSTS) or tensor/ldmatrix work (the next
-    tile's prefetch, skipped only on the last tile) and "cold" otherwise
-    (the mask tests of tiles that are not fully visible, sequence tails,
-    and the like).
+    "hot" when it holds cp.async (LDGSTS), tensor/ldmatrix work or a global
+    reduction (the next tile's prefetch, skipped only on the last tile; the
+    fused backward's dQ atomics, skipped only for rows past the sequence)
+    and "cold" otherwise (the mask tests of tiles that are not fully
+    visible, sequence tails, and the like).
 per_tile = always + hot regions: the path of a full tile in the middle of
 a sequence; `cold` is the sum of the cold regions (an upper bound on what a
 masked tile adds: exclusive paths are all counted).  Limits: the split
@@ -100,8 +101,12 @@ def _fwd_tc_smem(D, M):
     return (64 + 4 * 64) * D * 2 + (2 * 64 * 4 + 2 * 4 * 4 if M else 0)
 
 
+def _dkdv_tc_bm(D, M):
+    return (32 if M else 64) if D == 64 else 16
+
+
 def _dkdv_tc_smem(D, M):
-    bm = 64 if D == 64 and not M else 32
+    bm = _dkdv_tc_bm(D, M)
     return (2 * 64 + 4 * bm) * D * 2 + 6 * bm * 4 + (2 * bm * 4 + 2 * 4 * 4 if M else 0)
 
 
@@ -124,8 +129,7 @@ DYNAMIC_SMEM = {"fwd_tc_kernel": _fwd_tc_smem, "dkdv_tc_kernel": _dkdv_tc_smem,
 # what one iteration of each tensor-core kernel's inner loop covers: the
 # rows the block owns, the rows of the streamed tile, the block's warps
 TILES = {"fwd_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": 64, "warps": 4},
-         "dkdv_tc_kernel": lambda D, M: {"block_rows": 64,
-                                         "tile_rows": 64 if D == 64 and not M else 32,
+         "dkdv_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": _dkdv_tc_bm(D, M),
                                          "warps": 4},
          "dq_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": 64, "warps": 4},
          "bwd_tc_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "warps": 8}}
@@ -366,22 +370,35 @@ def natural_loops(blocks, succ):
     return list(loops.values()), dom
 
 
+def red_bytes(opcode):
+    """L2 bytes of one warp's global reduction (RED/REDG/ATOMG): read and
+    written, 32 lanes x 4 bytes x the vector width (.F32x2, .F32x4)."""
+    width = 4 if "x4" in opcode else 2 if "x2" in opcode else 1
+    return 2 * 32 * 4 * width
+
+
 def mix_of(instrs):
-    """{class: count} plus "total" and "mufu" ({EX2: n, ...})."""
+    """{class: count} plus "total", "mufu" ({EX2: n, ...}) and RED_BYTES
+    (the L2 bytes of the global reductions, red_bytes)."""
     mix = {c: 0 for c in CLASSES}
     mufu = {}
+    rb = 0
     for ins in instrs:
-        mix[op_class(ins.opcode)] += 1
+        cls = op_class(ins.opcode)
+        mix[cls] += 1
         if ins.base == "MUFU":
             kind = ins.opcode.split(".")[1] if "." in ins.opcode else "?"
             mufu[kind] = mufu.get(kind, 0) + 1
+        if cls == "RED" and ins.base != "ATOMS":
+            rb += red_bytes(ins.opcode)
     mix["total"] = len(instrs)
     mix["mufu"] = mufu
+    mix["RED_BYTES"] = rb
     return mix
 
 
 def add_mix(a, b):
-    out = {c: a[c] + b[c] for c in CLASSES + ("total",)}
+    out = {c: a[c] + b[c] for c in CLASSES + ("total", "RED_BYTES")}
     out["mufu"] = dict(a["mufu"])
     for k, v in b["mufu"].items():
         out["mufu"][k] = out["mufu"].get(k, 0) + v
@@ -460,7 +477,7 @@ def inner_loop(instrs):
     cold = mix_of([])
     for comp in regions:
         ins = ins_of(comp)
-        hot = any(i.base in ("LDGSTS", "HMMA", "HGMMA", "LDSM") for i in ins)
+        hot = any(i.base in ("LDGSTS", "HMMA", "HGMMA", "LDSM", "RED", "REDG") for i in ins)
         if hot:
             hot_blocks |= set(comp)
         else:
