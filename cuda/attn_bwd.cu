@@ -4,15 +4,19 @@
  * ra_cuda_attn_bwd_preprocess: delta_i = sum_d dout_i[d] * out_i[d] in the
  *   acc dtype, (B, H, S_q) with lse's strides.  One warp per (b, s, h) row,
  *   256 threads per block, grid-stride.
- * ra_cuda_attn_bwd: checks what the kernels rely on and runs either the
+ * ra_cuda_attn_bwd: checks what the kernels rely on and runs the
  *   tensor-core kernels (float16/bfloat16, head_dim 64 or 128, 16-byte
- *   aligned rows; attn_bwd_tc_dkdv.cu then attn_bwd_tc_dq.cu) or the
- *   generic kernels of attn_bwd_simt.cu and attn_bwd_simt_dq.cu (every
- *   dtype, head_dim 1..256).
- *   Both are a dk/dv pass then a dq pass; every output element is written
- *   by exactly one thread, so no dq conversion pass is needed and the bits
- *   are the same on every run.  RINGATTN_CUDA_GENERIC=1 forces the generic
- *   kernels (for tests that compare the two).
+ *   aligned rows) or the generic kernels of attn_bwd_simt.cu and
+ *   attn_bwd_simt_dq.cu (every dtype, head_dim 1..256).
+ *   Tensor cores with p->deterministic = 0: the fused pass of
+ *   attn_bwd_fused.cu (dq added up by float32 atomics, so its last bits
+ *   vary from run to run), unless the device lacks the shared memory or a
+ *   dq scratch would be needed on a stream other than ringattn's compute
+ *   stream; then, and with p->deterministic = 1, attn_bwd_tc_dkdv.cu then
+ *   attn_bwd_tc_dq.cu.  The split pairs (tensor-core and generic) write
+ *   every output element from exactly one thread: the same bits on every
+ *   run.  RINGATTN_CUDA_GENERIC=1 forces the generic kernels (for tests
+ *   that compare the two).
  *
  * q, out, dout, dq: (B, S_q, H, D); k, v, dk, dv: (B, S_k, H_kv, D).
  */
@@ -125,6 +129,11 @@ extern "C" ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream)
     RA_CHECK(guard.enter_for(p->q));
     cudaStream_t s = (cudaStream_t)stream;
     if (!ra_force_generic() && tc_supported(*p)) {
+        if (!p->deterministic) {
+            bool ran = false;
+            RA_CHECK(ra_bwd_tc_fused(*p, s, &ran));
+            if (ran) return RA_OK;
+        }
         RA_CHECK(ra_bwd_tc_dkdv(*p, s));
         return ra_bwd_tc_dq(*p, s);
     }

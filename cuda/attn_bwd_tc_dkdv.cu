@@ -15,8 +15,8 @@
  *
  * Algorithm: a block of 4 warps owns 64 keys of one (b, hk), 16 per warp;
  * its K and V rows stay in shared memory.  Query tiles of BM rows (64 for
- * D = 64, 32 for D = 128 and masked D = 64, to keep the accumulators in
- * registers) stream
+ * D = 64, 32 for masked D = 64, 16 for D = 128, to keep the accumulators
+ * in registers) stream
  * through shared memory with their dout rows, double buffered with
  * cp.async, for each query head of the group in turn; a causal block starts
  * at the first query that can see its first key.  Per tile each warp works
@@ -52,10 +52,13 @@ using namespace ra::bwd_tc;
 
 constexpr int kBlockN = kWarps * 16;  // keys per block, 16 per warp
 
-/* query rows per streamed tile: 64 for D = 64, 32 for D = 128 and for the
- * masked D = 64 (whose P^T and dP^T fragments are live together), so that
- * the accumulators stay in registers */
-template <int D, bool M> struct Tile { static constexpr int BM = D == 64 && !M ? 64 : 32; };
+/* query rows per streamed tile, so that dK, dV and the tile's fragments
+ * stay in registers: 64 for D = 64, 32 for the masked D = 64 (whose P^T and
+ * dP^T fragments are live together), 16 for D = 128 (with 32, dK and dV
+ * alone hold 128 registers and the kernel spilled: 255 registers, 32 bytes
+ * of spill stores; with 16, 252 and none, at 48 ldmatrix per 64 mma
+ * instead of 80 per 128) */
+template <int D, bool M> struct Tile { static constexpr int BM = D == 64 ? (M ? 32 : 64) : 16; };
 
 template <int D, bool M>
 constexpr size_t dkdv_smem_bytes() {

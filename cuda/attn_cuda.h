@@ -32,8 +32,11 @@ ra_status ra_cuda_attn_bwd_preprocess(const ra_attn_bwd_params *p,
                                       void *stream);
 
 /* dq, dk, dv from q, k, v, dout, the final lse and delta (run the
- * preprocess first).  Deterministic on every path (no atomics).
- * cuda/attn_bwd.cu */
+ * preprocess first).  p->deterministic = 1: the same bits on every run (no
+ * atomics); 0: the fused tensor-core kernel where it applies, whose dq is
+ * added up by float32 atomics (its non-accumulated dq takes a scratch from
+ * ringattn's caching pool, only on ringattn's compute stream; elsewhere the
+ * deterministic kernels run).  cuda/attn_bwd.cu */
 ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream);
 
 /* out, lse = LSE merge of (out1, lse1) and (out2, lse2).  cuda/merge.cu */

@@ -25,10 +25,15 @@ bool ra_fwd_tc_supported(const ra_attn_fwd_params &p);
 ra_status ra_fwd_tc(const ra_attn_fwd_params &p, cudaStream_t s);
 
 /* Tensor-core backward, float16/bfloat16, head_dim 64 or 128 (eligibility
- * in attn_bwd.cu): the dk/dv pass (attn_bwd_tc_dkdv.cu) and the dq pass
- * (attn_bwd_tc_dq.cu), each deterministic and run in that order. */
+ * in attn_bwd.cu).  deterministic: the dk/dv pass (attn_bwd_tc_dkdv.cu) and
+ * the dq pass (attn_bwd_tc_dq.cu), each deterministic and run in that
+ * order.  Otherwise the fused pass (attn_bwd_fused.cu), dq by float32
+ * atomics; *ran is false when it cannot run here (the device grants too
+ * little shared memory, or a dq scratch would be needed on a stream other
+ * than ringattn's compute stream) and the caller takes the split pair. */
 ra_status ra_bwd_tc_dkdv(const ra_attn_bwd_params &p, cudaStream_t s);
 ra_status ra_bwd_tc_dq(const ra_attn_bwd_params &p, cudaStream_t s);
+ra_status ra_bwd_tc_fused(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran);
 
 /* Number of blocks for `units` work items of `per_block` each, or an error
  * when the grid would not fit a 1-D launch. */

@@ -125,10 +125,11 @@ __device__ __forceinline__ A band_of(A lse) {
     return a >= BandOf<A>::kFrom && a < (A)CUDART_INF ? -BandOf<A>::kWidth * a : (A)0;
 }
 /* the exponent to use: min(x, 0), and 0 inside the band; NaN stays NaN (a
- * NaN score or lse makes P NaN: fmin would turn it into 0, P = 1) */
+ * NaN score or lse makes P NaN: fmin would turn it into 0, P = 1).  One
+ * compare does both: band <= 0, so an x > 0 is also x >= band; NaN fails
+ * the compare (two ALU instructions per score instead of three). */
 template <typename A>
 __device__ __forceinline__ A bwd_exponent(A x, A band) {
-    x = x > (A)0 ? (A)0 : x;
     return x >= band ? (A)0 : x;
 }
 
@@ -228,7 +229,7 @@ struct DocTiles {
 #pragma unroll
                 for (int rr = 0; rr < R; rr += 32) {
                     const int64_t row = base + t * R + rr + lane;
-                    if (row < n) {
+                    if (row < n && (R >= 32 || lane < R)) {  // a tile under 32 rows
                         const int32_t x = ids.at(row);
                         any |= lo <= x && x <= hi;
                         all &= x == lo;

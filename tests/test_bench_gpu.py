@@ -126,16 +126,21 @@ def test_speed_row_shows_the_model_next_to_the_measured_time():
 
 
 def test_model_rows_name_every_kernel_and_the_measured_over_model_ratio():
+    # the backward the bench times: attention_backward's default, the fused
+    # kernel with its dq conversion
     bwd = model_prediction("bwd", "float16", 64, 16384, False, 1, 32)
-    assert set(bwd) == {"delta", "dkdv_tc", "dq_tc", "total"}
-    assert bwd["total"] == pytest.approx(bwd["delta"] + bwd["dkdv_tc"] + bwd["dq_tc"])
+    assert set(bwd) == {"delta", "bwd_tc", "dq_convert", "total"}
+    assert bwd["total"] == pytest.approx(bwd["delta"] + bwd["bwd_tc"] + bwd["dq_convert"])
+    det = model.predict("bwd", "float16", 64, 16384, False, 1, 32, deterministic=True)
+    assert set(det) == {"delta", "dkdv_tc", "dq_tc", "total"}
+    assert det["total"] == pytest.approx(det["delta"] + det["dkdv_tc"] + det["dq_tc"])
     rows = [{"pass": "bwd", "dtype": "float16", "causal": False, "D": 64, "S": 16384,
              "ms": 2e3 * bwd["total"], "model": bwd},
             {"pass": "fwd", "dtype": "float16", "causal": False, "D": 64, "S": 16384,
              "ms": None, "model": None}]
     lines = format_model_rows(rows)
     assert len(lines) == 2 and lines[0].startswith("model bwd  float16")
-    assert all(k in lines[0] for k in ("delta", "dkdv_tc", "dq_tc", "measured"))
+    assert all(k in lines[0] for k in ("delta", "bwd_tc", "dq_convert", "measured"))
     assert lines[1].startswith("measured/model: median 2.00")
 
 
@@ -153,6 +158,9 @@ def test_model_follows_the_work_and_the_occupancy_the_profile_saw():
         smem = rec["dynamic_smem"]
         assert model.occupancy(rec["registers"], smem, 32 * rec["warps"]) == 2
     counts = model.load_counts()
+    # the fused backward (8 warps, 162 KB) fits one block per SM
+    rec = counts["bwd_tc<bf16,128,->"]
+    assert model.occupancy(rec["registers"], rec["dynamic_smem"], 32 * rec["warps"]) == 1
     full = model.predict("fwd", "bf16", 128, 16384, False, 1, 16, counts=counts)["total"]
     causal = model.predict("fwd", "bf16", 128, 16384, True, 1, 16, counts=counts)["total"]
     quarter = model.predict("fwd", "bf16", 128, 8192, False, 1, 16, counts=counts)["total"]

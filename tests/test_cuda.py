@@ -187,15 +187,74 @@ DET_SHAPE = (1, 100, 100, 4, 1) if EMULATED else (2, 150, 150, 4, 1)
 
 @pytest.mark.parametrize("dtype,backend", list(grid()))
 def test_backward_is_deterministic(dtype, backend):
+    # deterministic=True: the split kernels, the same bits on every run
     rng = np.random.default_rng(5)
     B, S, _, H, Hkv = DET_SHAPE
     q, k, v = make_qkv(rng, B, S, S, H, Hkv, 64, dtype, backend)
     out, lse = ra.attention(q, k, v, causal=True, return_lse=True)
     dout = to_device(rng.standard_normal((B, S, H, 64)), dtype, backend)
-    first = [to_host(x) for x in ra.attention_backward(dout, q, k, v, out, lse, causal=True)]
-    again = [to_host(x) for x in ra.attention_backward(dout, q, k, v, out, lse, causal=True)]
+    first, again = ([to_host(x) for x in ra.attention_backward(dout, q, k, v, out, lse,
+                                                               causal=True, deterministic=True)]
+                    for _ in range(2))
     for a, b in zip(first, again):
         assert np.array_equal(a, b)
+
+
+# ---- the fused backward (deterministic=False, the default) ------------------
+# One block per 128 keys adds its part of every query row's dq into float32
+# memory by atomics: queries that see many key blocks (S_k >> 128) and GQA
+# (each block walks the group's query heads) make several blocks add into
+# one row, concurrently (the emulated GPU runs blocks on parallel workers).
+# Against the float64 reference (tolerance TOL, as every backward here) and
+# the deterministic kernels.
+FUSED_SHAPE = (1, 70, 700, 4, 1) if EMULATED else (2, 333, 2100, 8, 2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_backward_adds_dq_over_many_key_blocks(dtype, D, causal):
+    backend = backends_for(dtype)[0]
+    B, Sq, Sk, H, Hkv = FUSED_SHAPE
+    rng = np.random.default_rng(zlib.crc32(repr(("fused", dtype, D, causal)).encode()))
+    q, k, v = make_qkv(rng, B, Sq, Sk, H, Hkv, D, dtype, backend)
+    dout = to_device(rng.standard_normal((B, Sq, H, D)), dtype, backend)
+    out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
+    fused = ra.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    split = ra.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          causal=causal, out=to_host(out))
+    for got, det, ref in zip(fused, split, refs):
+        close(got, ref, dtype)
+        close(det, ref, dtype)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_fused_backward_accumulates_ring_steps(D):
+    # the ring's calls: keys in chunks at their positions, gradients added
+    # into float32 dq, dk, dv (dq straight from the atomics, no scratch);
+    # and a float32 dq without accumulate (through the scratch)
+    backend = backends_for("bfloat16")[0]
+    B, Sq, Sk, H, Hkv = 1, 70, 400, 4, 2
+    rng = np.random.default_rng(D + 31)
+    q, k, v = make_qkv(rng, B, Sq, Sk, H, Hkv, D, "bfloat16", backend)
+    dout = to_device(rng.standard_normal((B, Sq, H, D)), "bfloat16", backend)
+    qpos0 = Sk - Sq  # causal, queries at the end
+    out, lse = ra.attention(q, k, v, causal=True, return_lse=True)
+    grads = [zeros(tuple(x.shape), "float32", like=q) for x in (q, k, v)]
+    for lo, hi in ((0, 150), (150, 170), (170, 400)):
+        ra._C.attn_bwd(dout, q, narrow(k, 1, lo, hi), narrow(v, 1, lo, hi), out, lse,
+                       causal=True, dq=grads[0], dk=narrow(grads[1], 1, lo, hi),
+                       dv=narrow(grads[2], 1, lo, hi), accumulate=True,
+                       q_pos_offset=qpos0, k_pos_offset=lo)
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          causal=True, out=to_host(out))
+    for got, ref in zip(grads, refs):
+        close(got, ref, "bfloat16")
+    f32 = [zeros(tuple(x.shape), "float32", like=q) for x in (q, k, v)]
+    ra._C.attn_bwd(dout, q, k, v, out, lse, causal=True, dq=f32[0], dk=f32[1], dv=f32[2])
+    for got, ref in zip(f32, refs):
+        close(got, ref, "bfloat16")
 
 
 # ---- merge and running state ----------------------------------------------

@@ -4,9 +4,10 @@ installed build: no tensor-core kernel touches local memory (no spill, no
 stack frame, no local array).  The rule needs a real CUDA build of ringattn
 (the README's test command makes one where nvcc is found) and cuobjdump
 (the toolkit's, or the `nvidia-cuda-cuobjdump` wheel the test extra
-installs); it is skipped without either.  Today's dkdv_tc at head_dim 128
-spills (255 registers), so its cases are strict expected failures: the
-day it stops spilling they fail as XPASS and KNOWN_SPILLS must lose them."""
+installs); it is skipped without either.  A kernel listed in KNOWN_SPILLS
+is a strict expected failure (none today: dkdv_tc at head_dim 128, which
+spilled with 255 registers, streams 16-row query tiles since), so the day
+it stops spilling it fails as XPASS and must leave the list."""
 import importlib.util
 import os
 
@@ -185,26 +186,33 @@ def test_names_resource_usage_and_ptxas_lines():
 
 
 def test_dynamic_shared_memory_matches_the_launches():
-    # Nsight Compute on the H100 (bf16, D 128): 66 and 98 KB per block for
-    # the backward's kernels, the 1 KB sm_90 reserves per block included;
-    # the forward (128-row blocks, cuda/fwd_tc/traits.cuh): Q 32 KB and two
-    # stages of K and V 64 KB, the masks' ids and words 576 bytes more
+    # Nsight Compute on the H100 (bf16, D 128): 98 KB per block for dq_tc,
+    # the 1 KB sm_90 reserves per block included; the forward (128-row
+    # blocks, cuda/fwd_tc/traits.cuh): Q 32 KB and two stages of K and V
+    # 64 KB, the masks' ids and words 576 bytes more
     assert sr.DYNAMIC_SMEM["fwd_tc_kernel"](128, False) == 98304
     assert sr.DYNAMIC_SMEM["fwd_tc_kernel"](128, True) == 98304 + 576
     assert sr.DYNAMIC_SMEM["fwd_tc_kernel"](64, False) == 49152
-    assert sr.DYNAMIC_SMEM["dkdv_tc_kernel"](128, False) + 1024 == 67328
     assert sr.DYNAMIC_SMEM["dq_tc_kernel"](128, False) + 1024 == 99328
+    # not yet profiled: dkdv_tc with 16-row query tiles at D 128 (K, V of
+    # 64 keys, 2 stages of 16-row Q and dout, 6 x 16 row statistics), and
+    # the fused kernel (attn_bwd_fused.cuh Layout: 165,504 and 99,968
+    # bytes, with masks 166,592 and 101,056)
+    assert sr.DYNAMIC_SMEM["dkdv_tc_kernel"](128, False) == (2 * 64 + 4 * 16) * 128 * 2 + 6 * 16 * 4
+    assert [sr.DYNAMIC_SMEM["bwd_tc_kernel"](D, M) for D in (128, 64) for M in (False, True)] \
+        == [165504, 166592, 99968, 101056]
 
 
 # ---------------------------------------------------------------- the rule
 
 ARCHS = ("sm_80", "sm_90")
-TC_KERNELS = [f"{fam}<{t},{d},{m}>" for fam in ("dkdv_tc", "dq_tc", "fwd_tc")
+TC_KERNELS = [f"{fam}<{t},{d},{m}>" for fam in ("bwd_tc", "dkdv_tc", "dq_tc", "fwd_tc")
               for t in ("bf16", "fp16") for d in (128, 64) for m in ("-", "M")]
-# what spills today (CUDA 13.0): dkdv_tc at head_dim 128 without masks, 255
-# registers (ptxas: 32 bytes of spill stores and loads on sm_90, 16 on
-# sm_80; 8.4 million local-memory requests in the H100 profile)
-KNOWN_SPILLS = {(a, f"dkdv_tc<{t},128,->") for a in ARCHS for t in ("bf16", "fp16")}
+# (arch, kernel) pairs that touch local memory today, strict expected
+# failures: none (CUDA 13.0).  dkdv_tc at head_dim 128 was one until it
+# streamed 16-row query tiles (255 registers and 32 bytes of spill stores
+# on sm_90 before, 8.4 million local-memory requests in the H100 profile)
+KNOWN_SPILLS = set()
 
 
 @pytest.fixture(scope="module")
@@ -245,8 +253,7 @@ def test_the_build_has_exactly_the_listed_non_generic_kernels(build_reports, arc
 @pytest.mark.parametrize("arch,kernel", [
     pytest.param(a, k, marks=[pytest.mark.xfail(
         (a, k) in KNOWN_SPILLS, strict=True,
-        reason="dkdv_tc at D=128 spills today (255 registers); remove it from KNOWN_SPILLS "
-               "once the fused backward keeps it in registers")])
+        reason="spills today; remove it from KNOWN_SPILLS once it does not")])
     for a in ARCHS for k in TC_KERNELS])
 def test_tensor_core_kernels_use_no_local_memory(build_reports, arch, kernel):
     row = _arch_report(build_reports, arch)[kernel]

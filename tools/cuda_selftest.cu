@@ -25,6 +25,11 @@
  *   run_huge      huge but finite scores (q scaled by 1e9 in float32 and
  *                 bfloat16, 1e18 in float64): finite and correct gradients,
  *                 also from an lse merged over two key chunks
+ * Every backward runs both ways: deterministic = 0 (for float16/bfloat16
+ * at D 64/128 the fused kernel of attn_bwd_fused.cu, dq added up by
+ * float32 atomics over the key blocks; accumulated straight into a float32
+ * dq, or through its scratch and conversion) and deterministic = 1 (the
+ * split kernels, whose bits run_strided checks repeat).
  *   run_merge     the LSE merge of two key halves
  *   run_copy      the strided cast copy, every pair of dtypes
  * The full grid: float32/float64/float16/bfloat16, D in {8, 59, 64, 96,
@@ -42,12 +47,30 @@
 
 #include "cuda_selftest_ref.h"
 
-/* the test binary does not link csrc/core/cuda_rt.c (it needs Python) */
+/* the test binary does not link csrc/core/cuda_rt.c (it needs Python):
+ * what cuda/ uses of it.  The selftest launches on the legacy stream
+ * (stream 0), so that is its "compute stream", and the fused backward's dq
+ * scratch comes from cudaMalloc and goes back with cudaFree (which waits
+ * for the device, so the scratch outlives the kernels that use it). */
 extern "C" ra_status ra_cuda_status(int err, const char *what, const char *file, int line) {
     if (err == 0) return RA_OK;
     ra_set_error(RA_ERR_CUDA, "CUDA error in %s (%s:%d): %s", what, file, line,
                  cudaGetErrorString((cudaError_t)err));
     return RA_ERR_CUDA;
+}
+extern "C" ra_status ra_cuda_compute_stream(int device, void **stream) {
+    (void)device;
+    *stream = nullptr;
+    return RA_OK;
+}
+extern "C" ra_status ra_cuda_malloc(int device, size_t nbytes, void **ptr) {
+    (void)device;
+    return ra_cuda_status((int)cudaMalloc(ptr, nbytes), "cudaMalloc", __FILE__, __LINE__);
+}
+extern "C" ra_status ra_cuda_free(int device, void *ptr, size_t nbytes) {
+    (void)device;
+    (void)nbytes;
+    return ra_cuda_status((int)cudaFree(ptr), "cudaFree", __FILE__, __LINE__);
 }
 
 static std::vector<double> randn(std::mt19937_64 &rng, size_t n, double scale = 1.0) {
@@ -165,7 +188,10 @@ struct Problem {
         b.dq = gq.p; b.dk = gk.p; b.dv = gv.p;
     }
     void forward() { RK(ra_cuda_attn_fwd(&f, 0)); }
-    void backward() {
+    /* fused (deterministic 0: the fused tensor-core kernel where it
+     * applies) or deterministic (the split kernels) */
+    void backward(bool deterministic) {
+        b.deterministic = deterministic;
         RK(ra_cuda_attn_bwd_preprocess(&b, 0));
         RK(ra_cuda_attn_bwd(&b, 0));
     }
@@ -192,13 +218,16 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
               cmp("out(acc dtype)", down(dout_acc, nq, acc), pr.ro, tol) &&
               cmp("lse(acc dtype)", down(dl2, nl, acc), pr.rl, tol);
 
-    pr.backward();
-    CK(cudaDeviceSynchronize());
-    // the reference backward uses exact out; bf16/fp16 out rounding moves delta a little
+    // the reference backward uses exact out; bf16/fp16 out rounding moves
+    // delta a little.  Both backward paths (the generic kernels have one).
     const double btol = tol * 2;
-    ok = ok && cmp("dq", down(pr.gq, nq, t), pr.rdq, btol) &&
-         cmp("dk", down(pr.gk, pr.nk, t), pr.rdk, btol) &&
-         cmp("dv", down(pr.gv, pr.nk, t), pr.rdv, btol);
+    for (int det = generic ? 1 : 0; det < 2 && ok; det++) {
+        pr.backward(det != 0);
+        CK(cudaDeviceSynchronize());
+        ok = cmp(det ? "dq" : "dq(fused)", down(pr.gq, nq, t), pr.rdq, btol) &&
+             cmp(det ? "dk" : "dk(fused)", down(pr.gk, pr.nk, t), pr.rdk, btol) &&
+             cmp(det ? "dv" : "dv(fused)", down(pr.gv, pr.nk, t), pr.rdv, btol);
+    }
 
     // accumulate: two key chunks into a running state (acc dtype), the
     // second with its positions continued (a ring step)
@@ -244,6 +273,15 @@ static std::vector<double> to_strided(const std::vector<double> &x, int B, int S
     for (size_t bs = 0; bs < (size_t)B * S; bs++)
         for (size_t e = 0; e < (size_t)Hh * D; e++) y[bs * row + e] = x[bs * Hh * D + e];
     return y;
+}
+/* the pad elements of a buffer laid out as to_strided's */
+static std::vector<double> from_pad(const std::vector<double> &y, int B, int S, int Hh, int D,
+                                    int pad) {
+    const size_t row = (size_t)Hh * D + pad;
+    std::vector<double> x;
+    for (size_t bs = 0; bs < (size_t)B * S; bs++)
+        for (size_t e = (size_t)Hh * D; e < row; e++) x.push_back(y[bs * row + e]);
+    return x;
 }
 static std::vector<double> from_strided(const std::vector<double> &y, int B, int S, int Hh, int D,
                                         int pad) {
@@ -324,13 +362,14 @@ static bool run_strided(ra_dtype t, const StridedCase &c) {
 
     // one backward into fresh grads (NaN-filled unless accumulating); returns the raw buffers
     struct Grads { std::vector<double> dq, dk, dv; };
-    auto run = [&](bool generic) {
+    auto run = [&](bool generic, bool deterministic) {
         Dev gq(nqs * esize(gt)), gk(nks * esize(gt)), gv(nks * esize(gt));
         if (c.accumulate) {
             up(gq, encode(q_init, gt)); up(gk, encode(k_init, gt)); up(gv, encode(v_init, gt));
         }
         ra_attn_bwd_params r = bp;
         r.dq = gq.p; r.dk = gk.p; r.dv = gv.p;
+        r.deterministic = deterministic;
         force_generic(generic);
         RK(ra_cuda_attn_bwd_preprocess(&r, 0));
         RK(ra_cuda_attn_bwd(&r, 0));
@@ -338,22 +377,33 @@ static bool run_strided(ra_dtype t, const StridedCase &c) {
         force_generic(false);
         return Grads{down(gq, nqs, gt), down(gk, nks, gt), down(gv, nks, gt)};
     };
-    const Grads fast = run(false), again = run(false), generic = run(true);
+    // the fused kernel (deterministic = 0), the split pair twice (its bits
+    // must repeat), the generic kernels
+    const Grads fused = run(false, false), fast = run(false, true), again = run(false, true);
+    const Grads generic = run(true, true);
 
-    if (c.accumulate) {
-        // whole buffers: init + grad on the logical elements, init untouched in the pad
-        auto want = [&](const std::vector<double> &init, const std::vector<double> &ref, int S, int Hh) {
-            auto w = to_strided(ref, B, S, Hh, D, c.pad, 0.0);
-            for (size_t i = 0; i < w.size(); i++) w[i] += init[i];
-            return w;
-        };
-        ok = ok && cmp("dq(acc)", fast.dq, want(q_init, rdq, Sq, H), tol) &&
-             cmp("dk(acc)", fast.dk, want(k_init, rdk, Sk, Hk), tol) &&
-             cmp("dv(acc)", fast.dv, want(v_init, rdv, Sk, Hk), tol);
-    } else {
-        ok = ok && cmp("dq", from_strided(fast.dq, B, Sq, H, D, c.pad), rdq, tol) &&
-             cmp("dk", from_strided(fast.dk, B, Sk, Hk, D, c.pad), rdk, tol) &&
-             cmp("dv", from_strided(fast.dv, B, Sk, Hk, D, c.pad), rdv, tol);
+    for (const Grads *gr : {&fused, &fast}) {
+        const char *which = gr == &fused ? "(fused)" : "";
+        char nq_[32], nk_[32], nv_[32];
+        snprintf(nq_, sizeof nq_, "dq%s", which);
+        snprintf(nk_, sizeof nk_, "dk%s", which);
+        snprintf(nv_, sizeof nv_, "dv%s", which);
+        if (c.accumulate) {
+            // whole buffers: init + grad on the logical elements, init untouched in the pad
+            auto want = [&](const std::vector<double> &init, const std::vector<double> &ref, int S,
+                            int Hh) {
+                auto w = to_strided(ref, B, S, Hh, D, c.pad, 0.0);
+                for (size_t i = 0; i < w.size(); i++) w[i] += init[i];
+                return w;
+            };
+            ok = ok && cmp(nq_, gr->dq, want(q_init, rdq, Sq, H), tol) &&
+                 cmp(nk_, gr->dk, want(k_init, rdk, Sk, Hk), tol) &&
+                 cmp(nv_, gr->dv, want(v_init, rdv, Sk, Hk), tol);
+        } else {
+            ok = ok && cmp(nq_, from_strided(gr->dq, B, Sq, H, D, c.pad), rdq, tol) &&
+                 cmp(nk_, from_strided(gr->dk, B, Sk, Hk, D, c.pad), rdk, tol) &&
+                 cmp(nv_, from_strided(gr->dv, B, Sk, Hk, D, c.pad), rdv, tol);
+        }
     }
     // logical elements only: the pad of non-accumulated grads stays NaN
     ok = ok &&
@@ -370,7 +420,17 @@ static bool run_strided(ra_dtype t, const StridedCase &c) {
     };
     if (ok && !(same_bits(fast.dq, again.dq) && same_bits(fast.dk, again.dk) &&
                 same_bits(fast.dv, again.dv))) {
-        printf("    two runs differ in their bits\n");
+        printf("    two deterministic runs differ in their bits\n");
+        ok = false;
+    }
+    // the fused kernel writes only the logical elements too: the pad of
+    // non-accumulated grads stays NaN, of accumulated ones init
+    auto same_pad = [&](const std::vector<double> &a, const std::vector<double> &b, int S, int Hh) {
+        return same_bits(from_pad(a, B, S, Hh, D, c.pad), from_pad(b, B, S, Hh, D, c.pad));
+    };
+    if (ok && !(same_pad(fused.dq, fast.dq, Sq, H) && same_pad(fused.dk, fast.dk, Sk, Hk) &&
+                same_pad(fused.dv, fast.dv, Sk, Hk))) {
+        printf("    the fused kernel wrote into the pad\n");
         ok = false;
     }
     printf("%-4s strided %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d pos=(%ld+%ld i, %ld+%ld j) "
@@ -449,15 +509,19 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
     const double tol = fwd_tol(t), btol = bwd_tol(t);
     force_generic(generic);
     pr.forward();
-    pr.backward();
     CK(cudaDeviceSynchronize());
     bool ok = cmp("out", down(pr.dout, nq, t), pr.ro, tol) &&
-              cmp("lse", down(pr.dl, nl, acc), pr.rl, tol) &&
-              cmp("dq", down(pr.gq, nq, t), pr.rdq, btol) &&
-              cmp("dk", down(pr.gk, nk, t), pr.rdk, btol) &&
-              cmp("dv", down(pr.gv, nk, t), pr.rdv, btol);
+              cmp("lse", down(pr.dl, nl, acc), pr.rl, tol);
+    // the fused backward, then the deterministic one (the generic kernels: one)
+    for (int det = generic ? 1 : 0; det < 2 && ok; det++) {
+        pr.backward(det != 0);
+        CK(cudaDeviceSynchronize());
+        ok = cmp(det ? "dq" : "dq(fused)", down(pr.gq, nq, t), pr.rdq, btol) &&
+             cmp(det ? "dk" : "dk(fused)", down(pr.gk, nk, t), pr.rdk, btol) &&
+             cmp(det ? "dv" : "dv(fused)", down(pr.gv, nk, t), pr.rdv, btol);
+    }
 
-    if (c.accumulate && Sk >= 2) {
+    for (int det = generic ? 1 : 0; det < 2 && ok && c.accumulate && Sk >= 2; det++) {
         // two key chunks, the second at its offsets (k, v, kv ids, positions,
         // dk, dv): a running forward state, and grads added into zeros
         const int split = Sk / 3 + 1;
@@ -471,6 +535,7 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
         a.out = so.p; a.lse = sl.p; a.out_dtype = acc; a.accumulate = 1;
         ra_attn_bwd_params g = pr.b;
         g.dq = aq.p; g.dk = ak.p; g.dv = av.p; g.grad_dtype = acc; g.accumulate = 1;
+        g.deterministic = det;
         for (int part = 0; part < 2; part++) {
             const size_t off = part ? kb : 0, aoff = part ? kb / esize(t) * esize(acc) : 0;
             a.k = g.k = (const unsigned char *)pr.dk_.p + off;
@@ -488,9 +553,9 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
         CK(cudaDeviceSynchronize());
         ok = ok && cmp("acc out", down(so, nq, acc), pr.ro, tol) &&
              cmp("acc lse", down(sl, nl, acc), pr.rl, tol) &&
-             cmp("acc dq", down(aq, nq, acc), pr.rdq, btol) &&
-             cmp("acc dk", down(ak, nk, acc), pr.rdk, btol) &&
-             cmp("acc dv", down(av, nk, acc), pr.rdv, btol);
+             cmp(det ? "acc dq" : "acc dq(fused)", down(aq, nq, acc), pr.rdq, btol) &&
+             cmp(det ? "acc dk" : "acc dk(fused)", down(ak, nk, acc), pr.rdk, btol) &&
+             cmp(det ? "acc dv" : "acc dv(fused)", down(av, nk, acc), pr.rdv, btol);
     }
     force_generic(false);
     printf("%-4s masked %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d pos=(%ld, %ld)*%ld "
@@ -521,8 +586,9 @@ static bool run_huge(ra_dtype t, int D, bool causal, double factor) {
     const double tol = bwd_tol(t);
     bool ok = cmp("out", down(pr.dout, pr.nq, t), pr.ro, fwd_tol(t)) &&
               cmp("lse", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t));
-    for (int merged = 0; merged < 2 && ok; merged++) {
-        if (merged) {
+    for (int run = 0; run < 4 && ok; run++) {
+        const bool merged = run >= 2, det = run % 2;  // fused, then the split pair
+        if (run == 2) {
             // lse of keys [0, 40) and [40, 90) merged into a running state
             Dev so(pr.nq * esize(pr.acc));
             RK(ra_cuda_fill_state(so.p, pr.dl.p, pr.acc, 1, pr.Sq, pr.H, D, pr.f.out_batch_stride,
@@ -535,14 +601,16 @@ static bool run_huge(ra_dtype t, int D, bool causal, double factor) {
             a.seqlen_k = 50; a.k_pos_offset = 40;
             RK(ra_cuda_attn_fwd(&a, 0));
         }
-        pr.backward();
+        pr.backward(det);
         CK(cudaDeviceSynchronize());
         const auto gdq = down(pr.gq, pr.nq, t), gdk = down(pr.gk, pr.nk, t);
         const auto gdv = down(pr.gv, pr.nk, t);
         ok = all_finite("dq", gdq) && all_finite("dk", gdk) && all_finite("dv", gdv) &&
              cmp("dv", gdv, pr.rdv, tol) && cmp("dq", gdq, pr.rdq, tol) &&
              cmp("dk", gdk, pr.rdk, tol, qmax);
-        if (!ok) printf("    (with the lse %s)\n", merged ? "merged over two chunks" : "of one call");
+        if (!ok)
+            printf("    (%s, with the lse %s)\n", det ? "deterministic" : "fused",
+                   merged ? "merged over two chunks" : "of one call");
     }
     printf("%-4s huge %-8s q*%g D=%d causal=%d\n", ok ? "ok" : "FAIL", ra_dtype_name(t), factor, D,
            (int)causal);

@@ -347,6 +347,33 @@ GOAL = [("bf16", 128, 4096, False), ("bf16", 128, 4096, True), ("bf16", 128, 163
         ("fp16", 128, 16384, True)]
 
 
+def compiled_bwd_rows(D, keys):
+    """The backward as built (ringattn/bench/kernel_counts.json): the fused
+    kernel (deterministic=False) and the deterministic split pair, priced
+    from their SASS counts as the baseline is."""
+    counts = m.load_counts()
+    rows = []
+    for det, name in ((False, "bwd_tc, fused (SASS)"),
+                      (True, "deterministic: dkdv_tc + dq_tc (SASS)")):
+        cells = []
+        for k in keys:
+            B, H = shape(D, k[2])
+            p = m.predict("bwd", k[0], D, k[2], k[3], B, H, counts=counts, deterministic=det)
+            if p is None:
+                return rows
+            t = p["total"]
+            cells.append(f"{t * 1e3:.2f} / {measured_s(k, 4) / t:.2f} / "
+                         f"{measured_s(k, 5) / t:.2f}")
+        rec = counts[f"{'dkdv_tc' if det else 'bwd_tc'}<bf16,{D},->"]
+        smem = rec["dynamic_smem"] + max(0, rec["static_smem"] - m.SMEM_RESERVED)
+        per_sm = m.occupancy(rec["registers"], smem, 32 * rec["warps"])
+        w = per_sm * rec["warps"] / m.SMSP_PER_SM
+        _, bound = m.block_tile_cycles(rec["per_tile"], rec["cycles"], w)
+        rows.append(f"| {name} | {rec['registers']} | {rec['dynamic_smem'] // 1024} | {per_sm} | "
+                    f"{bound} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def table_designs(pas):
     out = []
     for D in (128, 64):
@@ -369,6 +396,7 @@ def table_designs(pas):
             out.append(f"| today: dkdv_tc + dq_tc (SASS) | {rec['registers']} | "
                        f"{rec['dynamic_smem'] // 1024} | 2 | smem, latency | "
                        + " | ".join(cells) + " |")
+            out += compiled_bwd_rows(D, keys)
         for dsg in designs:
             rec = dsg.record()
             per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"], 32 * dsg.warps)

@@ -50,8 +50,10 @@ when an outer loop holds the same ones.  One iteration of it is then split
 into
   - "always": the blocks that dominate every latch (run on every iteration),
   - conditional regions (connected groups of the other blocks), each marked
-    "hot" when it holds cp.async (LDGSTS) or tensor/ldmatrix work (the next
-    tile's prefetch, skipped only on the last tile) and "cold" otherwise
+    "hot" when it holds cp.async (LDGSTS), tensor/ldmatrix work or a global
+    reduction (the next tile's prefetch, skipped only on the last tile; the
+    fused backward's dQ atomics, skipped only for rows past the sequence)
+    and "cold" otherwise
     (the mask tests of tiles that are not fully visible, sequence tails,
     and the like).  Inside a hot region only its path from entry to exit
     through the most hot instructions (ties: the most instructions) is
@@ -105,8 +107,12 @@ def _fwd_tc_smem(D, M):
     return (128 + 4 * 64) * D * 2 + (2 * 64 * 4 + 2 * 8 * 4 if M else 0)
 
 
+def _dkdv_tc_bm(D, M):
+    return (32 if M else 64) if D == 64 else 16
+
+
 def _dkdv_tc_smem(D, M):
-    bm = 64 if D == 64 and not M else 32
+    bm = _dkdv_tc_bm(D, M)
     return (2 * 64 + 4 * bm) * D * 2 + 6 * bm * 4 + (2 * bm * 4 + 2 * 4 * 4 if M else 0)
 
 
@@ -114,18 +120,25 @@ def _dq_tc_smem(D, M):
     return (2 * 64 + 4 * 64) * D * 2 + (2 * 64 * 4 + 2 * 4 * 4 if M else 0)
 
 
+def _bwd_tc_smem(D, M):
+    # K, V (128 keys), 2 stages of Q, dout (64 rows), P, dS, 2 stages of
+    # lse/band/delta; M: query ids, key ids, document words; BlockState
+    return ((2 * 128 + 4 * 64) * D * 2 + 2 * 64 * 128 * 2 + 3 * 2 * 64 * 4 +
+            (2 * 64 * 4 + 128 * 4 + 2 * 8 * 4 if M else 0) + 128)
+
+
 # dynamic shared memory per block, as the launchers compute it (fwd_tc/traits.cuh
 # smem_bytes, attn_bwd_tc_dkdv.cu dkdv_smem_bytes, attn_bwd_tc_dq.cu
-# dq_smem_bytes); keep in step with them
+# dq_smem_bytes, attn_bwd_fused.cuh Layout::kBytes); keep in step with them
 DYNAMIC_SMEM = {"fwd_tc_kernel": _fwd_tc_smem, "dkdv_tc_kernel": _dkdv_tc_smem,
-                "dq_tc_kernel": _dq_tc_smem}
+                "dq_tc_kernel": _dq_tc_smem, "bwd_tc_kernel": _bwd_tc_smem}
 # what one iteration of each tensor-core kernel's inner loop covers: the
 # rows the block owns, the rows of the streamed tile, the block's warps
 TILES = {"fwd_tc_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "warps": 8},
-         "dkdv_tc_kernel": lambda D, M: {"block_rows": 64,
-                                         "tile_rows": 64 if D == 64 and not M else 32,
+         "dkdv_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": _dkdv_tc_bm(D, M),
                                          "warps": 4},
-         "dq_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": 64, "warps": 4}}
+         "dq_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": 64, "warps": 4},
+         "bwd_tc_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "warps": 8}}
 
 # assumed latencies (cycles) of the variable-latency instructions on an
 # H100, for the single-warp schedule: shared-memory loads and ldmatrix
@@ -363,22 +376,35 @@ def natural_loops(blocks, succ):
     return list(loops.values()), dom
 
 
+def red_bytes(opcode):
+    """L2 bytes of one warp's global reduction (RED/REDG/ATOMG): read and
+    written, 32 lanes x 4 bytes x the vector width (.F32x2, .F32x4)."""
+    width = 4 if "x4" in opcode else 2 if "x2" in opcode else 1
+    return 2 * 32 * 4 * width
+
+
 def mix_of(instrs):
-    """{class: count} plus "total" and "mufu" ({EX2: n, ...})."""
+    """{class: count} plus "total", "mufu" ({EX2: n, ...}) and RED_BYTES
+    (the L2 bytes of the global reductions, red_bytes)."""
     mix = {c: 0 for c in CLASSES}
     mufu = {}
+    rb = 0
     for ins in instrs:
-        mix[op_class(ins.opcode)] += 1
+        cls = op_class(ins.opcode)
+        mix[cls] += 1
         if ins.base == "MUFU":
             kind = ins.opcode.split(".")[1] if "." in ins.opcode else "?"
             mufu[kind] = mufu.get(kind, 0) + 1
+        if cls == "RED" and ins.base != "ATOMS":
+            rb += red_bytes(ins.opcode)
     mix["total"] = len(instrs)
     mix["mufu"] = mufu
+    mix["RED_BYTES"] = rb
     return mix
 
 
 def add_mix(a, b):
-    out = {c: a[c] + b[c] for c in CLASSES + ("total",)}
+    out = {c: a[c] + b[c] for c in CLASSES + ("total", "RED_BYTES")}
     out["mufu"] = dict(a["mufu"])
     for k, v in b["mufu"].items():
         out["mufu"][k] = out["mufu"].get(k, 0) + v
@@ -408,7 +434,7 @@ def warp_cycles(instrs, latency=None):
 
 
 # the instructions that make a conditional region of the loop hot
-HOT = ("LDGSTS", "HMMA", "HGMMA", "LDSM")
+HOT = ("LDGSTS", "HMMA", "HGMMA", "LDSM", "RED", "REDG")
 
 
 def inner_loop(instrs):
@@ -688,7 +714,7 @@ def uses_local_memory(row):
 # every other kernel is reported and held to "no local memory" by
 # tests/test_sass_report.py, so a new family is checked until it is named here
 SIMT_FAMILIES = ("fwd_simt_kernel", "dkdv_simt_kernel", "dq_simt_kernel", "delta_kernel",
-                 "merge_kernel", "fill_state_kernel", "copy_kernel")
+                 "merge_kernel", "fill_state_kernel", "copy_kernel", "dq_convert_kernel")
 
 
 def cubins_of(path, arch, workdir, cuobjdump):
@@ -768,7 +794,7 @@ def main(argv=None):
     ap.add_argument("inputs", nargs="*", help="cubin, object or shared-library files")
     ap.add_argument("--so", help="a built ringattn extension (its fatbin)")
     ap.add_argument("--compile", action="store_true", help="nvcc -cubin cuda/*.cu for --arch")
-    ap.add_argument("--files", default="attn_fwd_tc,attn_bwd_tc_dkdv,attn_bwd_tc_dq",
+    ap.add_argument("--files", default="attn_fwd_tc,attn_bwd_tc_dkdv,attn_bwd_tc_dq,attn_bwd_fused",
                     help="with --compile: comma-separated cuda/ file stems, or 'all'")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--kernels", help="regex on the kernel labels, e.g. 'fwd_tc<bf16,128'")

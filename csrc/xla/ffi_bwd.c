@@ -13,7 +13,10 @@
  * dout, q, dq: (B, S_q, H, D); k, v, dk, dv: (B, S_k, H_kv, D); lse, delta:
  * (B, H, S_q) acc dtype: lse is the final one over all keys.  Masks as
  * ffi_fwd.c's.  Gradients are deterministic (same bits on every run: no
- * atomics on either platform).
+ * atomics on either platform): the params ask for deterministic, so CUDA
+ * runs the split tensor-core kernels, not the fused one, whose 16-bit dq
+ * would need a float32 scratch ordered on XLA's stream (ringattn's pool
+ * orders its blocks on ringattn's compute stream).
  */
 #include <string.h>
 

@@ -13,7 +13,8 @@ causal; backward 2.5 times the forward's count.
 Model: next to every ringattn time, the H100 SXM performance model's
 prediction (ringattn/bench/model.py, fed by the kernels' SASS counts in
 kernel_counts.json), with measured/model, and after the table the model's
-time of each kernel (fwd_tc; delta, dkdv_tc, dq_tc), so that one GPU run
+time of each kernel (fwd_tc; delta, bwd_tc, dq_convert: the fused backward
+that attention_backward runs by default), so that one GPU run
 both checks the kernels and recalibrates the model (docs/results.md).
 
 Accuracy (flash-attention's rule): at S = 1024, B = 2, H = 4, per dtype, D

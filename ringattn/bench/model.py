@@ -186,10 +186,14 @@ def _label(name, dtype, D, masked=False):
     return f"{name}<{t},{D},{'M' if masked else '-'}>"
 
 
-def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False):
+def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False,
+            deterministic=False):
     """Predicted seconds of ringattn's `pas` ("fwd" or "bwd") at (B, S, H,
-    D), S_q = S_k, by kernel: {"fwd_tc": s} or {"delta": s, "dkdv_tc": s,
-    "dq_tc": s}, plus "total".  None when a kernel is not in `counts`."""
+    D), S_q = S_k, by kernel, plus "total": {"fwd_tc": s}; for "bwd" the
+    path ``attention_backward`` takes, {"delta": s, "bwd_tc": s, "dq_convert":
+    s} (the fused kernel, deterministic=False, the default) or {"delta": s,
+    "dkdv_tc": s, "dq_tc": s} (deterministic=True, or counts without the
+    fused kernel).  None when a kernel is not in `counts`."""
     counts = load_counts() if counts is None else counts
     H_kv = H if H_kv is None else H_kv
     out = {}
@@ -199,17 +203,30 @@ def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False
             return None
         out["fwd_tc"] = kernel_seconds(rec, fwd_blocks(B, H, S, causal, rec["block_rows"],
                                                        rec["tile_rows"]))[0]
-    else:
-        rk = counts.get(_label("dkdv_tc", dtype, D, masked))
-        rq = counts.get(_label("dq_tc", dtype, D, masked))
-        if rk is None or rq is None:
-            return None
-        # delta = rowsum(dout * out): reads two (B, S, H, D) 16-bit arrays
-        out["delta"] = 2.0 * B * S * H * D * 2 / DRAM_BYTES_PER_S + 4e-6
-        out["dkdv_tc"] = kernel_seconds(rk, dkdv_blocks(B, H_kv, H // H_kv, S, causal,
-                                                        rk["block_rows"], rk["tile_rows"]))[0]
-        out["dq_tc"] = kernel_seconds(rq, fwd_blocks(B, H, S, causal, rq["block_rows"],
-                                                     rq["tile_rows"]))[0]
+        out["total"] = sum(out.values())
+        return out
+    # delta = rowsum(dout * out): reads two (B, S, H, D) 16-bit arrays
+    delta = 2.0 * B * S * H * D * 2 / DRAM_BYTES_PER_S + 4e-6
+    rf = None if deterministic else counts.get(_label("bwd_tc", dtype, D, masked))
+    if rf is not None:
+        # one block per (b, kv head, 128 keys) walking the group's query
+        # tiles; dq: a float32 scratch zeroed (writes 4 bytes per element),
+        # then converted (reads 4, writes 2)
+        out["delta"] = delta
+        out["bwd_tc"] = kernel_seconds(rf, dkdv_blocks(B, H_kv, H // H_kv, S, causal,
+                                                       rf["block_rows"], rf["tile_rows"]))[0]
+        out["dq_convert"] = B * S * H * D * (4 + 4 + 2) / DRAM_BYTES_PER_S + 8e-6
+        out["total"] = sum(out.values())
+        return out
+    rk = counts.get(_label("dkdv_tc", dtype, D, masked))
+    rq = counts.get(_label("dq_tc", dtype, D, masked))
+    if rk is None or rq is None:
+        return None
+    out["delta"] = delta
+    out["dkdv_tc"] = kernel_seconds(rk, dkdv_blocks(B, H_kv, H // H_kv, S, causal,
+                                                    rk["block_rows"], rk["tile_rows"]))[0]
+    out["dq_tc"] = kernel_seconds(rq, fwd_blocks(B, H, S, causal, rq["block_rows"],
+                                                 rq["tile_rows"]))[0]
     out["total"] = sum(out.values())
     return out
 
@@ -222,7 +239,7 @@ def attention_flops(pas, B, H, S, D, causal):
 
 
 def format_prediction(pred, measured_s=None):
-    """ "model 2.31 ms (dkdv_tc 1.60 + dq_tc 0.70 + delta 0.01), measured/model 1.04" """
+    """ "model 2.31 ms (delta 0.01 + bwd_tc 2.20 + dq_convert 0.10), measured/model 1.04" """
     if pred is None:
         return "model n/a"
     parts = [f"{k} {v * 1e3:.2f}" for k, v in pred.items() if k != "total"]
