@@ -210,7 +210,11 @@ class BuildExt(build_ext):
             obj = os.path.join(objdir, name.replace(os.sep, "__") + ".o")
             items.append((base + checked + ["-x", "c++", "-c", src, "-o", obj],
                           src, obj))
-        ext.extra_objects += self.compile_objects(items, jobs)
+        objects = self.compile_objects(items, jobs)
+        # a rebuilt object relinks the extension (build_ext compares only
+        # its sources and depends with the library)
+        ext.extra_objects += objects
+        ext.depends += objects
         ext.define_macros += [("RA_WITH_CUDA", "1"), ("RA_CUDA_EMULATED", "1")]
         # the emulated CUDA headers come before any toolkit's (nccl.h's
         # #include <cuda_runtime.h> must find them too)
@@ -252,6 +256,7 @@ class BuildExt(build_ext):
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             list(pool.map(compile_one, todo))
         ext.extra_objects += objects
+        ext.depends += objects   # a rebuilt object relinks the extension
         ext.define_macros.append(("RA_WITH_CUDA", "1"))
         ext.include_dirs += [os.path.join(home, "include"),
                              os.path.join(ROOT, "cuda")]

@@ -31,8 +31,8 @@ __device__ __forceinline__ void store_rows(const ra_attn_fwd_params &p, const QB
     // a NaN l (a NaN score: ex2(NaN) went into the sum) is not empty
     const bool empty_a = st.l_a == 0.f, empty_b = st.l_b == 0.f;
     const float inv_a = empty_a ? 0.f : 1.f / st.l_a, inv_b = empty_b ? 0.f : 1.f / st.l_b;
-    const float lse_a = empty_a ? -CUDART_INF_F : (st.m_a * r.mult + log2f(st.l_a)) * kLn2;
-    const float lse_b = empty_b ? -CUDART_INF_F : (st.m_b * r.mult + log2f(st.l_b)) * kLn2;
+    const float lse_a = empty_a ? -CUDART_INF_F : (st.m_a + log2f(st.l_a)) * kLn2;
+    const float lse_b = empty_b ? -CUDART_INF_F : (st.m_b + log2f(st.l_b)) * kLn2;
     float *lse_base = (float *)p.lse + b * p.lse_batch_stride + h * p.lse_head_stride;
     const int64_t orow_a = b * p.out_batch_stride + row_a * p.out_seq_stride + h * p.out_head_stride;
     const int64_t orow_b = orow_a + 8 * p.out_seq_stride;

@@ -11,12 +11,13 @@
  * "b": h >= 2) and 32 columns of each; a row's other columns are in the
  * three other lanes of its quad (reductions: two xor-shuffles).
  *
- * Scores stay unscaled until the exponent: p = 2^(s * mult - m * mult)
+ * Scores stay unscaled until the exponent: p = 2^(s * mult - m)
  * with mult = scale * log2(e), one FFMA and one MUFU.EX2 (ra::ex2_approx)
- * per score (model: -4 % against exp2f and a separate scale, design A).
+ * per score (model: -4 % against exp2f and a separate scale, design A);
+ * rows of huge scores (|max| mult >= 2^12) round the product first.
  * Soft-capped scores are capped into log2 units first (mult = 1): s ->
  * c log2(e) tanh(s scale / c), as the mma.sync kernel does.  The running
- * max m is in the units of s; a row that has seen no key keeps -inf and
+ * max m is in log2 units; a row that has seen no key keeps -inf and
  * pivots on 0, so it ends with l = 0 (out 0, lse -inf); a NaN score does
  * not enter the max (fmaxf) but makes its p, so l, NaN.
  */
@@ -33,6 +34,10 @@ namespace wg {
 constexpr int kSRegs = kBlockK / 2;   /* S accumulator registers per thread */
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+/* |pivot| (log2 units) from which the exponent is computed as the
+ * mma.sync kernel does, round(s * mult) - pivot, not by one FFMA
+ * (RowState::step) */
+constexpr float kFfmaPivotLimit = 4096.f;
 
 /* What one consumer thread knows of its two rows and of its warpgroup's
  * 64, for masking a tile. */
@@ -144,8 +149,10 @@ __device__ __forceinline__ void mask_tile(float (&s)[kSRegs], const ra_attn_fwd_
     }
 }
 
-/* The running state of a thread's two rows: max m (units of s), sum l of
- * 2^(s mult - m mult) over this lane's columns (quad-reduced at the end). */
+/* The running state of a thread's two rows: max m of the scaled scores
+ * (log2 units: the rounded product s * mult, as the mma.sync kernel keeps
+ * it; rounding is monotone, so it is the product of the raw max), sum l of
+ * 2^(s mult - m) over this lane's columns (quad-reduced at the end). */
 struct RowState {
     float m_a, m_b, l_a, l_b;
     __device__ __forceinline__ void init() {
@@ -153,35 +160,58 @@ struct RowState {
         l_a = l_b = 0.f;
     }
 
-    /* One tile: the new row max, s -> p = 2^(s mult - max mult) in place,
-     * l rescaled and grown; *alpha_a, *alpha_b: the factors O must be
-     * rescaled by (2^((m_old - m_new) mult)). */
+    /* One tile: the new row max, s -> p = 2^(s mult - max) in place, l
+     * rescaled and grown; *alpha_a, *alpha_b: the factors O must be
+     * rescaled by (2^(m_old - m_new)). */
     __device__ __forceinline__ void step(float (&s)[kSRegs], float mult, float *alpha_a,
                                          float *alpha_b) {
-        float mx_a = m_a, mx_b = m_b;
+        float tx_a = -CUDART_INF_F, tx_b = -CUDART_INF_F;
 #pragma unroll
         for (int j = 0; j < kBlockK / 8; j++) {
-            mx_a = fmaxf(mx_a, fmaxf(s[4 * j], s[4 * j + 1]));
-            mx_b = fmaxf(mx_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+            tx_a = fmaxf(tx_a, fmaxf(s[4 * j], s[4 * j + 1]));
+            tx_b = fmaxf(tx_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
         }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-        // the pivot in log2 units; a row with no visible key so far uses 0
-        const float piv_a = mx_a == -CUDART_INF_F ? 0.f : mx_a * mult;
-        const float piv_b = mx_b == -CUDART_INF_F ? 0.f : mx_b * mult;
-        *alpha_a = ex2_approx(m_a * mult - piv_a);
-        *alpha_b = ex2_approx(m_b * mult - piv_b);
+        tx_a = fmaxf(tx_a, __shfl_xor_sync(0xffffffffu, tx_a, 1));
+        tx_a = fmaxf(tx_a, __shfl_xor_sync(0xffffffffu, tx_a, 2));
+        tx_b = fmaxf(tx_b, __shfl_xor_sync(0xffffffffu, tx_b, 1));
+        tx_b = fmaxf(tx_b, __shfl_xor_sync(0xffffffffu, tx_b, 2));
+        // (__fmul_rn: never contracted into an FFMA with the subtractions)
+        const float mx_a = fmaxf(m_a, __fmul_rn(tx_a, mult));
+        const float mx_b = fmaxf(m_b, __fmul_rn(tx_b, mult));
+        // the pivot; a row with no visible key so far uses 0
+        const float piv_a = mx_a == -CUDART_INF_F ? 0.f : mx_a;
+        const float piv_b = mx_b == -CUDART_INF_F ? 0.f : mx_b;
+        *alpha_a = ex2_approx(m_a - piv_a);
+        *alpha_b = ex2_approx(m_b - piv_b);
         m_a = mx_a;
         m_b = mx_b;
+        // The FFMA leaves the row max itself the exponent s mult - piv, the
+        // rounding of piv: up to half its ulp, 2^-13 while |piv| < 2^12 (P
+        // off by less than its own 16-bit rounding).  Huge scores (q * 1e9)
+        // round the product first instead, so that the max gets exactly
+        // 2^0, as in the mma.sync kernel (a warp-uniform branch, rarely
+        // taken; model and tests/test_cuda.py "1e9").
+        const bool huge = fabsf(piv_a) >= kFfmaPivotLimit || fabsf(piv_b) >= kFfmaPivotLimit;
+        if (__any_sync(0xffffffffu, huge)) {
+#pragma unroll
+            for (int j = 0; j < kBlockK / 8; j++) {
+                s[4 * j] = ex2_approx(__fmul_rn(s[4 * j], mult) - piv_a);
+                s[4 * j + 1] = ex2_approx(__fmul_rn(s[4 * j + 1], mult) - piv_a);
+                s[4 * j + 2] = ex2_approx(__fmul_rn(s[4 * j + 2], mult) - piv_b);
+                s[4 * j + 3] = ex2_approx(__fmul_rn(s[4 * j + 3], mult) - piv_b);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < kBlockK / 8; j++) {
+                s[4 * j] = ex2_approx(fmaf(s[4 * j], mult, -piv_a));
+                s[4 * j + 1] = ex2_approx(fmaf(s[4 * j + 1], mult, -piv_a));
+                s[4 * j + 2] = ex2_approx(fmaf(s[4 * j + 2], mult, -piv_b));
+                s[4 * j + 3] = ex2_approx(fmaf(s[4 * j + 3], mult, -piv_b));
+            }
+        }
         float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
         for (int j = 0; j < kBlockK / 8; j++) {
-            s[4 * j] = ex2_approx(fmaf(s[4 * j], mult, -piv_a));
-            s[4 * j + 1] = ex2_approx(fmaf(s[4 * j + 1], mult, -piv_a));
-            s[4 * j + 2] = ex2_approx(fmaf(s[4 * j + 2], mult, -piv_b));
-            s[4 * j + 3] = ex2_approx(fmaf(s[4 * j + 3], mult, -piv_b));
             sum_a += s[4 * j] + s[4 * j + 1];
             sum_b += s[4 * j + 2] + s[4 * j + 3];
         }
