@@ -10,8 +10,10 @@ Environment:
                             with an emulated CUDA runtime and a stand-in NCCL;
                             no CUDA toolkit needed (nccl.h is, for the nccl
                             backend)
-  RINGATTN_CUDA_ARCHS="80;90"  SM targets (default sm_80 and sm_90, plus PTX
-                            for the newest so later GPUs can JIT it)
+  RINGATTN_CUDA_ARCHS="80;90a" SM targets (default sm_80 and sm_90a, plus
+                            PTX of the newest non-"a" one so later GPUs can
+                            JIT it); 90a builds the Hopper (wgmma/TMA)
+                            kernels, used on compute capability 9.0
   RINGATTN_BUILD_JOBS=N     parallel compile jobs (default: CPU count)
   NCCL_HOME, NCCL_INCLUDE_DIR  where nccl.h is, when not in the CUDA
                             toolkit, the system or the NVIDIA pip wheel
@@ -95,19 +97,33 @@ def find_nccl_include(cuda_home):
     return None
 
 
+# sm_80 (A100, and through its PTX every later GPU) and sm_90a (H100: the
+# wgmma/TMA kernels of cuda/hopper/); tools/README.md has the compile times
+DEFAULT_CUDA_ARCHS = "80;90a"
+
+
 def cuda_arch_flags():
-    archs = os.environ.get("RINGATTN_CUDA_ARCHS", "80;90")
+    """nvcc's -gencode flags for RINGATTN_CUDA_ARCHS: machine code for each
+    architecture, plus PTX of the newest portable one (an "a" architecture's
+    PTX runs on that GPU only) so that later GPUs can compile it; and
+    -DRA_CUDA_SM90A when sm_90a is among them (cuda/attn_family.cu then
+    picks the Hopper kernels on compute capability 9.0)."""
+    archs = os.environ.get("RINGATTN_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
     items = [a.strip().replace("sm_", "").replace(".", "")
              for a in archs.replace(",", ";").split(";") if a.strip()]
     if not items:
         raise RuntimeError("RINGATTN_CUDA_ARCHS is empty")
     flags = []
     for a in items:
-        if not a.isdigit() and not a.rstrip("a").isdigit():
+        if not a.isdigit() and not (a.endswith("a") and a[:-1].isdigit()):
             raise RuntimeError(f"RINGATTN_CUDA_ARCHS: bad architecture {a!r}")
         flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    newest = items[-1]
-    flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
+    portable = [a for a in items if a.isdigit()]
+    if portable:
+        newest = max(portable, key=int)
+        flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
+    if "90a" in items:
+        flags.append("-DRA_CUDA_SM90A")
     return flags
 
 

@@ -51,7 +51,7 @@ ra_status ra_cuda_fill_state(void *out, void *lse, ra_dtype acc_dtype,
 /* The tensor-core kernel family the dispatchers use on `device` (-1: the
  * current one): "sm90a" (wgmma/TMA, compute capability 9.0 with a build
  * for sm_90a) or "sm80" (mma.sync; RINGATTN_CUDA_KERNELS=sm80 forces it).
- * cuda/kernel_family.cu */
+ * cuda/attn_family.cu */
 ra_status ra_cuda_kernel_family(int device, const char **name);
 /* whether the build has the sm_90a kernels */
 int ra_cuda_built_sm90a(void);

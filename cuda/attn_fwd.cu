@@ -2,7 +2,7 @@
  * attn_fwd.cu -- ra_cuda_attn_fwd: checks what every forward kernel relies
  * on, then picks a tensor-core kernel (float16/bfloat16, head_dim 64/128,
  * 16-byte aligned rows): the wgmma/TMA one (hopper/attn_fwd_wg.cu) where
- * the device's family is sm90a (kernel_family.cu) and tensor maps can
+ * the device's family is sm90a (attn_family.cu) and tensor maps can
  * describe q, k, v, else the mma.sync one (attn_fwd_tc.cu); or the
  * generic SIMT kernel (all dtypes, head_dim 1..256; attn_fwd_simt.cu).
  * RINGATTN_CUDA_GENERIC=1 forces the generic kernel (for tests that

@@ -35,7 +35,7 @@ ra_status ra_fwd_wg(const ra_attn_fwd_params &p, cudaStream_t s, bool *ran);
 /* The tensor-core family for a device (-1: the current one), from the
  * build, its compute capability and RINGATTN_CUDA_KERNELS (an invalid
  * value is an error); the count of forward calls per kernel (0 sm90a, 1
- * sm80, 2 generic).  cuda/kernel_family.cu */
+ * sm80, 2 generic).  cuda/attn_family.cu */
 enum ra_family { RA_FAMILY_SM80, RA_FAMILY_SM90A };
 ra_status ra_kernel_family(int device, ra_family *family);
 void ra_count_fwd_kernel(int which);

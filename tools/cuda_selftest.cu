@@ -12,6 +12,11 @@
  *                 key chunks (running state from ra_cuda_fill_state, ring
  *                 position offsets) on contiguous tensors; for float16 and
  *                 bfloat16 at D 64/128 also with the generic kernels forced
+ *                 and, on a device whose tensor-core family is sm90a (the
+ *                 wgmma/TMA kernels: an H100 with a build for sm_90a, the
+ *                 emulated GPU), with the mma.sync family forced
+ *                 (RINGATTN_CUDA_KERNELS=sm80); the strided, masked and
+ *                 huge-score cases run that family's forward too
  *   run_strided   forward and backward on padded strides with affine
  *                 positions (ring steps), empty query rows, keys no query
  *                 sees, float32 grads and accumulate; the backward also
@@ -54,10 +59,26 @@ static std::vector<double> randn(std::mt19937_64 &rng, size_t n, double scale = 
     return x;
 }
 
-static void force_generic(bool on) {
-    if (on) setenv("RINGATTN_CUDA_GENERIC", "1", 1);
-    else unsetenv("RINGATTN_CUDA_GENERIC");
+/* Which kernels a case runs: the dispatcher's choice (the fastest family
+ * the device has), the generic ones forced (RINGATTN_CUDA_GENERIC=1), or
+ * the mma.sync family forced (RINGATTN_CUDA_KERNELS=sm80) where the device
+ * also has the sm90a family (g_two_families).  The backward has one
+ * tensor-core family (mma.sync) so far: an Sm80 case runs the forward only
+ * until g_bwd_families says otherwise. */
+enum Kern { FAST, GENERIC, SM80 };
+static bool g_two_families = false;
+static const bool g_bwd_families = false;
+
+static const char *kern_label(Kern k) {
+    return k == GENERIC ? " generic" : k == SM80 ? " sm80" : "";
 }
+static void force_kernels(Kern k) {
+    if (k == GENERIC) setenv("RINGATTN_CUDA_GENERIC", "1", 1);
+    else unsetenv("RINGATTN_CUDA_GENERIC");
+    if (k == SM80) setenv("RINGATTN_CUDA_KERNELS", "sm80", 1);
+    else unsetenv("RINGATTN_CUDA_KERNELS");
+}
+static void force_generic(bool on) { force_kernels(on ? GENERIC : FAST); }
 
 /* Forward params for contiguous BSHD q/out, k/v and lse (B, H, S_q). */
 static ra_attn_fwd_params fwd_params(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D,
@@ -169,14 +190,15 @@ struct Problem {
 };
 
 static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bool causal,
-                     bool generic) {
+                     Kern kern) {
+    const bool bwd = kern != SM80 || g_bwd_families;
     std::mt19937_64 rng(B * 131 + Sq * 7 + Sk * 3 + D + causal + 1000 * (int)t);
     Problem pr(t, B, Sq, Sk, H, Hk, D, causal, rng);
     const size_t nq = pr.nq, nl = pr.nl;
     const ra_dtype acc = pr.acc;
     const ra_attn_fwd_params &f = pr.f;
     const double tol = fwd_tol(t);
-    force_generic(generic);
+    force_kernels(kern);
     pr.forward();
     // the same into an accumulator-dtype output
     Dev dout_acc(nq * esize(acc)), dl2(nl * esize(acc));
@@ -189,13 +211,15 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
               cmp("out(acc dtype)", down(dout_acc, nq, acc), pr.ro, tol) &&
               cmp("lse(acc dtype)", down(dl2, nl, acc), pr.rl, tol);
 
-    pr.backward();
-    CK(cudaDeviceSynchronize());
-    // the reference backward uses exact out; bf16/fp16 out rounding moves delta a little
-    const double btol = tol * 2;
-    ok = ok && cmp("dq", down(pr.gq, nq, t), pr.rdq, btol) &&
-         cmp("dk", down(pr.gk, pr.nk, t), pr.rdk, btol) &&
-         cmp("dv", down(pr.gv, pr.nk, t), pr.rdv, btol);
+    if (bwd) {
+        pr.backward();
+        CK(cudaDeviceSynchronize());
+        // the reference backward uses exact out; bf16/fp16 out rounding moves delta a little
+        const double btol = tol * 2;
+        ok = ok && cmp("dq", down(pr.gq, nq, t), pr.rdq, btol) &&
+             cmp("dk", down(pr.gk, pr.nk, t), pr.rdk, btol) &&
+             cmp("dv", down(pr.gv, pr.nk, t), pr.rdv, btol);
+    }
 
     // accumulate: two key chunks into a running state (acc dtype), the
     // second with its positions continued (a ring step)
@@ -216,9 +240,9 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
         ok = ok && cmp("acc out", down(so, nq, acc), pr.ro, tol) &&
              cmp("acc lse", down(sl, nl, acc), pr.rl, tol);
     }
-    force_generic(false);
+    force_kernels(FAST);
     printf("%-4s %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d%s\n", ok ? "ok" : "FAIL",
-           ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)causal, generic ? " generic" : "");
+           ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)causal, kern_label(kern));
     return ok;
 }
 
@@ -318,6 +342,16 @@ static bool run_strided(ra_dtype t, const StridedCase &c) {
     CK(cudaDeviceSynchronize());
     bool ok = cmp("out", from_strided(down(fout, nqs, t), B, Sq, H, D, c.pad), ro, fwd_tol(t)) &&
               cmp("lse", down(fl, nl, acc), rl, fwd_tol(t));
+    if (ok && g_two_families && (D == 64 || D == 128) && esize(t) == 2) {
+        // the mma.sync family's forward on the same layout
+        force_kernels(SM80);
+        RK(ra_cuda_attn_fwd(&f, 0));
+        CK(cudaDeviceSynchronize());
+        force_kernels(FAST);
+        ok = cmp("out (sm80)", from_strided(down(fout, nqs, t), B, Sq, H, D, c.pad), ro,
+                 fwd_tol(t)) &&
+             cmp("lse (sm80)", down(fl, nl, acc), rl, fwd_tol(t));
+    }
 
     // one backward into fresh grads (NaN-filled unless accumulating); returns the raw buffers
     struct Grads { std::vector<double> dq, dk, dv; };
@@ -417,7 +451,8 @@ static std::vector<int> doc_layout(int kind, int B, long n, std::mt19937_64 &rng
  * key chunks) and the backward (grads in t and, with accumulate, added
  * into float grads over the same two chunks) under the masks of `c`,
  * against the float64 reference. */
-static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
+static bool run_masked(ra_dtype t, int D, const MaskCase &c, Kern kern) {
+    const bool bwd = kern != SM80 || g_bwd_families;
     const int B = c.B, Sq = c.Sq, Sk = c.Sk, H = c.H, Hk = c.Hk;
     std::mt19937_64 rng(Sq * 7 + Sk * 3 + D + 100 * c.docs + 10 * c.left + c.right + (int)t);
     Layout lay;
@@ -444,15 +479,16 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
     const ra_dtype acc = pr.acc;
     const size_t nq = pr.nq, nk = pr.nk, nl = pr.nl;
     const double tol = fwd_tol(t), btol = bwd_tol(t);
-    force_generic(generic);
+    force_kernels(kern);
     pr.forward();
-    pr.backward();
+    if (bwd) pr.backward();
     CK(cudaDeviceSynchronize());
     bool ok = cmp("out", down(pr.dout, nq, t), pr.ro, tol) &&
-              cmp("lse", down(pr.dl, nl, acc), pr.rl, tol) &&
-              cmp("dq", down(pr.gq, nq, t), pr.rdq, btol) &&
-              cmp("dk", down(pr.gk, nk, t), pr.rdk, btol) &&
-              cmp("dv", down(pr.gv, nk, t), pr.rdv, btol);
+              cmp("lse", down(pr.dl, nl, acc), pr.rl, tol);
+    if (bwd)
+        ok = ok && cmp("dq", down(pr.gq, nq, t), pr.rdq, btol) &&
+             cmp("dk", down(pr.gk, nk, t), pr.rdk, btol) &&
+             cmp("dv", down(pr.gv, nk, t), pr.rdv, btol);
 
     if (c.accumulate && Sk >= 2) {
         // two key chunks, the second at its offsets (k, v, kv ids, positions,
@@ -480,21 +516,22 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
                 a.mask.kv_segment_ids = g.mask.kv_segment_ids =
                     (const int32_t *)pr.kids.p + (part ? split : 0);
             RK(ra_cuda_attn_fwd(&a, 0));
-            RK(ra_cuda_attn_bwd(&g, 0));  // delta from the first backward
+            if (bwd) RK(ra_cuda_attn_bwd(&g, 0));  // delta from the first backward
         }
         CK(cudaDeviceSynchronize());
         ok = ok && cmp("acc out", down(so, nq, acc), pr.ro, tol) &&
-             cmp("acc lse", down(sl, nl, acc), pr.rl, tol) &&
-             cmp("acc dq", down(aq, nq, acc), pr.rdq, btol) &&
-             cmp("acc dk", down(ak, nk, acc), pr.rdk, btol) &&
-             cmp("acc dv", down(av, nk, acc), pr.rdv, btol);
+             cmp("acc lse", down(sl, nl, acc), pr.rl, tol);
+        if (bwd)
+            ok = ok && cmp("acc dq", down(aq, nq, acc), pr.rdq, btol) &&
+                 cmp("acc dk", down(ak, nk, acc), pr.rdk, btol) &&
+                 cmp("acc dv", down(av, nk, acc), pr.rdv, btol);
     }
-    force_generic(false);
+    force_kernels(FAST);
     printf("%-4s masked %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d pos=(%ld, %ld)*%ld "
            "docs=%d window=%s(%ld,%ld) softcap=%g q*%g acc=%d%s\n", ok ? "ok" : "FAIL",
            ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)c.causal, lay.qoff, lay.koff, c.str, c.docs,
            c.window ? "" : "none", c.left, c.right, c.softcap, c.q_scale, (int)c.accumulate,
-           generic ? " generic" : "");
+           kern_label(kern));
     return ok;
 }
 
@@ -511,13 +548,24 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
 static bool run_huge(ra_dtype t, int D, bool causal, double factor) {
     std::mt19937_64 rng(D * 7 + causal + (int)t);
     Problem pr(t, 1, 70, 90, 2, 1, D, causal, rng, factor);
+    bool ok = true;
+    if (g_two_families && (D == 64 || D == 128) && esize(t) == 2) {
+        // the mma.sync family's forward first (the backward below reads the
+        // default family's out and lse)
+        force_kernels(SM80);
+        pr.forward();
+        CK(cudaDeviceSynchronize());
+        force_kernels(FAST);
+        ok = cmp("out (sm80)", down(pr.dout, pr.nq, t), pr.ro, fwd_tol(t)) &&
+             cmp("lse (sm80)", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t));
+    }
     pr.forward();
     CK(cudaDeviceSynchronize());
     double qmax = 0;
     for (double x : pr.q) qmax = std::max(qmax, std::fabs(x));
     const double tol = bwd_tol(t);
-    bool ok = cmp("out", down(pr.dout, pr.nq, t), pr.ro, fwd_tol(t)) &&
-              cmp("lse", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t));
+    ok = ok && cmp("out", down(pr.dout, pr.nq, t), pr.ro, fwd_tol(t)) &&
+         cmp("lse", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t));
     for (int merged = 0; merged < 2 && ok; merged++) {
         if (merged) {
             // lse of keys [0, 40) and [40, 90) merged into a running state
@@ -624,6 +672,11 @@ int main(int argc, char **argv) {
         printf("selftest: no CUDA device\n");
         return 2;
     }
+    // the tensor-core kernels run in every family the device has
+    const char *family = "sm80";
+    RK(ra_cuda_kernel_family(0, &family));
+    g_two_families = strcmp(family, "sm90a") == 0;
+    printf("selftest: tensor-core kernel families %s\n", g_two_families ? "sm90a, sm80" : "sm80");
     const ra_dtype dts[] = {RA_BFLOAT16, RA_FLOAT16, RA_FLOAT32, RA_FLOAT64};
     const int dims[] = {8, 59, 64, 96, 128, 256};
     //                         B   Sq   Sk  H  Hkv
@@ -637,13 +690,17 @@ int main(int argc, char **argv) {
             const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
             if (quick) {
                 const int *s = quick_shape;
-                count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, true, false));
+                count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, true, FAST));
+                if (tc && g_two_families)
+                    count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, true, SM80));
                 continue;
             }
             for (const auto &s : shapes)
                 for (int c = 0; c < 2; c++) {
-                    count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, c, false));
-                    if (tc) count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, c, true));
+                    count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, c, FAST));
+                    if (tc) count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, c, GENERIC));
+                    if (tc && g_two_families)
+                        count(run_case(t, s[0], s[1], s[2], s[3], s[4], D, c, SM80));
                 }
         }
     // odd sizes, GQA, S_q != S_k, empty query rows (causal with S_q > S_k),
@@ -719,10 +776,11 @@ int main(int argc, char **argv) {
                 // the generic kernels by lane width (D 8 and 59 share one), the
                 // tensor-core ones
                 if (tc || D == 8 || D == 59 || D == 96 || D == 256)
-                    count(run_masked(t, D, quick_mask, false));
+                    count(run_masked(t, D, quick_mask, FAST));
+                if (tc && g_two_families) count(run_masked(t, D, quick_mask, SM80));
                 if (t == RA_BFLOAT16 && (D == 59 || D == 64))  // the long walks
                     for (int ci = n_mask_cases - 2; ci < n_mask_cases; ci++)
-                        count(run_masked(t, D, mask_cases[ci], false));
+                        count(run_masked(t, D, mask_cases[ci], FAST));
                 continue;
             }
             // the tensor-core kernels (and the generic ones as a control on every
@@ -734,8 +792,10 @@ int main(int argc, char **argv) {
             if (!every && !third) continue;
             for (int ci = 0; ci < n_mask_cases; ci++) {
                 if (!every && ci % 3 != D % 3) continue;
-                count(run_masked(t, D, mask_cases[ci], false));
-                if (tc && ci % 3 == 0) count(run_masked(t, D, mask_cases[ci], true));
+                count(run_masked(t, D, mask_cases[ci], FAST));
+                if (tc && ci % 3 == 0) count(run_masked(t, D, mask_cases[ci], GENERIC));
+                if (tc && g_two_families && ci % 3 == 1)
+                    count(run_masked(t, D, mask_cases[ci], SM80));
             }
         }
     }

@@ -345,7 +345,8 @@ def natural_loops(blocks, succ):
     for u in dom:
         for h in succ.get(u, ()):
             if h in dom[u]:
-                body, stack = {h, u}, [u]
+                # (a self-loop, u == h, is h alone: the walk stops at h)
+                body, stack = {h, u}, ([u] if u != h else [])
                 while stack:
                     x = stack.pop()
                     for p in pred.get(x, ()):

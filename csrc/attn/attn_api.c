@@ -253,7 +253,7 @@ static PyObject *mod_num_threads(PyObject *m, PyObject *unused) {
 }
 
 /* The tensor-core family of the forward on CUDA device `device` ("sm90a"
- * or "sm80", cuda/kernel_family.cu), None without a usable GPU; a bad
+ * or "sm80", cuda/attn_family.cu), None without a usable GPU; a bad
  * RINGATTN_CUDA_KERNELS raises. */
 static PyObject *mod_cuda_kernel_family(PyObject *m, PyObject *arg) {
     (void)m;

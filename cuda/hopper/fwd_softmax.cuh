@@ -188,26 +188,29 @@ struct RowState {
         // The FFMA leaves the row max itself the exponent s mult - piv, the
         // rounding of piv: up to half its ulp, 2^-13 while |piv| < 2^12 (P
         // off by less than its own 16-bit rounding).  Huge scores (q * 1e9)
-        // round the product first instead, so that the max gets exactly
-        // 2^0, as in the mma.sync kernel (a warp-uniform branch, rarely
-        // taken; model and tests/test_cuda.py "1e9").
+        // are first scaled and shifted in place as the mma.sync kernel does
+        // it (the product rounded, so the max gets exactly 2^0), the FFMA
+        // then being x * 1 - 0: a warp-uniform branch, rarely taken, off the
+        // common path (tests/test_cuda.py "1e9").
+        float fm = mult, fa = piv_a, fb = piv_b;
         const bool huge = fabsf(piv_a) >= kFfmaPivotLimit || fabsf(piv_b) >= kFfmaPivotLimit;
         if (__any_sync(0xffffffffu, huge)) {
 #pragma unroll
             for (int j = 0; j < kBlockK / 8; j++) {
-                s[4 * j] = ex2_approx(__fmul_rn(s[4 * j], mult) - piv_a);
-                s[4 * j + 1] = ex2_approx(__fmul_rn(s[4 * j + 1], mult) - piv_a);
-                s[4 * j + 2] = ex2_approx(__fmul_rn(s[4 * j + 2], mult) - piv_b);
-                s[4 * j + 3] = ex2_approx(__fmul_rn(s[4 * j + 3], mult) - piv_b);
+                s[4 * j] = __fmul_rn(s[4 * j], mult) - piv_a;
+                s[4 * j + 1] = __fmul_rn(s[4 * j + 1], mult) - piv_a;
+                s[4 * j + 2] = __fmul_rn(s[4 * j + 2], mult) - piv_b;
+                s[4 * j + 3] = __fmul_rn(s[4 * j + 3], mult) - piv_b;
             }
-        } else {
+            fm = 1.f;
+            fa = fb = 0.f;
+        }
 #pragma unroll
-            for (int j = 0; j < kBlockK / 8; j++) {
-                s[4 * j] = ex2_approx(fmaf(s[4 * j], mult, -piv_a));
-                s[4 * j + 1] = ex2_approx(fmaf(s[4 * j + 1], mult, -piv_a));
-                s[4 * j + 2] = ex2_approx(fmaf(s[4 * j + 2], mult, -piv_b));
-                s[4 * j + 3] = ex2_approx(fmaf(s[4 * j + 3], mult, -piv_b));
-            }
+        for (int j = 0; j < kBlockK / 8; j++) {
+            s[4 * j] = ex2_approx(fmaf(s[4 * j], fm, -fa));
+            s[4 * j + 1] = ex2_approx(fmaf(s[4 * j + 1], fm, -fa));
+            s[4 * j + 2] = ex2_approx(fmaf(s[4 * j + 2], fm, -fb));
+            s[4 * j + 3] = ex2_approx(fmaf(s[4 * j + 3], fm, -fb));
         }
         float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll

@@ -1,5 +1,5 @@
 /*
- * kernel_family.cu -- which family of tensor-core kernels the dispatchers
+ * attn_family.cu -- which family of tensor-core kernels the dispatchers
  * run on a device:
  *   "sm90a"  the wgmma/TMA kernels (cuda/hopper/): on compute capability
  *            9.0 when the build has sm_90a code (RINGATTN_CUDA_ARCHS names
