@@ -27,6 +27,9 @@
  *   run_huge      huge but finite scores (q scaled by 1e9 in float32 and
  *                 bfloat16, 1e18 in float64): finite and correct gradients,
  *                 also from an lse merged over two key chunks
+ *   run_broadcast k and v shared by the batch (batch stride 0): the
+ *                 mma.sync forward, which the dispatcher keeps for layouts
+ *                 a tensor map cannot describe
  *   run_merge     the LSE merge of two key halves
  *   run_copy      the strided cast copy, every pair of dtypes
  * The full grid: float32/float64/float16/bfloat16, D in {8, 59, 64, 96,
@@ -535,6 +538,46 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, Kern kern) {
     return ok;
 }
 
+/* ---- k and v shared by the batch (stride 0) ----------------------------- */
+
+/* k, v of one batch row read by every batch row of q (batch stride 0): the
+ * Hopper kernels' tensor maps take no broadcast axis, so the dispatcher
+ * runs the mma.sync kernel (the forward-kernel counters show which ran),
+ * whose result must be the reference's with k, v repeated. */
+static bool run_broadcast(ra_dtype t, int D, bool causal) {
+    const int B = 2, Sq = 70, Sk = 90, H = 2, Hk = 1;
+    std::mt19937_64 rng(D * 3 + causal + (int)t);
+    const size_t nq = (size_t)B * Sq * H * D, nk1 = (size_t)Sk * Hk * D, nl = (size_t)B * H * Sq;
+    const auto q = rounded(randn(rng, nq), t), k1 = rounded(randn(rng, nk1), t);
+    const auto v1 = rounded(randn(rng, nk1), t), g = rounded(randn(rng, nq), t);
+    std::vector<double> k(k1), v(v1), ro, rl, rdq, rdk, rdv;
+    k.insert(k.end(), k1.begin(), k1.end());
+    v.insert(v.end(), v1.begin(), v1.end());
+    reference(B, Sq, Sk, H, Hk, D, causal, Sk - Sq, 0, q, k, v, g, ro, rl, rdq, rdk, rdv);
+    const ra_dtype acc = ra_acc_dtype(t);
+    Dev dq_(nq * esize(t)), dk_(nk1 * esize(t)), dv_(nk1 * esize(t)), dout(nq * esize(t));
+    Dev dl(nl * esize(acc));
+    up(dq_, encode(q, t)); up(dk_, encode(k1, t)); up(dv_, encode(v1, t));
+    ra_attn_fwd_params f = fwd_params(t, B, Sq, Sk, H, Hk, D, causal, Sk - Sq);
+    f.q = dq_.p; f.k = dk_.p; f.v = dv_.p; f.out = dout.p; f.lse = dl.p;
+    f.k_batch_stride = f.v_batch_stride = 0;   // every batch row reads k, v of row 0
+    unsigned long long before[3], after[3];
+    ra_cuda_fwd_kernel_counts(before);
+    RK(ra_cuda_attn_fwd(&f, 0));
+    CK(cudaDeviceSynchronize());
+    ra_cuda_fwd_kernel_counts(after);
+    bool ok = cmp("out", down(dout, nq, t), ro, fwd_tol(t)) &&
+              cmp("lse", down(dl, nl, acc), rl, fwd_tol(t));
+    if (ok && (after[0] != before[0] || after[1] != before[1] + 1)) {
+        printf("    the forward ran %llu sm90a, %llu sm80 kernels, expected the sm80 one\n",
+               after[0] - before[0], after[1] - before[1]);
+        ok = false;
+    }
+    printf("%-4s broadcast kv %-8s B=%d Sq=%d Sk=%d D=%d causal=%d\n", ok ? "ok" : "FAIL",
+           ra_dtype_name(t), B, Sq, Sk, D, (int)causal);
+    return ok;
+}
+
 /* ---- huge but finite scores -------------------------------------------- */
 
 /* q scaled by `factor`: the softmax is one-hot, P recomputed in the
@@ -815,6 +858,12 @@ int main(int argc, char **argv) {
             count(run_huge(RA_BFLOAT16, 128, c, 1e9));
         }
     }
+    // a broadcast k, v (batch stride 0): the mma.sync kernel's, on every device
+    for (ra_dtype t : {RA_BFLOAT16, RA_FLOAT16})
+        for (int D : {64, 128}) {
+            if (quick && (t == RA_FLOAT16 || D == 64)) continue;
+            count(run_broadcast(t, D, D == 128));
+        }
     for (ra_dtype t : dts)
         for (int D : {59, 64}) {
             if (quick && D == 64 && (t == RA_FLOAT32 || t == RA_FLOAT64)) continue;

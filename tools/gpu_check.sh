@@ -31,8 +31,9 @@
 #   selftest   tools/cuda_selftest.cu, every kernel variant vs float64
 #              ("full" grid; both tensor-core families on an sm_90a build);
 #              linked with the build's CUDA objects
-#   tests      pytest -m gpu tests/test_cuda.py tests/test_cuda_interop.py
-#              tests/test_cuda_lifetime.py tests/test_jax_ffi_gpu.py (the
+#   tests      pytest -m gpu tests/test_cuda.py tests/test_cuda_families.py
+#              tests/test_cuda_interop.py tests/test_cuda_lifetime.py
+#              tests/test_jax_ffi_gpu.py (the
 #              XLA FFI CUDA handlers: they skip, with the reason shown, where
 #              JAX there has no CUDA); then the races of borrowed arrays
 #              with PyTorch tensors, each test 20 times in a row
@@ -390,8 +391,9 @@ PY
 REPEAT_RUNS=20
 
 stage_tests() {
-    note "== tests: pytest -m gpu test_cuda.py test_cuda_interop.py test_cuda_lifetime.py test_jax_ffi_gpu.py (~3.5 min)"
-    pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_interop.py" \
+    note "== tests: pytest -m gpu test_cuda.py test_cuda_families.py test_cuda_interop.py test_cuda_lifetime.py test_jax_ffi_gpu.py (~3.5 min)"
+    pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_families.py" \
+        "$REPO/tests/test_cuda_interop.py" \
         "$REPO/tests/test_cuda_lifetime.py" "$REPO/tests/test_jax_ffi_gpu.py"
     local rc=$?
     # borrowed arrays freed while ringattn's stream still used them gave a

@@ -166,7 +166,10 @@ static int make_map(CUtensorMap *map, ra_dtype t, const void *x, int64_t batch, 
                     int64_t heads, int64_t D, int64_t sb, int64_t ss, int64_t sh, char *err,
                     size_t errlen) {
     const uint64_t dims[4] = {(uint64_t)D, (uint64_t)seq, (uint64_t)heads, (uint64_t)batch};
-    const uint64_t strides[3] = {(uint64_t)ss * 2, (uint64_t)sh * 2, (uint64_t)sb * 2};
+    // a dimension of extent 1 is never stepped along: any legal stride does
+    // (the caller's may be anything a size-1 axis has)
+    const uint64_t strides[3] = {seq > 1 ? (uint64_t)ss * 2 : 16, heads > 1 ? (uint64_t)sh * 2 : 16,
+                                 batch > 1 ? (uint64_t)sb * 2 : 16};
     const uint32_t box[4] = {64, (uint32_t)kBlockK, 1, 1};
     static_assert(kBlockK == kBlockQ, "one box shape for Q, K and V");
     return ra_tensor_map_tiled(map,
@@ -215,14 +218,18 @@ ra_status dispatch(const ra_attn_fwd_params &p, cudaStream_t s, bool *ran) {
 
 bool ra_fwd_wg_supported(const ra_attn_fwd_params &p) {
     if (!ra_fwd_tc_supported(p)) return false;   // dtypes, head dims, 16-byte aligned rows
-    // tensor maps: int32 coordinates, dimensions up to 2^32, strides below 2^40 bytes
+    // tensor maps: int32 coordinates, dimensions up to 2^32, strides (of the
+    // dimensions longer than 1) positive -- a broadcast (stride 0) axis is
+    // left to the mma.sync kernel -- and below 2^40 bytes
     const int64_t lim = (int64_t)1 << 31;
     if (p.batch >= lim || p.seqlen_q >= lim || p.seqlen_k >= lim || p.heads >= lim) return false;
-    const int64_t s16[] = {p.q_batch_stride, p.q_seq_stride, p.q_head_stride,
-                           p.k_batch_stride, p.k_seq_stride, p.k_head_stride,
-                           p.v_batch_stride, p.v_seq_stride, p.v_head_stride};
-    for (int64_t x : s16)
-        if (x < 0 || x >= ((int64_t)1 << 39)) return false;
+    const int64_t ext[9] = {p.batch, p.seqlen_q, p.heads, p.batch, p.seqlen_k, p.heads_kv,
+                            p.batch, p.seqlen_k, p.heads_kv};
+    const int64_t str[9] = {p.q_batch_stride, p.q_seq_stride, p.q_head_stride,
+                            p.k_batch_stride, p.k_seq_stride, p.k_head_stride,
+                            p.v_batch_stride, p.v_seq_stride, p.v_head_stride};
+    for (int i = 0; i < 9; i++)
+        if (ext[i] > 1 && (str[i] <= 0 || str[i] >= ((int64_t)1 << 39))) return false;
     return true;
 }
 
