@@ -10,8 +10,10 @@ Environment:
                             with an emulated CUDA runtime and a stand-in NCCL;
                             no CUDA toolkit needed (nccl.h is, for the nccl
                             backend)
-  RINGATTN_CUDA_ARCHS="80;90"  SM targets (default sm_80 and sm_90, plus PTX
-                            for the newest so later GPUs can JIT it)
+  RINGATTN_CUDA_ARCHS="80;90a" SM targets (default sm_80 and sm_90a, plus
+                            PTX of the newest non-"a" one so later GPUs can
+                            JIT it); 90a builds the Hopper (wgmma/TMA)
+                            kernels, used on compute capability 9.0
   RINGATTN_BUILD_JOBS=N     parallel compile jobs (default: CPU count)
   NCCL_HOME, NCCL_INCLUDE_DIR  where nccl.h is, when not in the CUDA
                             toolkit, the system or the NVIDIA pip wheel
@@ -95,19 +97,33 @@ def find_nccl_include(cuda_home):
     return None
 
 
+# sm_80 (A100, and through its PTX every later GPU) and sm_90a (H100: the
+# wgmma/TMA kernels of cuda/hopper/); tools/README.md has the compile times
+DEFAULT_CUDA_ARCHS = "80;90a"
+
+
 def cuda_arch_flags():
-    archs = os.environ.get("RINGATTN_CUDA_ARCHS", "80;90")
+    """nvcc's -gencode flags for RINGATTN_CUDA_ARCHS: machine code for each
+    architecture, plus PTX of the newest portable one (an "a" architecture's
+    PTX runs on that GPU only) so that later GPUs can compile it; and
+    -DRA_CUDA_SM90A when sm_90a is among them (cuda/attn_family.cu then
+    picks the Hopper kernels on compute capability 9.0)."""
+    archs = os.environ.get("RINGATTN_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
     items = [a.strip().replace("sm_", "").replace(".", "")
              for a in archs.replace(",", ";").split(";") if a.strip()]
     if not items:
         raise RuntimeError("RINGATTN_CUDA_ARCHS is empty")
     flags = []
     for a in items:
-        if not a.isdigit() and not a.rstrip("a").isdigit():
+        if not a.isdigit() and not (a.endswith("a") and a[:-1].isdigit()):
             raise RuntimeError(f"RINGATTN_CUDA_ARCHS: bad architecture {a!r}")
         flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    newest = items[-1]
-    flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
+    portable = [a for a in items if a.isdigit()]
+    if portable:
+        newest = max(portable, key=int)
+        flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
+    if "90a" in items:
+        flags.append("-DRA_CUDA_SM90A")
     return flags
 
 
@@ -210,7 +226,11 @@ class BuildExt(build_ext):
             obj = os.path.join(objdir, name.replace(os.sep, "__") + ".o")
             items.append((base + checked + ["-x", "c++", "-c", src, "-o", obj],
                           src, obj))
-        ext.extra_objects += self.compile_objects(items, jobs)
+        objects = self.compile_objects(items, jobs)
+        # a rebuilt object relinks the extension (build_ext compares only
+        # its sources and depends with the library)
+        ext.extra_objects += objects
+        ext.depends += objects
         ext.define_macros += [("RA_WITH_CUDA", "1"), ("RA_CUDA_EMULATED", "1")]
         # the emulated CUDA headers come before any toolkit's (nccl.h's
         # #include <cuda_runtime.h> must find them too)
@@ -252,6 +272,7 @@ class BuildExt(build_ext):
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             list(pool.map(compile_one, todo))
         ext.extra_objects += objects
+        ext.depends += objects   # a rebuilt object relinks the extension
         ext.define_macros.append(("RA_WITH_CUDA", "1"))
         ext.include_dirs += [os.path.join(home, "include"),
                              os.path.join(ROOT, "cuda")]

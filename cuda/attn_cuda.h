@@ -51,6 +51,16 @@ ra_status ra_cuda_fill_state(void *out, void *lse, ra_dtype acc_dtype,
                              int64_t lse_batch_stride, int64_t lse_head_stride,
                              int64_t lse_seq_stride, void *stream);
 
+/* The tensor-core kernel family the dispatchers use on `device` (-1: the
+ * current one): "sm90a" (wgmma/TMA, compute capability 9.0 with a build
+ * for sm_90a) or "sm80" (mma.sync; RINGATTN_CUDA_KERNELS=sm80 forces it).
+ * cuda/attn_family.cu */
+ra_status ra_cuda_kernel_family(int device, const char **name);
+/* whether the build has the sm_90a kernels */
+int ra_cuda_built_sm90a(void);
+/* forward calls so far that ran the sm90a, sm80 and generic kernels */
+void ra_cuda_fwd_kernel_counts(unsigned long long out[3]);
+
 #ifdef __cplusplus
 }
 #endif

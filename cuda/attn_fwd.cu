@@ -1,9 +1,12 @@
 /*
  * attn_fwd.cu -- ra_cuda_attn_fwd: checks what every forward kernel relies
- * on, then picks the tensor-core kernel (float16/bfloat16, head_dim 64/128,
- * 16-byte aligned rows; attn_fwd_tc.cu) or the generic SIMT kernel (all
- * dtypes, head_dim 1..256; attn_fwd_simt.cu).  RINGATTN_CUDA_GENERIC=1
- * forces the generic kernel (for tests that compare the two).
+ * on, then picks a tensor-core kernel (float16/bfloat16, head_dim 64/128,
+ * 16-byte aligned rows): the wgmma/TMA one (hopper/attn_fwd_wg.cu) where
+ * the device's family is sm90a (attn_family.cu) and tensor maps can
+ * describe q, k, v, else the mma.sync one (attn_fwd_tc.cu); or the
+ * generic SIMT kernel (all dtypes, head_dim 1..256; attn_fwd_simt.cu).
+ * RINGATTN_CUDA_GENERIC=1 forces the generic kernel (for tests that
+ * compare them), RINGATTN_CUDA_KERNELS=sm80 the mma.sync family.
  *
  * q, out: (B, S_q, H, D); k, v: (B, S_k, H_kv, D); lse: (B, H, S_q) acc dtype.
  */
@@ -27,6 +30,20 @@ extern "C" ra_status ra_cuda_attn_fwd(const ra_attn_fwd_params *p, void *stream)
     cudaStream_t s = (cudaStream_t)stream;
     RaDeviceGuard guard;
     RA_CHECK(guard.enter_for(p->q));
-    if (!ra_force_generic() && ra_fwd_tc_supported(*p)) return ra_fwd_tc(*p, s);
+    if (!ra_force_generic() && ra_fwd_tc_supported(*p)) {
+        ra_family family = RA_FAMILY_SM80;
+        RA_CHECK(ra_kernel_family(-1, &family));
+        if (family == RA_FAMILY_SM90A && ra_fwd_wg_supported(*p)) {
+            bool ran = false;
+            RA_CHECK(ra_fwd_wg(*p, s, &ran));
+            if (ran) {
+                ra_count_fwd_kernel(0);
+                return RA_OK;
+            }
+        }
+        ra_count_fwd_kernel(1);
+        return ra_fwd_tc(*p, s);
+    }
+    ra_count_fwd_kernel(2);
     return ra_fwd_simt(*p, s);
 }

@@ -24,6 +24,22 @@ ra_status ra_bwd_simt(const ra_attn_bwd_params &p, cudaStream_t s);
 bool ra_fwd_tc_supported(const ra_attn_fwd_params &p);
 ra_status ra_fwd_tc(const ra_attn_fwd_params &p, cudaStream_t s);
 
+/* Hopper (sm_90a) forward on wgmma and bulk tensor copies: float16 /
+ * bfloat16, head_dim 64 or 128, q/k/v strides a tensor map can describe.
+ * *ran is false (and nothing was launched) when the driver could not make
+ * the tensor maps: the caller then runs the mma.sync kernel.
+ * cuda/hopper/attn_fwd_wg.cu */
+bool ra_fwd_wg_supported(const ra_attn_fwd_params &p);
+ra_status ra_fwd_wg(const ra_attn_fwd_params &p, cudaStream_t s, bool *ran);
+
+/* The tensor-core family for a device (-1: the current one), from the
+ * build, its compute capability and RINGATTN_CUDA_KERNELS (an invalid
+ * value is an error); the count of forward calls per kernel (0 sm90a, 1
+ * sm80, 2 generic).  cuda/attn_family.cu */
+enum ra_family { RA_FAMILY_SM80, RA_FAMILY_SM90A };
+ra_status ra_kernel_family(int device, ra_family *family);
+void ra_count_fwd_kernel(int which);
+
 /* Tensor-core backward, float16/bfloat16, head_dim 64 or 128 (eligibility
  * in attn_bwd.cu).  deterministic: the dk/dv pass (attn_bwd_tc_dkdv.cu) and
  * the dq pass (attn_bwd_tc_dq.cu), each deterministic and run in that

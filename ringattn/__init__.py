@@ -95,12 +95,18 @@ def reset_peak_memory_stats():
 
 def cuda_info():
     """{'built': bool, 'available': bool, 'reason': str, 'devices': int,
-    'emulated': bool, 'device_name': str}.
+    'emulated': bool, 'device_name': str, 'forward_kernels': str | None,
+    'backward_kernels': str | None}.
 
     ``emulated`` is True when ringattn was built with
     ``RINGATTN_CUDA=emulate``: its CUDA part then runs on the CPU on
     ringattn's emulated GPU (``device_name`` says so; '' otherwise), which
-    proves logic and ordering, never speed.
+    proves logic and ordering, never speed.  ``forward_kernels`` and
+    ``backward_kernels`` name the tensor-core kernel family the float16 /
+    bfloat16 attention of head_dim 64 and 128 runs on device 0: "sm90a"
+    (wgmma and TMA: compute capability 9.0 and a build for sm_90a) or
+    "sm80" (mma.sync; ``RINGATTN_CUDA_KERNELS=sm80`` forces it); None
+    without a usable GPU.
     """
     available, reason = _C.cuda_available()
     emulated = bool(_C.cuda_emulated())
@@ -110,6 +116,9 @@ def cuda_info():
             "emulated": emulated,
             "device_name": "ringattn emulated GPU (sm_90, on the CPU)"
             if emulated else ""}
+    family = _C.cuda_kernel_family(0) if available else None
+    info["forward_kernels"] = family
+    info["backward_kernels"] = "sm80" if family else None
     return info
 
 

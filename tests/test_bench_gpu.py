@@ -116,13 +116,27 @@ def test_speed_row_shows_the_model_next_to_the_measured_time():
     pred = model_prediction("fwd", "bfloat16", 128, 4096, True, 4, 16)
     assert set(pred) == {"fwd_tc", "total"} and 0.6e-3 < pred["total"] < 1.6e-3
     r = {"pass": "fwd", "dtype": "bfloat16", "causal": True, "D": 128, "S": 4096, "B": 4,
-         "H": 16, "ra": 218.0, "flash": 311.0, "cudnn": 577.0, "ms": 1.26, "model": pred}
+         "H": 16, "family": "sm80", "ra": 218.0, "flash": 311.0, "cudnn": 577.0, "ms": 1.26,
+         "model": pred}
     cells = format_speed_row(r).split()
-    assert cells[7:11] == ["218.0", "311.0", "577.0", "0.70"]
-    assert cells[11] == "1.26" and float(cells[12]) == pytest.approx(pred["total"] * 1e3, abs=0.01)
-    assert float(cells[13]) == pytest.approx(1.26 / (pred["total"] * 1e3), abs=0.01)
+    assert cells[7:13] == ["sm80", "218.0", "-", "311.0", "577.0", "0.70"]
+    assert cells[13] == "1.26" and float(cells[14]) == pytest.approx(pred["total"] * 1e3, abs=0.01)
+    assert float(cells[15]) == pytest.approx(1.26 / (pred["total"] * 1e3), abs=0.01)
     # without a prediction (no counts for the kernels) the model cells are dashes
-    assert format_speed_row(dict(r, model=None)).split()[12:] == ["-", "-"]
+    assert format_speed_row(dict(r, model=None)).split()[14:] == ["-", "-"]
+
+
+def test_speed_row_puts_the_two_forward_families_side_by_side():
+    # the Hopper forward (fwd_wg: the model prices its SASS counts) in the
+    # ringattn column, the mma.sync one of the same run in the sm80 column
+    pred = model_prediction("fwd", "bfloat16", 128, 4096, True, 4, 16, "sm90a")
+    assert set(pred) == {"fwd_wg", "total"}
+    assert pred["total"] < model_prediction("fwd", "bfloat16", 128, 4096, True, 4, 16)["total"]
+    r = {"pass": "fwd", "dtype": "bfloat16", "causal": True, "D": 128, "S": 4096, "B": 4,
+         "H": 16, "family": "sm90a", "ra": 600.0, "sm80": 218.0, "flash": 311.0,
+         "cudnn": 577.0, "ms": 0.46, "model": pred}
+    cells = format_speed_row(r).split()
+    assert cells[7:12] == ["sm90a", "600.0", "218.0", "311.0", "577.0"]
 
 
 def test_model_rows_name_every_kernel_and_the_measured_over_model_ratio():
@@ -200,14 +214,22 @@ def test_bench_gpu_quick_runs_on_this_gpu():
     masked = [line for line in lines if line.split()[:2] in
               (["causal", seq], ["window", seq], ["docs", seq])]
     assert len(masked) == 3, out
+    # the kernel family of every row; where the forward's is sm90a, the
+    # mma.sync forward timed beside it
+    family = info["forward_kernels"]
+    assert all(line.split()[7] == (family if line.startswith("fwd") else "sm80")
+               for line in speed), out
+    assert all((line.split()[9] != "-") == (line.startswith("fwd") and family == "sm90a")
+               for line in speed), out
     # the model's prediction next to every ringattn time, and per kernel
-    assert all(float(line.split()[12]) > 0 for line in speed), out
+    assert all(float(line.split()[14]) > 0 for line in speed), out
     per_kernel = [line for line in lines if line.startswith("model ")]
+    fwd_kernel = "fwd_wg" if family == "sm90a" else "fwd_tc"
     assert len(per_kernel) == 16 and all(
-        ("fwd_tc" in line) == (line.split()[1] == "fwd") for line in per_kernel), out
+        (fwd_kernel in line) == (line.split()[1] == "fwd") for line in per_kernel), out
     assert sum(line.startswith("measured/model: median") for line in lines) == 1, out
     if not have_torch:
         assert "no PyTorch: SDPA columns skipped" in summary[0], out
-        assert all(line.split()[8:10] == ["-", "-"] for line in speed), out
+        assert all(line.split()[10:12] == ["-", "-"] for line in speed), out
     if emulated:
         assert "EMULATED GPU" in summary[0], out

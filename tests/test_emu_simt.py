@@ -111,7 +111,7 @@ def test_a_wrong_fragment_lane_gives_a_wrong_product(ptx):
 
 
 def _selftest(builder):
-    cuda = sorted((ROOT / "cuda").glob("*.cu"))
+    cuda = sorted((ROOT / "cuda").rglob("*.cu"))
     return builder.program("selftest", cuda + [ROOT / "tools" / "cuda_selftest.cu"],
                            [ROOT / "csrc" / "core" / "status.c"])
 

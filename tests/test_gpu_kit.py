@@ -17,8 +17,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
 CANARY = os.path.join(ROOT, "tools", "sanitizer_canary.cu")
-KERNEL_SOURCES = sorted(glob.glob(os.path.join(ROOT, "cuda", "*.cu")) +
-                        glob.glob(os.path.join(ROOT, "cuda", "*.cuh")))
+KERNEL_SOURCES = sorted(glob.glob(os.path.join(ROOT, "cuda", "**", "*.cu"), recursive=True) +
+                        glob.glob(os.path.join(ROOT, "cuda", "**", "*.cuh"), recursive=True))
 
 pytestmark = pytest.mark.skipif(not os.path.exists(SCRIPT),
                                 reason="no tools/ in this tree")

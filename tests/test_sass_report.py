@@ -149,6 +149,49 @@ def test_a_branch_that_bypasses_the_hot_work_is_cold():
     assert region["hot"] and region["cold_alternative"] == 2
 
 
+WG_KERNEL = ("_ZN47_GLOBAL__N__50d00784_14_attn_fwd_wg_cu_cda555f113fwd_wg_kernelI13__nv_"
+             "bfloat16Li128ELb0EEEvN2ra2wg7FwdArgsE")
+# a warp-specialised consumer loop (0x20 .. 0xa0) after the first tile's
+# product (0x10): an mbarrier wait whose retry is out of line (a self-loop
+# at 0xc0 that jumps back into the loop, as ptxas lays them out), S by an
+# HGMMA from two descriptors, O by one with A from registers
+WG_LOOP = [
+    (0x00, "S2R R0, SR_TID.X", {}),
+    (0x10, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT", {}),  # tile 0
+    (0x20, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR10], R20", {}),   # loop header
+    (0x30, "@!P0 BRA 0xc0", {}),
+    (0x40, "WARPGROUP.ARRIVE", {}),
+    (0x50, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], R24", {}),
+    (0x60, "HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR12].tnspB, R88", {}),
+    (0x70, "WARPGROUP.DEPBAR.LE gsb0, 0x1", {}),
+    (0x80, "MUFU.EX2 R8, R8", {}),
+    (0x90, "ISETP.NE.AND P1, PT, R1, RZ, PT", {}),
+    (0xa0, "@P1 BRA 0x20", {}),                                     # loop latch
+    (0xb0, "EXIT", {}),
+    (0xc0, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR10], R20", {}),   # the retry
+    (0xd0, "@!P0 BRA 0xc0", {}),
+    (0xe0, "BRA 0x40", {}),
+]
+
+
+def test_out_of_line_waits_leave_the_consumer_loop_found():
+    # a spin wait's retry block is a loop of its own (header = latch): its
+    # body is that block alone (not every block that reaches it, which
+    # would hold more HGMMA than the consumer loop), so the consumer loop
+    # stays the inner loop
+    [(name, instrs)] = sr.parse_sass(listing(WG_KERNEL, WG_LOOP)).items()
+    assert sr.label(*sr.short_name(name)) == "fwd_wg<bf16,128,->"
+    lp = sr.inner_loop(instrs)
+    assert lp["header"] == "0x20" and lp["latches"] == ["0xa0"]
+    per = lp["per_tile"]
+    assert (per["HGMMA"], per["MUFU"]) == (2, 1)
+    # HGMMA 64x128x16 = 16 m16n8k16 products per warp, 64x64x16 = 8; a
+    # warp's share of the shared-memory operands: (A 2 KB + B 4 KB) / 4
+    # from descriptors, B 2 KB / 4 with A in registers
+    assert per["HGMMA_EQ"] == 16 + 8
+    assert per["HGMMA_SMEM"] == (2048 + 4096) // 4 + 2048 // 4
+
+
 def test_single_warp_schedule_waits_on_scoreboards():
     [(_, instrs)] = sr.parse_sass(listing(KERNEL, LOOP)).items()
     lat = dict(sr.LATENCY, LDSM=30, MUFU=20)
@@ -205,9 +248,20 @@ def test_dynamic_shared_memory_matches_the_launches():
 
 # ---------------------------------------------------------------- the rule
 
-ARCHS = ("sm_80", "sm_90")
+# the default build's architectures (setup.py DEFAULT_CUDA_ARCHS)
+ARCHS = ("sm_80", "sm_90a")
 TC_KERNELS = [f"{fam}<{t},{d},{m}>" for fam in ("bwd_tc", "dkdv_tc", "dq_tc", "fwd_tc")
               for t in ("bf16", "fp16") for d in (128, 64) for m in ("-", "M")]
+# the wgmma/TMA kernels (cuda/hopper/): real code on sm_90a only; the other
+# architectures' cubins hold stubs of them (a trap, no tensor-core loop)
+WG_KERNELS = [f"fwd_wg<{t},{d},{m}>" for t in ("bf16", "fp16") for d in (128, 64)
+              for m in ("-", "M")]
+
+
+def kernels_of(arch):
+    return TC_KERNELS + (WG_KERNELS if arch == "sm_90a" else [])
+
+
 # (arch, kernel) pairs that touch local memory today, strict expected
 # failures: none (CUDA 13.0).  dkdv_tc at head_dim 128 was one until it
 # streamed 16-row query tiles (255 registers and 32 bytes of spill stores
@@ -246,15 +300,18 @@ def _arch_report(build_reports, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_build_has_exactly_the_listed_non_generic_kernels(build_reports, arch):
     # a new kernel family is held to the rule below: list it in TC_KERNELS
-    # (or, for a generic kernel, in sass_report.SIMT_FAMILIES)
-    assert sorted(_arch_report(build_reports, arch)) == sorted(TC_KERNELS)
+    # or WG_KERNELS (or, for a generic kernel, in sass_report.SIMT_FAMILIES)
+    rep = _arch_report(build_reports, arch)
+    stubs = {k for k in WG_KERNELS if arch != "sm_90a" and k in rep and
+             not rep[k]["tensor_core"] and rep[k]["instructions"] < 64}
+    assert sorted(set(rep) - stubs) == sorted(kernels_of(arch))
 
 
 @pytest.mark.parametrize("arch,kernel", [
     pytest.param(a, k, marks=[pytest.mark.xfail(
         (a, k) in KNOWN_SPILLS, strict=True,
         reason="spills today; remove it from KNOWN_SPILLS once it does not")])
-    for a in ARCHS for k in TC_KERNELS])
+    for a in ARCHS for k in kernels_of(a)])
 def test_tensor_core_kernels_use_no_local_memory(build_reports, arch, kernel):
     row = _arch_report(build_reports, arch)[kernel]
     assert row["tensor_core"] and row["loop"] is not None

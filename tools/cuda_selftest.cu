@@ -15,6 +15,11 @@
  *                 key chunks (running state from ra_cuda_fill_state, ring
  *                 position offsets) on contiguous tensors; for float16 and
  *                 bfloat16 at D 64/128 also with the generic kernels forced
+ *                 and, on a device whose tensor-core family is sm90a (the
+ *                 wgmma/TMA kernels: an H100 with a build for sm_90a, the
+ *                 emulated GPU), with the mma.sync family forced
+ *                 (RINGATTN_CUDA_KERNELS=sm80); the strided, masked and
+ *                 huge-score cases run that family's forward too
  *   run_strided   forward and backward on padded strides with affine
  *                 positions (ring steps), empty query rows, keys no query
  *                 sees, float32 grads and accumulate; the backward also
@@ -30,6 +35,9 @@
  * float32 atomics over the key blocks; accumulated straight into a float32
  * dq, or through its scratch and conversion) and deterministic = 1 (the
  * split kernels, whose bits run_strided checks repeat).
+ *   run_broadcast k and v shared by the batch (batch stride 0): the
+ *                 mma.sync forward, which the dispatcher keeps for layouts
+ *                 a tensor map cannot describe
  *   run_merge     the LSE merge of two key halves
  *   run_copy      the strided cast copy, every pair of dtypes
  * The full grid: float32/float64/float16/bfloat16, D in {8, 59, 64, 96,
@@ -80,10 +88,26 @@ static std::vector<double> randn(std::mt19937_64 &rng, size_t n, double scale = 
     return x;
 }
 
-static void force_generic(bool on) {
-    if (on) setenv("RINGATTN_CUDA_GENERIC", "1", 1);
-    else unsetenv("RINGATTN_CUDA_GENERIC");
+/* Which kernels a case runs: the dispatcher's choice (the fastest family
+ * the device has), the generic ones forced (RINGATTN_CUDA_GENERIC=1), or
+ * the mma.sync family forced (RINGATTN_CUDA_KERNELS=sm80) where the device
+ * also has the sm90a family (g_two_families).  The backward has one
+ * tensor-core family (mma.sync) so far: an Sm80 case runs the forward only
+ * until g_bwd_families says otherwise. */
+enum Kern { FAST, GENERIC, SM80 };
+static bool g_two_families = false;
+static const bool g_bwd_families = false;
+
+static const char *kern_label(Kern k) {
+    return k == GENERIC ? " generic" : k == SM80 ? " sm80" : "";
 }
+static void force_kernels(Kern k) {
+    if (k == GENERIC) setenv("RINGATTN_CUDA_GENERIC", "1", 1);
+    else unsetenv("RINGATTN_CUDA_GENERIC");
+    if (k == SM80) setenv("RINGATTN_CUDA_KERNELS", "sm80", 1);
+    else unsetenv("RINGATTN_CUDA_KERNELS");
+}
+static void force_generic(bool on) { force_kernels(on ? GENERIC : FAST); }
 
 /* Forward params for contiguous BSHD q/out, k/v and lse (B, H, S_q). */
 static ra_attn_fwd_params fwd_params(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D,
@@ -198,14 +222,15 @@ struct Problem {
 };
 
 static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bool causal,
-                     bool generic) {
+                     Kern kern) {
+    const bool bwd = kern != SM80 || g_bwd_families;
     std::mt19937_64 rng(B * 131 + Sq * 7 + Sk * 3 + D + causal + 1000 * (int)t);
     Problem pr(t, B, Sq, Sk, H, Hk, D, causal, rng);
     const size_t nq = pr.nq, nl = pr.nl;
     const ra_dtype acc = pr.acc;
     const ra_attn_fwd_params &f = pr.f;
     const double tol = fwd_tol(t);
-    force_generic(generic);
+    force_kernels(kern);
     pr.forward();
     // the same into an accumulator-dtype output
     Dev dout_acc(nq * esize(acc)), dl2(nl * esize(acc));
@@ -219,9 +244,10 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
               cmp("lse(acc dtype)", down(dl2, nl, acc), pr.rl, tol);
 
     // the reference backward uses exact out; bf16/fp16 out rounding moves
-    // delta a little.  Both backward paths (the generic kernels have one).
+    // delta a little.  Both backward paths (the generic kernels have one;
+    // an sm80 case of a device with two families runs the forward only).
     const double btol = tol * 2;
-    for (int det = generic ? 1 : 0; det < 2 && ok; det++) {
+    for (int det = kern == GENERIC ? 1 : 0; bwd && det < 2 && ok; det++) {
         pr.backward(det != 0);
         CK(cudaDeviceSynchronize());
         ok = cmp(det ? "dq" : "dq(fused)", down(pr.gq, nq, t), pr.rdq, btol) &&
@@ -248,9 +274,9 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
         ok = ok && cmp("acc out", down(so, nq, acc), pr.ro, tol) &&
              cmp("acc lse", down(sl, nl, acc), pr.rl, tol);
     }
-    force_generic(false);
+    force_kernels(FAST);
     printf("%-4s %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d%s\n", ok ? "ok" : "FAIL",
-           ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)causal, generic ? " generic" : "");
+           ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)causal, kern_label(kern));
     return ok;
 }
 
@@ -359,6 +385,16 @@ static bool run_strided(ra_dtype t, const StridedCase &c) {
     CK(cudaDeviceSynchronize());
     bool ok = cmp("out", from_strided(down(fout, nqs, t), B, Sq, H, D, c.pad), ro, fwd_tol(t)) &&
               cmp("lse", down(fl, nl, acc), rl, fwd_tol(t));
+    if (ok && g_two_families && (D == 64 || D == 128) && esize(t) == 2) {
+        // the mma.sync family's forward on the same layout
+        force_kernels(SM80);
+        RK(ra_cuda_attn_fwd(&f, 0));
+        CK(cudaDeviceSynchronize());
+        force_kernels(FAST);
+        ok = cmp("out (sm80)", from_strided(down(fout, nqs, t), B, Sq, H, D, c.pad), ro,
+                 fwd_tol(t)) &&
+             cmp("lse (sm80)", down(fl, nl, acc), rl, fwd_tol(t));
+    }
 
     // one backward into fresh grads (NaN-filled unless accumulating); returns the raw buffers
     struct Grads { std::vector<double> dq, dk, dv; };
@@ -480,7 +516,8 @@ static std::vector<int> doc_layout(int kind, int B, long n, std::mt19937_64 &rng
  * key chunks) and the backward (grads in t and, with accumulate, added
  * into float grads over the same two chunks) under the masks of `c`,
  * against the float64 reference. */
-static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
+static bool run_masked(ra_dtype t, int D, const MaskCase &c, Kern kern) {
+    const bool bwd = kern != SM80 || g_bwd_families;
     const int B = c.B, Sq = c.Sq, Sk = c.Sk, H = c.H, Hk = c.Hk;
     std::mt19937_64 rng(Sq * 7 + Sk * 3 + D + 100 * c.docs + 10 * c.left + c.right + (int)t);
     Layout lay;
@@ -507,13 +544,13 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
     const ra_dtype acc = pr.acc;
     const size_t nq = pr.nq, nk = pr.nk, nl = pr.nl;
     const double tol = fwd_tol(t), btol = bwd_tol(t);
-    force_generic(generic);
+    force_kernels(kern);
     pr.forward();
     CK(cudaDeviceSynchronize());
     bool ok = cmp("out", down(pr.dout, nq, t), pr.ro, tol) &&
               cmp("lse", down(pr.dl, nl, acc), pr.rl, tol);
     // the fused backward, then the deterministic one (the generic kernels: one)
-    for (int det = generic ? 1 : 0; det < 2 && ok; det++) {
+    for (int det = kern == GENERIC ? 1 : 0; bwd && det < 2 && ok; det++) {
         pr.backward(det != 0);
         CK(cudaDeviceSynchronize());
         ok = cmp(det ? "dq" : "dq(fused)", down(pr.gq, nq, t), pr.rdq, btol) &&
@@ -521,7 +558,8 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
              cmp(det ? "dv" : "dv(fused)", down(pr.gv, nk, t), pr.rdv, btol);
     }
 
-    for (int det = generic ? 1 : 0; det < 2 && ok && c.accumulate && Sk >= 2; det++) {
+    for (int det = kern == GENERIC || !bwd ? 1 : 0; det < 2 && ok && c.accumulate && Sk >= 2;
+         det++) {
         // two key chunks, the second at its offsets (k, v, kv ids, positions,
         // dk, dv): a running forward state, and grads added into zeros
         const int split = Sk / 3 + 1;
@@ -548,21 +586,62 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
                 a.mask.kv_segment_ids = g.mask.kv_segment_ids =
                     (const int32_t *)pr.kids.p + (part ? split : 0);
             RK(ra_cuda_attn_fwd(&a, 0));
-            RK(ra_cuda_attn_bwd(&g, 0));  // delta from the first backward
+            if (bwd) RK(ra_cuda_attn_bwd(&g, 0));  // delta from the first backward
         }
         CK(cudaDeviceSynchronize());
         ok = ok && cmp("acc out", down(so, nq, acc), pr.ro, tol) &&
-             cmp("acc lse", down(sl, nl, acc), pr.rl, tol) &&
-             cmp(det ? "acc dq" : "acc dq(fused)", down(aq, nq, acc), pr.rdq, btol) &&
-             cmp(det ? "acc dk" : "acc dk(fused)", down(ak, nk, acc), pr.rdk, btol) &&
-             cmp(det ? "acc dv" : "acc dv(fused)", down(av, nk, acc), pr.rdv, btol);
+             cmp("acc lse", down(sl, nl, acc), pr.rl, tol);
+        if (bwd)
+            ok = ok && cmp(det ? "acc dq" : "acc dq(fused)", down(aq, nq, acc), pr.rdq, btol) &&
+                 cmp(det ? "acc dk" : "acc dk(fused)", down(ak, nk, acc), pr.rdk, btol) &&
+                 cmp(det ? "acc dv" : "acc dv(fused)", down(av, nk, acc), pr.rdv, btol);
     }
-    force_generic(false);
+    force_kernels(FAST);
     printf("%-4s masked %-8s B=%d Sq=%d Sk=%d H=%d Hkv=%d D=%d causal=%d pos=(%ld, %ld)*%ld "
            "docs=%d window=%s(%ld,%ld) softcap=%g q*%g acc=%d%s\n", ok ? "ok" : "FAIL",
            ra_dtype_name(t), B, Sq, Sk, H, Hk, D, (int)c.causal, lay.qoff, lay.koff, c.str, c.docs,
            c.window ? "" : "none", c.left, c.right, c.softcap, c.q_scale, (int)c.accumulate,
-           generic ? " generic" : "");
+           kern_label(kern));
+    return ok;
+}
+
+/* ---- k and v shared by the batch (stride 0) ----------------------------- */
+
+/* k, v of one batch row read by every batch row of q (batch stride 0): the
+ * Hopper kernels' tensor maps take no broadcast axis, so the dispatcher
+ * runs the mma.sync kernel (the forward-kernel counters show which ran),
+ * whose result must be the reference's with k, v repeated. */
+static bool run_broadcast(ra_dtype t, int D, bool causal) {
+    const int B = 2, Sq = 70, Sk = 90, H = 2, Hk = 1;
+    std::mt19937_64 rng(D * 3 + causal + (int)t);
+    const size_t nq = (size_t)B * Sq * H * D, nk1 = (size_t)Sk * Hk * D, nl = (size_t)B * H * Sq;
+    const auto q = rounded(randn(rng, nq), t), k1 = rounded(randn(rng, nk1), t);
+    const auto v1 = rounded(randn(rng, nk1), t), g = rounded(randn(rng, nq), t);
+    std::vector<double> k(k1), v(v1), ro, rl, rdq, rdk, rdv;
+    k.insert(k.end(), k1.begin(), k1.end());
+    v.insert(v.end(), v1.begin(), v1.end());
+    reference(B, Sq, Sk, H, Hk, D, causal, Sk - Sq, 0, q, k, v, g, ro, rl, rdq, rdk, rdv);
+    const ra_dtype acc = ra_acc_dtype(t);
+    Dev dq_(nq * esize(t)), dk_(nk1 * esize(t)), dv_(nk1 * esize(t)), dout(nq * esize(t));
+    Dev dl(nl * esize(acc));
+    up(dq_, encode(q, t)); up(dk_, encode(k1, t)); up(dv_, encode(v1, t));
+    ra_attn_fwd_params f = fwd_params(t, B, Sq, Sk, H, Hk, D, causal, Sk - Sq);
+    f.q = dq_.p; f.k = dk_.p; f.v = dv_.p; f.out = dout.p; f.lse = dl.p;
+    f.k_batch_stride = f.v_batch_stride = 0;   // every batch row reads k, v of row 0
+    unsigned long long before[3], after[3];
+    ra_cuda_fwd_kernel_counts(before);
+    RK(ra_cuda_attn_fwd(&f, 0));
+    CK(cudaDeviceSynchronize());
+    ra_cuda_fwd_kernel_counts(after);
+    bool ok = cmp("out", down(dout, nq, t), ro, fwd_tol(t)) &&
+              cmp("lse", down(dl, nl, acc), rl, fwd_tol(t));
+    if (ok && (after[0] != before[0] || after[1] != before[1] + 1)) {
+        printf("    the forward ran %llu sm90a, %llu sm80 kernels, expected the sm80 one\n",
+               after[0] - before[0], after[1] - before[1]);
+        ok = false;
+    }
+    printf("%-4s broadcast kv %-8s B=%d Sq=%d Sk=%d D=%d causal=%d\n", ok ? "ok" : "FAIL",
+           ra_dtype_name(t), B, Sq, Sk, D, (int)causal);
     return ok;
 }
 
@@ -579,13 +658,24 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, bool generic) {
 static bool run_huge(ra_dtype t, int D, bool causal, double factor) {
     std::mt19937_64 rng(D * 7 + causal + (int)t);
     Problem pr(t, 1, 70, 90, 2, 1, D, causal, rng, factor);
+    bool ok = true;
+    if (g_two_families && (D == 64 || D == 128) && esize(t) == 2) {
+        // the mma.sync family's forward first (the backward below reads the
+        // default family's out and lse)
+        force_kernels(SM80);
+        pr.forward();
+        CK(cudaDeviceSynchronize());
+        force_kernels(FAST);
+        ok = cmp("out (sm80)", down(pr.dout, pr.nq, t), pr.ro, fwd_tol(t)) &&
+             cmp("lse (sm80)", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t));
+    }
     pr.forward();
     CK(cudaDeviceSynchronize());
     double qmax = 0;
     for (double x : pr.q) qmax = std::max(qmax, std::fabs(x));
     const double tol = bwd_tol(t);
-    bool ok = cmp("out", down(pr.dout, pr.nq, t), pr.ro, fwd_tol(t)) &&
-              cmp("lse", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t));
+    ok = ok && cmp("out", down(pr.dout, pr.nq, t), pr.ro, fwd_tol(t)) &&
+         cmp("lse", down(pr.dl, pr.nl, pr.acc), pr.rl, fwd_tol(t));
     for (int run = 0; run < 4 && ok; run++) {
         const bool merged = run >= 2, det = run % 2;  // fused, then the split pair
         if (run == 2) {
@@ -729,6 +819,11 @@ int main(int argc, char **argv) {
         printf("selftest: no CUDA device\n");
         return 2;
     }
+    // the tensor-core kernels run in every family the device has
+    const char *family = "sm80";
+    RK(ra_cuda_kernel_family(0, &family));
+    g_two_families = strcmp(family, "sm90a") == 0;
+    printf("selftest: tensor-core kernel families %s\n", g_two_families ? "sm90a, sm80" : "sm80");
     const ra_dtype dts[] = {RA_BFLOAT16, RA_FLOAT16, RA_FLOAT32, RA_FLOAT64};
     const int dims[] = {8, 59, 64, 96, 128, 256};
     //                         B   Sq   Sk  H  Hkv
@@ -741,16 +836,22 @@ int main(int argc, char **argv) {
             if (quick) {
                 const int *s = quick_shape;
                 grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, true,
-                                               false); });
+                                               FAST); });
+                if (tc && g_two_families)
+                    grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, true,
+                                                   SM80); });
                 continue;
             }
             for (const auto &s : shapes)
                 for (int c = 0; c < 2; c++) {
                     grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, c,
-                                                   false); });
+                                                   FAST); });
                     if (tc)
                         grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, c,
-                                                       true); });
+                                                       GENERIC); });
+                    if (tc && g_two_families)
+                        grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, c,
+                                                       SM80); });
                 }
         }
     // odd sizes, GQA, S_q != S_k, empty query rows (causal with S_q > S_k),
@@ -826,10 +927,12 @@ int main(int argc, char **argv) {
                 // the generic kernels by lane width (D 8 and 59 share one), the
                 // tensor-core ones
                 if (tc || D == 8 || D == 59 || D == 96 || D == 256)
-                    grid.run([&] { return run_masked(t, D, quick_mask, false); });
+                    grid.run([&] { return run_masked(t, D, quick_mask, FAST); });
+                if (tc && g_two_families)
+                    grid.run([&] { return run_masked(t, D, quick_mask, SM80); });
                 if (t == RA_BFLOAT16 && (D == 59 || D == 64))  // the long walks
                     for (int ci = n_mask_cases - 2; ci < n_mask_cases; ci++)
-                        grid.run([&] { return run_masked(t, D, mask_cases[ci], false); });
+                        grid.run([&] { return run_masked(t, D, mask_cases[ci], FAST); });
                 continue;
             }
             // the tensor-core kernels (and the generic ones as a control on every
@@ -841,9 +944,11 @@ int main(int argc, char **argv) {
             if (!every && !third) continue;
             for (int ci = 0; ci < n_mask_cases; ci++) {
                 if (!every && ci % 3 != D % 3) continue;
-                grid.run([&] { return run_masked(t, D, mask_cases[ci], false); });
+                grid.run([&] { return run_masked(t, D, mask_cases[ci], FAST); });
                 if (tc && ci % 3 == 0)
-                    grid.run([&] { return run_masked(t, D, mask_cases[ci], true); });
+                    grid.run([&] { return run_masked(t, D, mask_cases[ci], GENERIC); });
+                if (tc && g_two_families && ci % 3 == 1)
+                    grid.run([&] { return run_masked(t, D, mask_cases[ci], SM80); });
             }
         }
     }
@@ -863,6 +968,12 @@ int main(int argc, char **argv) {
             grid.run([&] { return run_huge(RA_BFLOAT16, 128, c, 1e9); });
         }
     }
+    // a broadcast k, v (batch stride 0): the mma.sync kernel's, on every device
+    for (ra_dtype t : {RA_BFLOAT16, RA_FLOAT16})
+        for (int D : {64, 128}) {
+            if (quick && (t == RA_FLOAT16 || D == 64)) continue;
+            grid.run([&] { return run_broadcast(t, D, D == 128); });
+        }
     for (ra_dtype t : dts)
         for (int D : {59, 64}) {
             if (quick && D == 64 && (t == RA_FLOAT32 || t == RA_FLOAT64)) continue;

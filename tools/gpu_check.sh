@@ -7,18 +7,19 @@
 # plus three machine starts, about 31 device-minutes; a machine is bare
 # again 30 s after a call, so every call builds):
 #
-#   1. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build ptx selftest tests
+#   1. tools/gpu_check.sh build ptx selftest tests
 #        build ~2.5 min, ptx ~0.5 min, selftest ~2 min, tests ~4.5 min
 #                                                                  (~9.5 min)
-#   2. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build sanitize
+#   2. tools/gpu_check.sh build sanitize
 #        build ~2.5 min, sanitize ~6.5 min                         (~9 min)
-#   3. RINGATTN_CUDA_ARCHS=90 tools/gpu_check.sh build nccl bench ringbench
+#   3. tools/gpu_check.sh build nccl bench ringbench
 #        build ~2.5 min, nccl ~2 min, bench ~3 min, ringbench ~1.5 min
 #                                                                  (~9 min)
 #
 # Stages (any order, any subset; "all" = every stage):
 #   build      pip install --no-build-isolation --no-deps . with the CUDA
-#              part (RINGATTN_CUDA=1, RINGATTN_CUDA_ARCHS, default 90), only
+#              part (RINGATTN_CUDA=1, RINGATTN_CUDA_ARCHS, default 90a: the
+#              wgmma/TMA kernels and, forced per call, the mma.sync ones), only
 #              when no installed CUDA build of these sources is there (the
 #              installed package is imported from outside the tree); REBUILD=1
 #              forces it.  Stages that need the package build it first.
@@ -28,9 +29,11 @@
 #              (tools/ptx_conformance.expected); a difference names the
 #              instruction whose emulated model is wrong
 #   selftest   tools/cuda_selftest.cu, every kernel variant vs float64
-#              ("full" grid); linked with the build's CUDA objects
+#              ("full" grid; both tensor-core families on an sm_90a build);
+#              linked with the build's CUDA objects
 #   tests      pytest -m gpu tests/test_cuda.py tests/test_cuda_fwd_tc.py
-#              tests/test_cuda_interop.py tests/test_cuda_lifetime.py tests/test_jax_ffi_gpu.py (the
+#              tests/test_cuda_families.py tests/test_cuda_interop.py
+#              tests/test_cuda_lifetime.py tests/test_jax_ffi_gpu.py (the
 #              XLA FFI CUDA handlers: they skip, with the reason shown, where
 #              JAX there has no CUDA); then the races of borrowed arrays
 #              with PyTorch tensors, each test 20 times in a row
@@ -61,7 +64,7 @@
 # summary are always written before the device tool's 600 s limit.
 #
 # Environment: PYTHON (default python3: the interpreter with torch there),
-# RINGATTN_CUDA_ARCHS (default 90), REBUILD=1, GPU_CHECK_WORK,
+# RINGATTN_CUDA_ARCHS (default 90a), REBUILD=1, GPU_CHECK_WORK,
 # GPU_CHECK_BUDGET, SANITIZE_TOOLS (default "memcheck racecheck synccheck
 # initcheck"; a subset reruns one that ran out of time), CUDA_HOME.
 # Exit status: 0 when every stage passed.
@@ -71,7 +74,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 WORK="${GPU_CHECK_WORK:-/tmp/ringattn-gpu-check}"
 BUDGET="${GPU_CHECK_BUDGET:-570}"
-ARCHS="${RINGATTN_CUDA_ARCHS:-90}"
+ARCHS="${RINGATTN_CUDA_ARCHS:-90a}"
 export RINGATTN_CUDA_ARCHS="$ARCHS" PYTHONUNBUFFERED=1
 START=$SECONDS
 ALL_STAGES="build ptx selftest tests sanitize nccl bench ringbench"
@@ -82,7 +85,7 @@ ALL_STAGES="build ptx selftest tests sanitize nccl bench ringbench"
 # tests/test_gpu_kit.py keeps both lists complete; the sanitize stage's
 # canary (tools/sanitizer_canary.cu) proves the filter matches a kernel.
 KERNEL_FILES='attn_[a-z_]+|merge|copy|sanitizer_canary'
-KERNEL_NAMES='bwd_tc|copy|delta|dkdv_simt|dkdv_tc|dq_convert|dq_simt|dq_tc|fill_state|fwd_simt|fwd_tc|merge|sanitizer_canary'
+KERNEL_NAMES='bwd_tc|copy|delta|dkdv_simt|dkdv_tc|dq_convert|dq_simt|dq_tc|fill_state|fwd_simt|fwd_tc|fwd_wg|merge|sanitizer_canary'
 KERNEL_FILTER="regex=(_GLOBAL__N__[0-9a-f]+_[0-9]+_($KERNEL_FILES)_cu_|($KERNEL_NAMES)_kernel)"
 
 case "$PY" in
@@ -178,8 +181,9 @@ stage_build() {
     local info
     info="$(py -c 'import ringattn as ra
 i = ra.cuda_info()
-print("built=%s available=%s devices=%s nccl=%s"
-      % (i["built"], i["available"], i["devices"], ra.nccl_version()))' 2>&1 | tail -n 1)"
+print("built=%s available=%s devices=%s nccl=%s forward_kernels=%s"
+      % (i["built"], i["available"], i["devices"], ra.nccl_version(),
+         i.get("forward_kernels")))' 2>&1 | tail -n 1)"
     echo "installed: $info" >>"$LOGDIR/build.log"
     if [ $rc -eq 0 ] && [[ "$info" == built=True* ]]; then
         echo "$hash" >"$WORK/build.hash"
@@ -221,7 +225,9 @@ selftest_binary() {
     nvcc="$(nvcc_path)"
     local flags=(-O3 -std=c++17 -Xcompiler -fPIC --expt-relaxed-constexpr -DRA_WITH_CUDA
                  -I"$REPO/csrc" -I"$REPO/cuda" -gencode "arch=compute_$arch,code=sm_$arch")
-    local srcs=("$REPO"/cuda/*.cu) objs=() src pid pids=() bad=0
+    # an sm_90a build has the wgmma/TMA kernels (as setup.py says to cuda/attn_family.cu)
+    [ "$arch" = 90a ] && flags+=(-DRA_CUDA_SM90A)
+    local srcs=("$REPO"/cuda/*.cu "$REPO"/cuda/hopper/*.cu) objs=() src pid pids=() bad=0
     # the objects of the build of these sources (same flags), when complete
     if [ -f "$WORK/build.hash" ] && [ "$(cat "$WORK/build.hash")" = "$(source_hash)" ]; then
         objs=("$REPO"/build/temp.*/cuda/*.cu.o)
@@ -230,7 +236,7 @@ selftest_binary() {
     if [ "${#objs[@]}" -ne "${#srcs[@]}" ]; then
         objs=()
         for src in "${srcs[@]}"; do     # one compile per file, all at once
-            objs+=("$dir/obj/$(basename "$src").o")
+            objs+=("$dir/obj/$(basename "$(dirname "$src")")__$(basename "$src").o")
             "$nvcc" -c "$src" -o "${objs[-1]}" "${flags[@]}" &
             pids+=($!)
         done
@@ -385,8 +391,9 @@ PY
 REPEAT_RUNS=20
 
 stage_tests() {
-    note "== tests: pytest -m gpu test_cuda.py test_cuda_fwd_tc.py test_cuda_interop.py test_cuda_lifetime.py test_jax_ffi_gpu.py (~3.5 min)"
-    pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_fwd_tc.py" "$REPO/tests/test_cuda_interop.py" \
+    note "== tests: pytest -m gpu test_cuda.py test_cuda_fwd_tc.py test_cuda_families.py test_cuda_interop.py test_cuda_lifetime.py test_jax_ffi_gpu.py (~4 min)"
+    pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_fwd_tc.py" \
+        "$REPO/tests/test_cuda_families.py" "$REPO/tests/test_cuda_interop.py" \
         "$REPO/tests/test_cuda_lifetime.py" "$REPO/tests/test_jax_ffi_gpu.py"
     local rc=$?
     # borrowed arrays freed while ringattn's stream still used them gave a

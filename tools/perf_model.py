@@ -188,7 +188,7 @@ def registers_bwd(D, keys, warps, rows, p_in_regs, extra=56):
 # operands come from shared memory without ldmatrix (a quarter of the
 # bytes per warp: one warpgroup reads a tile once), one instruction issues
 # 16 products
-WGMMA_CYCLES = 4.0 / 0.81
+WGMMA_CYCLES = m.WGMMA_CYCLES
 
 
 def as_wgmma(mix):
@@ -397,6 +397,24 @@ def table_designs(pas):
                        f"{rec['dynamic_smem'] // 1024} | 2 | smem, latency | "
                        + " | ".join(cells) + " |")
             out += compiled_bwd_rows(D, keys)
+        if pas == "fwd":   # the built Hopper kernel, from its SASS counts
+            counts = m.load_counts()
+            rec = counts.get(f"fwd_wg<bf16,{D},->")
+            if rec is not None:
+                cells = []
+                for k in keys:
+                    B, H = shape(D, k[2])
+                    t = m.predict("fwd", k[0], D, k[2], k[3], B, H, counts=counts,
+                                  family="sm90a")["total"]
+                    cells.append(f"{t * 1e3:.2f} / {measured_s(k, 1) / t:.2f} / "
+                                 f"{measured_s(k, 2) / t:.2f}")
+                per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"], 32 * rec["warps"])
+                _, bound = m.block_tile_cycles(rec["per_tile"], rec["cycles"],
+                                               per_sm * rec["mma_warps"] / 4,
+                                               rec["tile_copy_bytes"] / rec["mma_warps"])
+                out.append(f"| fwd_wg (cuda/hopper/, SASS counts; not calibrated) | "
+                           f"{rec['registers']} | {rec['dynamic_smem'] // 1024} | {per_sm} | "
+                           f"{bound} | " + " | ".join(cells) + " |")
         for dsg in designs:
             rec = dsg.record()
             per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"], 32 * dsg.warps)

@@ -8,9 +8,10 @@ Usage:
     python tools/sass_report.py                     # the installed ringattn's CUDA build
     python tools/sass_report.py --so PATH.so        # any built extension (the fatbin inside)
     python tools/sass_report.py FILE.cubin FILE.o   # cubins or nvcc objects
-    python tools/sass_report.py --compile [--files attn_fwd_tc,attn_bwd_tc_dq]
+    python tools/sass_report.py --compile [--files attn_fwd_tc,attn_fwd_wg]
                                                     # nvcc -cubin cuda/*.cu itself (ptxas -v too)
-  options: --arch sm_90 (default; sm_80 for the Ampere SASS), --kernels REGEX (on the
+  options: --arch sm_90a (default, as the default build; sm_80 for the Ampere
+  SASS, where the Hopper kernels are stubs), --kernels REGEX (on the
   short names, e.g. 'fwd_tc'), --all (the generic SIMT kernels too: by default
   every kernel but SIMT_FAMILIES), --json (one JSON object on stdout), --out
   FILE, --counts FILE (the compact form ringattn/bench/model.py reads: after a
@@ -31,7 +32,9 @@ What each column is:
   asks for (the formulas of DYNAMIC_SMEM below, copied from the launchers;
   "?" for a kernel not listed there).
 - the loop columns: instructions of one iteration of the inner loop on the
-  path a full tile takes (see below): HMMA (mma.sync), LDSM (ldmatrix),
+  path a full tile takes (see below): HMMA (mma.sync), HGMMA (wgmma; the
+  JSON also gives HGMMA_EQ, their m16n8k16 equivalents, and HGMMA_SMEM, the
+  shared-memory bytes they read, per warp), LDSM (ldmatrix),
   LDS/STS, LDG/STG, LDGSTS (cp.async), LDL/STL (local memory), MUFU (ex2,
   rcp, tanh, ...), FFMA vs FMUL + FADD, FMNMX/FSEL/FSETP, F2FP (the 16-bit
   packs), IMAD, the integer ALU (IADD3, LOP3, ISETP, LEA, SHF, ...), BAR,
@@ -127,14 +130,28 @@ def _bwd_tc_smem(D, M):
             (2 * 64 * 4 + 128 * 4 + 2 * 8 * 4 if M else 0) + 128)
 
 
+def _fwd_wg_smem(D, M):
+    # cuda/hopper/fwd_traits.cuh Smem<D>::kLaunchBytes: Q, 2 stages of K and
+    # V (128 x D each), 2 x 128 ids, 2 metas, 9 mbarriers, 1 KB to align
+    return (1 + 2 * 2) * 128 * D * 2 + 2 * 128 * 4 + 2 * 8 + 9 * 8 + 1024
+
+
 # dynamic shared memory per block, as the launchers compute it (fwd_tc/traits.cuh
 # smem_bytes, attn_bwd_tc_dkdv.cu dkdv_smem_bytes, attn_bwd_tc_dq.cu
-# dq_smem_bytes, attn_bwd_fused.cuh Layout::kBytes); keep in step with them
+# dq_smem_bytes, attn_bwd_fused.cuh Layout::kBytes, hopper/fwd_traits.cuh
+# Smem); keep in step with them
 DYNAMIC_SMEM = {"fwd_tc_kernel": _fwd_tc_smem, "dkdv_tc_kernel": _dkdv_tc_smem,
-                "dq_tc_kernel": _dq_tc_smem, "bwd_tc_kernel": _bwd_tc_smem}
+                "dq_tc_kernel": _dq_tc_smem, "bwd_tc_kernel": _bwd_tc_smem,
+                "fwd_wg_kernel": _fwd_wg_smem}
 # what one iteration of each tensor-core kernel's inner loop covers: the
-# rows the block owns, the rows of the streamed tile, the block's warps
+# rows the block owns, the rows of the streamed tile, the block's warps and
+# (warp-specialised kernels) the warps that run that loop
 TILES = {"fwd_tc_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "warps": 8},
+         "fwd_wg_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 128, "warps": 12,
+                                        "mma_warps": 8,
+                                        # K and V of a tile, by bulk tensor copies
+                                        # (no instruction of the loop shows them)
+                                        "tile_copy_bytes": 2 * 128 * D * 2},
          "dkdv_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": _dkdv_tc_bm(D, M),
                                          "warps": 4},
          "dq_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": 64, "warps": 4},
@@ -152,10 +169,15 @@ LATENCY = {"LDSM": 30, "LDS": 30, "LDSU": 30, "MUFU": 20, "SHFL": 25, "LDG": 600
 DEFAULT_LATENCY = 20
 READ_LATENCY = 8
 
-# instruction classes of the mix, in the order they are printed
+# instruction classes of the mix, in the order they are printed; HGMMA_EQ and
+# HGMMA_SMEM are not instructions but what a warp's share of its HGMMAs
+# amounts to: HGMMA.64xNx16 is N/8 mma.sync m16n8k16 products per warp, and
+# reads (A 64 x 16 when from a descriptor, +) B N x 16 16-bit
+# elements of shared memory per warpgroup, a quarter of that per warp
 CLASSES = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "STG", "LDGSTS", "LDL", "STL",
            "RED", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "F2FP", "IMAD", "IALU",
-           "MOV", "UNIFORM", "BAR", "SHFL", "DEPBAR", "BRANCH", "OTHER")
+           "MOV", "UNIFORM", "BAR", "SHFL", "DEPBAR", "BRANCH", "OTHER", "HGMMA_EQ",
+           "HGMMA_SMEM")
 _CLASS_OF = {
     "HMMA": "HMMA", "HGMMA": "HGMMA", "LDSM": "LDSM", "LDS": "LDS", "LDSU": "LDS",
     "STS": "STS", "LDG": "LDG", "LD": "LDG", "STG": "STG", "ST": "STG", "LDGSTS": "LDGSTS",
@@ -363,7 +385,8 @@ def natural_loops(blocks, succ):
     for u in dom:
         for h in succ.get(u, ()):
             if h in dom[u]:
-                body, stack = {h, u}, [u]
+                # (a self-loop, u == h, is h alone: the walk stops at h)
+                body, stack = {h, u}, ([u] if u != h else [])
                 while stack:
                     x = stack.pop()
                     for p in pred.get(x, ()):
@@ -392,6 +415,16 @@ def mix_of(instrs):
     for ins in instrs:
         cls = op_class(ins.opcode)
         mix[cls] += 1
+        if ins.base == "HGMMA":
+            shape = re.match(r"HGMMA\.(\d+)x(\d+)x(\d+)", ins.opcode)
+            if shape:
+                n = int(shape.group(2))
+                mix["HGMMA_EQ"] += n // 8
+                # "D, gdesc[UR], C": A and B from descriptors; "D, Ra, gdesc[UR], C": A
+                # from registers
+                ops = [o.strip() for o in ins.operands.split(",")]
+                a_smem = 64 * 16 * 2 if len(ops) > 1 and ops[1].startswith("gdesc") else 0
+                mix["HGMMA_SMEM"] += (a_smem + n * 16 * 2) // 4
         if ins.base == "MUFU":
             kind = ins.opcode.split(".")[1] if "." in ins.opcode else "?"
             mufu[kind] = mufu.get(kind, 0) + 1
@@ -644,10 +677,16 @@ def compile_cubins(files, arch, outdir, nvcc=None):
     cubins, logs = [], []
     for f in files:
         src = f if os.path.exists(f) else os.path.join(ROOT, "cuda", f + ".cu")
+        if not os.path.exists(src):   # a stem anywhere under cuda/ (hopper/attn_fwd_wg)
+            found = glob.glob(os.path.join(ROOT, "cuda", "**", os.path.basename(f) + ".cu"),
+                              recursive=True)
+            src = found[0] if found else src
         out = os.path.join(outdir, os.path.basename(src)[:-3] + f".{arch}.cubin")
         cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
                "-DRA_WITH_CUDA", "-I" + os.path.join(ROOT, "csrc"),
                "-I" + os.path.join(ROOT, "cuda"), "-Xptxas", "-v", src, "-o", out]
+        if arch == "sm_90a":
+            cmd.insert(1, "-DRA_CUDA_SM90A")   # as setup.py builds it
         logs.append(_run(cmd))
         cubins.append(out)
     return cubins, "\n".join(logs)
@@ -759,8 +798,9 @@ def report(paths, arch, ptxas_text="", include_simt=False, kernels=None, cuobjdu
     return rows
 
 
-COLUMNS = ("HMMA", "LDSM", "LDS", "STS", "LDG", "STG", "LDGSTS", "LDL", "STL", "MUFU",
-           "FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "F2FP", "IMAD", "IALU", "BAR", "SHFL")
+COLUMNS = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "STG", "LDGSTS", "LDL", "STL",
+           "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "F2FP", "IMAD", "IALU", "BAR",
+           "SHFL")
 
 
 def format_table(rows):
@@ -794,9 +834,11 @@ def main(argv=None):
     ap.add_argument("inputs", nargs="*", help="cubin, object or shared-library files")
     ap.add_argument("--so", help="a built ringattn extension (its fatbin)")
     ap.add_argument("--compile", action="store_true", help="nvcc -cubin cuda/*.cu for --arch")
-    ap.add_argument("--files", default="attn_fwd_tc,attn_bwd_tc_dkdv,attn_bwd_tc_dq,attn_bwd_fused",
-                    help="with --compile: comma-separated cuda/ file stems, or 'all'")
-    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--files",
+                    default="attn_fwd_tc,attn_bwd_tc_dkdv,attn_bwd_tc_dq,attn_bwd_fused,attn_fwd_wg",
+                    help="with --compile: comma-separated cuda/ file stems (any folder "
+                         "under cuda/), or 'all'")
+    ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--kernels", help="regex on the kernel labels, e.g. 'fwd_tc<bf16,128'")
     ap.add_argument("--all", action="store_true", help="the SIMT kernels too")
     ap.add_argument("--json", action="store_true")
@@ -811,7 +853,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         if args.compile:
             files = ([os.path.basename(p)[:-3] for p in sorted(glob.glob(os.path.join(
-                ROOT, "cuda", "*.cu")))] if args.files == "all" else args.files.split(","))
+                ROOT, "cuda", "**", "*.cu"), recursive=True))]
+                     if args.files == "all" else args.files.split(","))
             paths, ptxas_text = compile_cubins(files, args.arch, tmp)
             source = f"nvcc -cubin -arch={args.arch} cuda/{{{','.join(files)}}}.cu"
         elif args.inputs or args.so:

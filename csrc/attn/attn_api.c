@@ -18,6 +18,10 @@
 #include "attn/attn_cpu.h"
 #include "core/buffer.h"
 #include "core/module.h"
+#ifdef RA_WITH_CUDA
+#include "attn_cuda.h"
+#include "core/cuda_rt.h"
+#endif
 
 /* ---- forward ------------------------------------------------------------ */
 
@@ -248,6 +252,35 @@ static PyObject *mod_num_threads(PyObject *m, PyObject *unused) {
     return PyLong_FromLong(ra_cpu_num_threads(0));
 }
 
+/* The tensor-core family of the forward on CUDA device `device` ("sm90a"
+ * or "sm80", cuda/attn_family.cu), None without a usable GPU; a bad
+ * RINGATTN_CUDA_KERNELS raises. */
+static PyObject *mod_cuda_kernel_family(PyObject *m, PyObject *arg) {
+    (void)m;
+    const long device = PyLong_AsLong(arg);
+    if (device == -1 && PyErr_Occurred()) return NULL;
+#ifdef RA_WITH_CUDA
+    if (device >= 0 && ra_cuda_available(NULL) && device < ra_cuda_device_count()) {
+        const char *name = NULL;
+        const ra_status st = ra_cuda_kernel_family((int)device, &name);
+        if (st != RA_OK) return ra_raise(st);
+        return PyUnicode_FromString(name);
+    }
+#endif
+    Py_RETURN_NONE;
+}
+
+/* Forward calls so far per kernel: {"sm90a", "sm80", "generic"} (tests). */
+static PyObject *mod_cuda_fwd_kernel_counts(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    unsigned long long n[3] = {0, 0, 0};
+#ifdef RA_WITH_CUDA
+    ra_cuda_fwd_kernel_counts(n);
+#endif
+    return Py_BuildValue("{s:K,s:K,s:K}", "sm90a", n[0], "sm80", n[1], "generic", n[2]);
+}
+
 static PyMethodDef attn_functions[] = {
     {"attn_fwd", (PyCFunction)(void (*)(void))mod_attn_fwd,
      METH_VARARGS | METH_KEYWORDS,
@@ -266,6 +299,13 @@ static PyMethodDef attn_functions[] = {
      "k_pos_offset=0, num_threads=0, check_only=False) -> (out, lse)"},
     {"init_state", mod_init_state, METH_VARARGS,
      "init_state(out, lse): out := 0, lse := -inf (an empty running state)"},
+    {"cuda_kernel_family", mod_cuda_kernel_family, METH_O,
+     "cuda_kernel_family(device) -> 'sm90a' | 'sm80' | None: the tensor-core "
+     "forward kernels on that CUDA device (RINGATTN_CUDA_KERNELS=sm80 forces "
+     "the mma.sync ones); None without a usable GPU"},
+    {"cuda_fwd_kernel_counts", mod_cuda_fwd_kernel_counts, METH_NOARGS,
+     "cuda_fwd_kernel_counts() -> {'sm90a', 'sm80', 'generic'}: forward "
+     "calls so far that ran each kernel (for tests)"},
     {"cpu_simd_level", mod_simd_level, METH_NOARGS,
      "SIMD level the CPU kernels dispatched to"},
     {"cpu_num_threads", mod_num_threads, METH_NOARGS,

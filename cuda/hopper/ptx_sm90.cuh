@@ -116,6 +116,18 @@ __device__ __forceinline__ void fence_operand(float (&d)[R]) {
     (void)d;
 #endif
 }
+/* the same for A-fragment registers (wgmma_rs), rows of 4 */
+template <int R>
+__device__ __forceinline__ void fence_operand(uint32_t (&a)[R][4]) {
+#ifndef RA_CUDA_EMULATED
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) asm volatile("" : "+r"(a[i][j])::"memory");
+#else
+    (void)a;
+#endif
+}
 
 #ifdef RA_SM90_ASM
 /* The asm of wgmma.mma_async.m64n<N>k16.f32 for every N: accumulators are

@@ -10,12 +10,20 @@ back to it, so the events bracket its kernels).  TFLOP/s follow
 flash-attention 2's convention: forward 4 * B * H * S^2 * D, halved when
 causal; backward 2.5 times the forward's count.
 
+Kernel families: the "family" column names the tensor-core kernels the
+ringattn column ran: "sm90a" (wgmma/TMA, cuda/hopper/) where the device and
+the build have them, else "sm80" (mma.sync).  Where the forward runs sm90a,
+the "sm80" column times the mma.sync forward in the same run
+(RINGATTN_CUDA_KERNELS=sm80 around those calls), side by side; the backward
+has the mma.sync family only so far.
+
 Model: next to every ringattn time, the H100 SXM performance model's
-prediction (ringattn/bench/model.py, fed by the kernels' SASS counts in
-kernel_counts.json), with measured/model, and after the table the model's
-time of each kernel (fwd_tc; delta, bwd_tc, dq_convert: the fused backward
-that attention_backward runs by default), so that one GPU run
-both checks the kernels and recalibrates the model (docs/results.md).
+prediction for the family that ran (ringattn/bench/model.py, fed by the
+kernels' SASS counts in kernel_counts.json), with measured/model, and after
+the table the model's time of each kernel (fwd_wg or fwd_tc; delta, bwd_tc,
+dq_convert: the fused backward that attention_backward runs by default), so
+that one GPU run both checks the kernels and recalibrates the model
+(docs/results.md).
 
 Accuracy (flash-attention's rule): at S = 1024, B = 2, H = 4, per dtype, D
 and causal flag, the max |error| of out, dq, dk, dv against a float64
@@ -49,6 +57,8 @@ nothing about a GPU; it only shows that the bench runs.
 ``run(args) -> int``: prints the tables and a summary line; 0 when every
 accuracy check passed, 1 otherwise, 2 when no GPU is there.
 """
+import contextlib
+import os
 import statistics
 
 from .masks import dense_mask, visible_fraction
@@ -359,9 +369,33 @@ def masked_accuracy_row(dtype, B, S, H, D, dev=None):
             "errs": errs, "ok": all(e[3] for e in errs)}
 
 
+@contextlib.contextmanager
+def kernel_family(name):
+    """RINGATTN_CUDA_KERNELS=name (read by ringattn at every call) inside
+    the block, the caller's setting after it."""
+    old = os.environ.get("RINGATTN_CUDA_KERNELS")
+    os.environ["RINGATTN_CUDA_KERNELS"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["RINGATTN_CUDA_KERNELS"]
+        else:
+            os.environ["RINGATTN_CUDA_KERNELS"] = old
+
+
+def forward_family():
+    """The tensor-core family ringattn's forward runs here ("sm90a" or
+    "sm80"; cuda_info())."""
+    import ringattn as ra
+
+    return ra.cuda_info().get("forward_kernels") or "sm80"
+
+
 def _speed_one(dtype, D, S, causal, warmup, repeats, dev=None, sizes=SIZES):
     """{(pass, backend): ms} for one configuration (SDPA's backends only
-    with PyTorch)."""
+    with PyTorch; backend "sm80": ringattn's mma.sync forward, where the
+    default family is sm90a)."""
     import ringattn as ra
 
     dev = dev or _Device(_torch_or_none())
@@ -373,6 +407,10 @@ def _speed_one(dtype, D, S, causal, warmup, repeats, dev=None, sizes=SIZES):
           ("bwd", "ra"): dev.time_ms(
               lambda: ra.attention_backward(dout, q, k, v, out, lse, causal=causal),
               warmup, repeats)}
+    if forward_family() == "sm90a":
+        with kernel_family("sm80"):
+            ms[("fwd", "sm80")] = dev.time_ms(
+                lambda: ra.attention(q, k, v, causal=causal, return_lse=True), warmup, repeats)
     if dev.torch is None:
         return ms
     for be in ("flash", "cudnn"):
@@ -385,9 +423,11 @@ def _speed_one(dtype, D, S, causal, warmup, repeats, dev=None, sizes=SIZES):
 
 
 def speed_rows(dtypes, dims, seqlens, warmup, repeats, echo=print, dev=None, sizes=SIZES):
-    """One row per (pass, dtype, causal, D, S) with TFLOP/s of ringattn,
-    SDPA flash and SDPA cuDNN (None where a backend cannot run)."""
+    """One row per (pass, dtype, causal, D, S) with TFLOP/s of ringattn
+    (its kernel family), ringattn's mma.sync forward where that family is
+    sm90a, SDPA flash and SDPA cuDNN (None where a backend cannot run)."""
     dev = dev or _Device(_torch_or_none())
+    fwd_family = forward_family()
     rows = []
     for dtype in dtypes:
         for D in dims:
@@ -401,27 +441,30 @@ def speed_rows(dtypes, dims, seqlens, warmup, repeats, echo=print, dev=None, siz
                     for pas, mult in (("fwd", 1.0), ("bwd", 2.5)):
                         tf = {name: (None if (pas, name) not in ms else
                                      flops * mult / (ms[(pas, name)] * 1e-3) / 1e12)
-                              for name in ("ra", "flash", "cudnn")}
+                              for name in ("ra", "sm80", "flash", "cudnn")}
+                        family = fwd_family if pas == "fwd" else "sm80"
                         row = {"pass": pas, "dtype": dtype, "causal": causal, "D": D, "S": S,
-                               "B": B, "H": H, **tf, "ms": ms.get((pas, "ra")),
-                               "model": model_prediction(pas, dtype, D, S, causal, B, H)}
+                               "B": B, "H": H, "family": family, **tf,
+                               "ms": ms.get((pas, "ra")),
+                               "model": model_prediction(pas, dtype, D, S, causal, B, H,
+                                                         family)}
                         rows.append(row)
                         echo(format_speed_row(row))
     return rows
 
 
 SPEED_HEAD = (f"{'pass':4} {'dtype':8} {'causal':6} {'D':>4} {'S':>6} {'B':>3} {'H':>3} "
-              f"{'ringattn':>9} {'flash':>9} {'cudnn':>9} {'ra/flash':>8} "
-              f"{'ra ms':>8} {'model ms':>8} {'ra/model':>8}  (TFLOP/s; ms)")
+              f"{'family':>6} {'ringattn':>9} {'sm80':>9} {'flash':>9} {'cudnn':>9} "
+              f"{'ra/flash':>8} {'ra ms':>8} {'model ms':>8} {'ra/model':>8}  (TFLOP/s; ms)")
 
 
-def model_prediction(pas, dtype, D, S, causal, B, H):
-    """The H100 model's seconds by kernel (ringattn/bench/model.py), or
-    None where it has no counts for these kernels."""
+def model_prediction(pas, dtype, D, S, causal, B, H, family="sm80"):
+    """The H100 model's seconds by kernel of the kernel family that ran
+    (ringattn/bench/model.py), or None where it has no counts for them."""
     from . import model
 
     try:
-        return model.predict(pas, dtype, D, S, causal, B, H)
+        return model.predict(pas, dtype, D, S, causal, B, H, family=family)
     except (OSError, ValueError, KeyError):
         return None
 
@@ -437,7 +480,8 @@ def format_speed_row(r):
     vs = (f"{r['ms'] / (pred['total'] * 1e3):8.3g}" if (pred and r.get("ms"))
           else f"{'-':>8}")
     return (f"{r['pass']:4} {r['dtype']:8} {str(r['causal']):6} {r['D']:4d} {r['S']:6d} "
-            f"{r['B']:3d} {r['H']:3d} {fmt(r['ra'])} {fmt(r['flash'])} {fmt(r['cudnn'])} {ratio} "
+            f"{r['B']:3d} {r['H']:3d} {r.get('family', 'sm80'):>6} {fmt(r['ra'])} "
+            f"{fmt(r.get('sm80'))} {fmt(r['flash'])} {fmt(r['cudnn'])} {ratio} "
             f"{ms} {mdl} {vs}")
 
 
@@ -639,6 +683,10 @@ def run(args=None) -> int:
           f"warm-up calls, {timer}")
     print("TFLOP/s = flops / time, flops (flash-attention 2 convention): forward "
           "4*B*H*S^2*D, halved when causal; backward 2.5x the forward")
+    fam = forward_family()
+    print(f"family: the tensor-core kernels of the ringattn column (forward {fam}, backward "
+          "sm80); sm80: ringattn's mma.sync forward in the same run"
+          + ("" if fam == "sm90a" else " (- : the forward is sm80 already)"))
     print(SPEED_HEAD)
     print("-" * len(SPEED_HEAD), flush=True)
     rows = speed_rows(DTYPES, HEAD_DIMS, seqlens, warmup, repeats,

@@ -9,20 +9,25 @@ table, and the kernel designs it was used to choose; ``ringattn bench
 Per SM sub-partition (SMSP: 4 per SM, one warp instruction issued per
 cycle each), one warp's share of one loop iteration (a "warp-tile") costs
   issue   every instruction, 1 cycle
-  tensor  HMMA.16816 (mma.sync m16n8k16, f32 accumulate): HMMA_CYCLES
+  tensor  HMMA.16816 (mma.sync m16n8k16, f32 accumulate): HMMA_CYCLES;
+          HGMMA (wgmma) per m16n8k16 equivalent of a warp's share of it
+          (HGMMA_EQ): WGMMA_CYCLES
   fma     FFMA, FMUL, FADD, IMAD: 1 cycle (32 FP32 lanes per SMSP)
   alu     integer ALU, FMNMX, FSEL/FSETP, F2FP, MOV: 2 cycles (16 lanes)
   mufu    ex2, rcp, tanh, ...: 8 cycles (16 per SM per cycle)
   smem    bytes through shared memory (LDSM x4 and cp.async 512 B, LDS/STS
-          128 B per warp instruction) at 128 B per cycle per SM, shared by
+          128 B per warp instruction, the wgmma operands a warp's share of
+          its HGMMAs reads: HGMMA_SMEM) at 128 B per cycle per SM, shared by
           the 4 SMSPs: bytes / 32 per warp-tile
   l2      bytes cp.async brings in (and twice the bytes red.global.add
-          adds: RED_BYTES when a counted mix gives it, else 256 per RED),
+          adds: RED_BYTES when a counted mix gives it, else 256 per RED; a
+          warp's share of a tile's bulk tensor copies, tile_copy_bytes),
           at L2_BYTES_PER_S over the whole chip.
 B = the largest of these is the throughput bound of one warp-tile.  The
 latency bound is L, the cycles one warp alone needs for its tile (the
 single-warp replay of the control bits in sass_report.py).  With w warps
-resident per SMSP (occupancy), a block's tile takes
+resident per SMSP (occupancy; a warp-specialised kernel counts the warps
+that run the loop, "mma_warps"), a block's tile takes
     ((w B)^K + L^K)^(1/K)      cycles
 (a smooth maximum: K = inf would be perfect overlap of the w warps'
 latencies with each other's work, K = 1 none); a kernel is its blocks,
@@ -59,6 +64,13 @@ K = 1.75
 BLOCK_OVERHEAD = 3000        # cycles per block: prologue loads, epilogue stores
 L2_BYTES_PER_S = 4.5e12
 
+# ---------------------------------------------------------------- assumed
+# wgmma (sm_90a), not calibrated: the card's measured bf16 matmul (800 of
+# the 989 TFLOP/s peak) is 4.9 cycles per m16n8k16 product and SMSP, where
+# mma.sync's calibrated HMMA_CYCLES is 9.5; the first H100 run of the
+# Hopper kernels calibrates it (tools/perf_model.py)
+WGMMA_CYCLES = 4.0 / 0.81
+
 COUNTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_counts.json")
 
 
@@ -75,12 +87,13 @@ def compact_counts(report):
     checked-in kernel_counts.json): per tensor-core kernel its registers,
     shared memory, block shape and inner-loop mix, cycles and cold count."""
     keep = ("kernel", "name", "dtype", "D", "M", "registers", "static_smem", "dynamic_smem",
-            "block_rows", "tile_rows", "warps", "spill_store_bytes", "spill_load_bytes")
+            "block_rows", "tile_rows", "warps", "mma_warps", "tile_copy_bytes",
+            "spill_store_bytes", "spill_load_bytes")
     out = []
     for r in report["kernels"]:
         if not r.get("loop"):
             continue
-        row = {k: r.get(k) for k in keep}
+        row = {k: r.get(k) for k in keep if k in r}
         lp = r["loop"]
         row["per_tile"] = {k: v for k, v in lp["per_tile"].items() if v}
         row["cycles"] = lp["cycles"]
@@ -91,28 +104,31 @@ def compact_counts(report):
 
 # ---------------------------------------------------------------- one tile
 
-def pipe_cycles(mix):
-    """{pipe: cycles} of one warp-tile on its SMSP (module docstring)."""
+def pipe_cycles(mix, copy_bytes=0.0):
+    """{pipe: cycles} of one warp-tile on its SMSP (module docstring);
+    copy_bytes: what bulk tensor copies bring in per warp-tile (they are
+    no instruction of the loop)."""
     g = lambda c: mix.get(c, 0)  # noqa: E731
-    smem_bytes = 512 * (g("LDSM") + g("LDGSTS")) + 128 * (g("LDS") + g("STS"))
+    smem_bytes = (512 * (g("LDSM") + g("LDGSTS")) + 128 * (g("LDS") + g("STS"))
+                  + g("HGMMA_SMEM"))
     return {
         "issue": float(g("total")),
-        "tensor": HMMA_CYCLES * g("HMMA"),
+        "tensor": HMMA_CYCLES * g("HMMA") + WGMMA_CYCLES * g("HGMMA_EQ"),
         "fma": PIPE_CYCLES["fma"] * (g("FFMA") + g("FMUL") + g("FADD") + g("IMAD")),
         "alu": PIPE_CYCLES["alu"] * (g("IALU") + g("FMNMX") + g("FSEL") + g("F2FP") + g("MOV")),
         "mufu": PIPE_CYCLES["mufu"] * g("MUFU"),
         "smem": smem_bytes * SMSP_PER_SM / SMEM_BYTES_PER_CYCLE,
         # cp.async reads; a float32 red.global.add reads and writes its sector
-        "l2": (512 * g("LDGSTS") + mix.get("RED_BYTES", 256 * g("RED")))
+        "l2": (512 * g("LDGSTS") + copy_bytes + mix.get("RED_BYTES", 256 * g("RED")))
         * SMS * SMSP_PER_SM * CLOCK_HZ / L2_BYTES_PER_S,
     }
 
 
-def block_tile_cycles(mix, latency, warps_per_smsp):
+def block_tile_cycles(mix, latency, warps_per_smsp, copy_bytes=0.0):
     """Cycles a block takes per tile with `warps_per_smsp` warps resident on
     each SMSP: the smooth maximum of their summed throughput demand and one
     warp's latency.  -> (cycles, the bound that dominates)."""
-    pipes = pipe_cycles(mix)
+    pipes = pipe_cycles(mix, copy_bytes)
     bound = max(pipes, key=pipes.get)
     thr = warps_per_smsp * pipes[bound]
     lat = float(latency if latency is not None else 2.0 * pipes["issue"])
@@ -122,7 +138,10 @@ def block_tile_cycles(mix, latency, warps_per_smsp):
 
 def occupancy(registers, smem_bytes, threads):
     """Blocks per SM, limited by registers (allocated per warp in units of
-    256), shared memory (+ the 1 KB sm_90 reserves per block) and threads."""
+    256), shared memory (+ the 1 KB sm_90 reserves per block) and threads.
+    A warp-specialised kernel launched for one block per SM (its warps
+    then share out the register file with setmaxnreg) reports the
+    launch-bound count, registers * threads <= 65536."""
     regs_per_warp = -(-registers * 32 // 256) * 256
     by_regs = REGS_PER_SM // (regs_per_warp * (threads // 32))
     by_smem = SMEM_PER_SM // (smem_bytes + SMEM_RESERVED)
@@ -174,8 +193,10 @@ def kernel_seconds(rec, blocks, dram_bytes=0.0):
     threads = 32 * rec["warps"]
     smem = (rec["dynamic_smem"] or 0) + max(0, (rec["static_smem"] or 0) - SMEM_RESERVED)
     per_sm = occupancy(rec["registers"], smem, threads)
-    w = per_sm * rec["warps"] / SMSP_PER_SM
-    cyc, bound = block_tile_cycles(rec["per_tile"], rec["cycles"], w)
+    loop_warps = rec.get("mma_warps") or rec["warps"]
+    w = per_sm * loop_warps / SMSP_PER_SM
+    copy = (rec.get("tile_copy_bytes") or 0) / loop_warps
+    cyc, bound = block_tile_cycles(rec["per_tile"], rec["cycles"], w, copy)
     t = makespan(blocks, per_sm * SMS, cyc) / CLOCK_HZ
     t = max(t, dram_bytes / DRAM_BYTES_PER_S)
     return t, {"blocks_per_sm": per_sm, "warps_per_smsp": w, "tile_cycles": cyc, "bound": bound}
@@ -187,22 +208,25 @@ def _label(name, dtype, D, masked=False):
 
 
 def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False,
-            deterministic=False):
+            deterministic=False, family="sm80"):
     """Predicted seconds of ringattn's `pas` ("fwd" or "bwd") at (B, S, H,
-    D), S_q = S_k, by kernel, plus "total": {"fwd_tc": s}; for "bwd" the
-    path ``attention_backward`` takes, {"delta": s, "bwd_tc": s, "dq_convert":
-    s} (the fused kernel, deterministic=False, the default) or {"delta": s,
-    "dkdv_tc": s, "dq_tc": s} (deterministic=True, or counts without the
-    fused kernel).  None when a kernel is not in `counts`."""
+    D), S_q = S_k, by kernel, plus "total": for "fwd" {"fwd_tc": s} (family
+    "sm80", mma.sync) or {"fwd_wg": s} (family "sm90a", wgmma); for "bwd"
+    (the mma.sync family only) the path ``attention_backward`` takes,
+    {"delta": s, "bwd_tc": s, "dq_convert": s} (the fused kernel,
+    deterministic=False, the default) or {"delta": s, "dkdv_tc": s, "dq_tc":
+    s} (deterministic=True, or counts without the fused kernel).  None when
+    a kernel is not in `counts`."""
     counts = load_counts() if counts is None else counts
     H_kv = H if H_kv is None else H_kv
     out = {}
     if pas == "fwd":
-        rec = counts.get(_label("fwd_tc", dtype, D, masked))
+        name = "fwd_wg" if family == "sm90a" else "fwd_tc"
+        rec = counts.get(_label(name, dtype, D, masked))
         if rec is None:
             return None
-        out["fwd_tc"] = kernel_seconds(rec, fwd_blocks(B, H, S, causal, rec["block_rows"],
-                                                       rec["tile_rows"]))[0]
+        out[name] = kernel_seconds(rec, fwd_blocks(B, H, S, causal, rec["block_rows"],
+                                                   rec["tile_rows"]))[0]
         out["total"] = sum(out.values())
         return out
     # delta = rowsum(dout * out): reads two (B, S, H, D) 16-bit arrays
