@@ -290,6 +290,11 @@ ra_status ra_comm_allgather(ra_comm *c, const void *in, size_t nbytes,
  * rank + s, receive from rank - s).  Overlapping receive blocks are a
  * ValueError naming them, before any communication. */
 ra_status ra_comm_alltoall(ra_comm *c, const ra_a2a *a, double timeout);
+/* The pairwise steps alone (every block but the one to itself), memory as
+ * in ra_xfer: a backend's alltoall that moves its own block and in-place
+ * blocks itself (threads on CUDA devices) calls it for the rest. */
+ra_status ra_comm_alltoall_steps(ra_comm *c, const ra_a2a *a,
+                                 double timeout);
 /* staged[i] = 1 for the send blocks that overlap a receive block (other
  * than the block to itself being its own receive block exactly), which
  * must be copied aside before anything is received; returns their bytes
@@ -341,6 +346,17 @@ ra_status ra_host_comm_create(int rank, int size, const char *master_addr,
 /* comm_threads.c: ranks are threads of this process sharing a group. */
 typedef struct ra_tgroup ra_tgroup;
 ra_status ra_tgroup_create(int size, double timeout, ra_tgroup **out);
+/* The same with one CUDA device per rank (devices[size], copied; several
+ * ranks may share one): the ranks then move CUDA device memory of their
+ * device (comm_threads_cuda.c), host memory only for barrier/allgather. */
+ra_status ra_tgroup_create_devices(int size, double timeout,
+                                   const int *devices, ra_tgroup **out);
+/* devices[rank] of a group made with devices, or -1 */
+int ra_tgroup_device(const ra_tgroup *g, int rank);
+/* The all-to-all of a group with devices (its communicators and their
+ * splits): the block to itself and in-place blocks on the device, the rest
+ * pairwise (comm_threads_cuda.c). */
+ra_status ra_tcuda_alltoall(ra_comm *c, const ra_a2a *a, double timeout);
 void ra_tgroup_incref(ra_tgroup *g);
 void ra_tgroup_decref(ra_tgroup *g);
 int ra_tgroup_size(const ra_tgroup *g);
