@@ -15,12 +15,17 @@ device: 2 and 4 ranks on one device (device copies) and on two devices
   device memory; host memory refused by name; bad devices refused before
   any work;
 * failures: a rank that raises mid-ring gives the others a CommError naming
-  it, and a rank that stalls gives a CommError at the deadline.
+  it, and a rank that stalls gives a CommError at the deadline;
+* examples/ring_threads_gpu.py at a small size prints PASS (and FAIL when
+  its answer is made 1 % wrong).
 
 Tolerance: max |got - ref| <= 1e-4 * max(1, max |ref|) in float32 (the GPU
 kernels' accuracy, as in test_cuda.py and test_nccl.py).
 """
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -291,3 +296,43 @@ def test_rank_that_stalls_gives_a_timeout_naming_it():
     assert "timed out after 2.0 s waiting for rank 1" in outcome["error"]
     assert "step 1" in outcome["error"]
     assert outcome["elapsed"] < 10
+
+
+# ---- examples/ring_threads_gpu.py at a small size ---------------------------------
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), "examples", "ring_threads_gpu.py")
+SMALL = ["--seq-len", "160", "--check", "32", "--heads", "2", "--kv-heads",
+         "1", "--head-dim", "32"]
+# the same with ra.unshard 1 % off: a wrong answer must print FAIL
+BREAK_UNSHARD = """
+import runpy, sys
+import ringattn as ra
+right = ra.unshard
+ra.unshard = lambda *a, **k: right(*a, **k) * 1.01
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _run_example(*args):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ra.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, *args], capture_output=True,
+                          text=True, env=env, timeout=240, cwd=root)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_example_on_thread_ranks_passes_at_a_small_size(dtype):
+    res = _run_example(EXAMPLE, *SMALL, "--dtype", dtype)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "PASS" in res.stdout and "4 thread ranks" in res.stdout, res.stdout
+    assert "emu" not in res.stderr.lower(), res.stderr     # no checker report
+
+
+def test_example_on_thread_ranks_fails_loudly_on_a_wrong_answer():
+    res = _run_example("-c", BREAK_UNSHARD, EXAMPLE, *SMALL, "--dtype",
+                       "float32")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "FAIL" in res.stdout and "PASS" not in res.stdout, res.stdout
