@@ -20,7 +20,8 @@
  *                   its progress thread (frames matched by context);
  *                   comm_host_boot.c joins its full mesh
  *   comm_threads.c  in-process backend ("threads"); comm_threads_split.c
- *                   the splits on it and who left them
+ *                   the splits on it and who left them; comm_threads_cuda.c
+ *                   its device memory (a group with devices)
  *   comm_auth.c     SHA-256 / HMAC for the host handshake
  *   comm_nccl.c     NCCL backend ("nccl"), device pointers on a CUDA stream:
  *                   bootstrap, watchdog, close; comm_nccl_xfer.c one
@@ -69,7 +70,9 @@ static inline uint32_t ra_xfer_context(int kind) {
 }
 
 /* One sendrecv: either side may be absent (peer < 0).  Pointers are host
- * memory for host/threads, device memory of `device_id` for nccl.  nccl:
+ * memory for host/threads, device memory of `device_id` for nccl and for
+ * threads with devices (device_type RA_DEV_CUDA; stream as for nccl, the
+ * ordering in comm_threads_cuda.c).  nccl:
  * the transfer runs on the communicator's own stream after the work queued
  * so far on `stream` (a cudaStream_t; NULL = ringattn's compute stream of
  * the device), and waiting orders `stream` after the transfer.  Host
@@ -159,7 +162,8 @@ typedef struct ra_req {
 typedef struct ra_comm_vtable {
     const char *name;
     /* Device memory the backend moves: RA_DEV_CPU for host/threads
-     * (CUDA host memory is accepted too), RA_DEV_CUDA for nccl. */
+     * (CUDA host memory is accepted too), RA_DEV_CUDA for nccl and for
+     * threads with devices. */
     int device_type;
     ra_status (*sendrecv_start)(ra_comm *c, ra_req *req);
     /* Wait until the request is done or failed, or the deadline passes;
