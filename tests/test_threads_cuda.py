@@ -34,7 +34,10 @@ import pytest
 
 import ringattn as ra
 from ringattn.launch import LaunchError
-from ringattn.testing import random_qkv, ref_attention, ref_attention_backward
+from ringattn.testing import (np_dtype, random_qkv, ref_attention,
+                              ref_attention_backward)
+
+from gpu_arrays import emu_subset
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +59,9 @@ def devices_for(p, ndev):
 
 
 def host(x):
-    return ra.to_device(x, "cpu").numpy()
+    """A device array on the host as NumPy (bfloat16 widened to float32)."""
+    x = ra.to_device(x, "cpu").numpy()
+    return x.astype(np.float32) if x.dtype == np_dtype("bfloat16") else x
 
 
 def assert_close(name, got, ref):
@@ -161,6 +166,79 @@ def test_dilated_ring_on_devices_is_refused_by_name_before_any_transfer():
     for f in info.value.failures:
         assert f["exc_type"] == "NotImplementedError", f
         assert "dilated attention runs on the CPU only" in f["message"]
+
+
+# ---- p = 2, 4, 8 on one GPU, masks, Ulysses: against one rank ------------------
+# (the GPU kit's threadring stage; the emulated GPU runs the p = 2 and p = 4
+# points, a real GPU all of them at a larger n in bfloat16)
+
+MASKS = {"none": {}, "window+softcap": dict(window=(40, 0), softcap=5.0),
+         "docs": dict(docs=True)}
+ONE_GPU_GRID = [
+    pytest.param(p, u, mask, marks=[] if p < 8 else emu_subset("p = 8"))
+    for p in (2, 4, 8) for u in (1, 2) for mask in MASKS
+    if not (u == 2 and mask != "none")]
+
+
+def mask_kwargs(mask, n):
+    kw = {key: val for key, val in MASKS[mask].items() if key != "docs"}
+    if MASKS[mask].get("docs"):
+        cuts = np.sort(np.random.default_rng(5).choice(np.arange(1, n), 4,
+                                                       replace=False))
+        kw["segment_ids"] = ra.segment_ids([0, *map(int, cuts), n], n)
+    return kw
+
+
+def masked_rank(comm, q, k, v, dout, mask, u):
+    r, p, dev = comm.rank, comm.size, comm.device
+    kw = mask_kwargs(mask, q.shape[1])
+    if "segment_ids" in kw:
+        kw["segment_ids"] = ra.to_device(
+            ra.shard(kw["segment_ids"], r, p, "zigzag", ulysses=u), dev)
+    qs, ks, vs, ds = (ra.to_device(ra.shard(x, r, p, "zigzag", ulysses=u),
+                                   dev) for x in (q, k, v, dout))
+    out, lse = ra.ring_attention(qs, ks, vs, comm, causal=True,
+                                 layout="zigzag", return_lse=True, ulysses=u,
+                                 **kw)
+    grads = ra.ring_attention_backward(ds, qs, ks, vs, out, lse, comm,
+                                       causal=True, layout="zigzag",
+                                       ulysses=u, **kw)
+    res = tuple(host(x) for x in (out, lse) + tuple(grads))
+    comm.barrier()
+    return res
+
+
+@pytest.mark.parametrize("p,u,mask", ONE_GPU_GRID)
+def test_thread_ring_on_one_gpu_matches_one_rank(p, u, mask):
+    """p ranks sharing GPU 0 against ra.attention on it alone (same kernels,
+    same dtype): float32 on the emulated GPU (n = 96), bfloat16 on a real one
+    (n = 8192, H 8, H_kv 2, D 128; tolerance 2e-2 of the largest value)."""
+    real = not ra.cuda_info().get("emulated")
+    n, D = (8192, 128) if real else (96, 32)
+    dtype, tol = ("bfloat16", 2e-2) if real else ("float32", TOL)
+    q, k, v, dout = problem(p + 7 * u, n, H=8 if real else 4, D=D)
+    if real:
+        q, k, v, dout = (x.astype(np_dtype(dtype)) for x in (q, k, v, dout))
+    res = ra.launch(masked_rank, p, args=(q, k, v, dout, mask, u),
+                    backend="threads", devices=[0] * p, timeout=TIMEOUT)
+    got = gather(res, "zigzag", u=u)
+    kw = mask_kwargs(mask, n)
+    if "segment_ids" in kw:
+        kw["segment_ids"] = ra.to_device(kw["segment_ids"], "cuda:0")
+    qs, ks, vs, ds = (ra.to_device(x, "cuda:0") for x in (q, k, v, dout))
+    out, lse = ra.attention(qs, ks, vs, causal=True, return_lse=True, **kw)
+    grads = ra.attention_backward(ds, qs, ks, vs, out, lse, causal=True, **kw)
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got,
+                          (out, lse) + tuple(grads)):
+        e = host(e).astype(np.float64)
+        g = np.asarray(g, np.float64)
+        fin = np.isfinite(e)
+        np.testing.assert_array_equal(g[~fin], e[~fin],
+                                      err_msg=f"{name}: non-finite entries")
+        err = np.abs(g[fin] - e[fin]).max(initial=0.0)
+        bound = tol * max(1.0, np.abs(e[fin]).max(initial=0.0))
+        assert err <= bound, (f"{name} [p={p}, u={u}, {mask}]: {err:.3e} > "
+                              f"{bound:.3e}")
 
 
 # ---- the communicator -----------------------------------------------------------
@@ -336,3 +414,34 @@ def test_example_on_thread_ranks_fails_loudly_on_a_wrong_answer():
                        "float32")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "FAIL" in res.stdout and "PASS" not in res.stdout, res.stdout
+
+
+# ---- ringattn bench --ring --gpu: its thread rows -----------------------------------
+
+def test_ring_bench_thread_rows_run_without_nccl(monkeypatch, capsys):
+    """bench --ring --gpu at a tiny size (H 2, D 32, n 64) with NCCL made
+    unavailable: the NCCL rows say why they are skipped, the thread rows
+    (p = 2, 4, 8) run, and the summary counts them."""
+    import argparse
+
+    from ringattn.bench import gpu_ring
+
+    monkeypatch.setattr(gpu_ring, "H", 2)
+    monkeypatch.setattr(gpu_ring, "D", 32)
+    monkeypatch.setattr(ra, "nccl_version", lambda: None)
+
+    def once(fn, repeat, warmup=1, sync=None):     # one timed call each
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        return time.perf_counter() - t0
+
+    monkeypatch.setattr(gpu_ring, "median_time", once)
+    status = gpu_ring.run(argparse.Namespace(quick=True, seq_len=64))
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line for line in out.splitlines() if line.startswith("| threads |")]
+    assert len(rows) == 3 * 4, out               # p = 2, 4, 8; causal x pass
+    assert out.count("| nccl |") == 4 and "NCCL cannot be loaded" in out
+    assert "0 NCCL ring runs, 3 thread ring runs, n=64" in out
