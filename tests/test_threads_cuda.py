@@ -445,3 +445,37 @@ def test_ring_bench_thread_rows_run_without_nccl(monkeypatch, capsys):
     assert len(rows) == 3 * 4, out               # p = 2, 4, 8; causal x pass
     assert out.count("| nccl |") == 4 and "NCCL cannot be loaded" in out
     assert "0 NCCL ring runs, 3 thread ring runs, n=64" in out
+
+
+# ---- GPUs without peer access: copies staged through pinned host memory -------------
+
+EMULATED = bool(ra.cuda_info().get("emulated"))
+
+
+def test_staged_pairs_are_the_pairs_across_gpus_without_peer_access():
+    g = ra.ThreadsGroup(3, devices=[0, min(1, NDEV - 1), 0])
+    if not os.environ.get("RINGATTN_EMU_PEER") == "0":
+        pytest.skip("the GPUs here may be peers: RINGATTN_EMU_PEER=0 runs this")
+    assert g.staged == ([(0, 1), (1, 0), (1, 2), (2, 1)] if NDEV > 1 else [])
+    assert ra.ThreadsGroup(2, devices=[0, 0]).staged == []
+
+
+@pytest.mark.skipif(not EMULATED or NDEV < 2,
+                    reason="the emulated GPU's RINGATTN_EMU_PEER=0 (2 devices)")
+@pytest.mark.skipif(os.environ.get("RINGATTN_EMU_PEER") == "0",
+                    reason="this is the run it starts")
+def test_ring_ulysses_and_alltoall_through_pinned_host_memory():
+    """The two-device tests again in a fresh process whose emulated GPUs
+    refuse peer access (copies go device -> pinned host -> device), with
+    lazy streams (work runs only when the host looks: a missing event wait
+    reads stale bytes)."""
+    here = os.path.abspath(__file__)
+    env = dict(os.environ, RINGATTN_EMU_PEER="0", RINGATTN_EMU_LAZY="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-m", "gpu", here, "-k", "staged_pairs or (ring_on_devices and -2]) "
+         "or ulysses_on_devices or (sendrecv_alltoall and 2-2)"],
+        capture_output=True, text=True, env=env, timeout=300,
+        cwd=os.path.dirname(here))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "6 passed" in res.stdout, res.stdout[-2000:]

@@ -357,6 +357,9 @@ ra_status ra_tgroup_create_devices(int size, double timeout,
                                    const int *devices, ra_tgroup **out);
 /* devices[rank] of a group made with devices, or -1 */
 int ra_tgroup_device(const ra_tgroup *g, int rank);
+/* 1 when copies from rank a to rank b of a group with devices go through
+ * pinned host memory (their devices allow no peer access), else 0 */
+int ra_tgroup_staged(const ra_tgroup *g, int a, int b);
 /* The all-to-all of a group with devices (its communicators and their
  * splits): the block to itself and in-place blocks on the device, the rest
  * pairwise (comm_threads_cuda.c). */

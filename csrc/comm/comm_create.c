@@ -188,10 +188,32 @@ static PyObject *group_get_devices(GroupObject *self, void *x) {
     return t;
 }
 
+static PyObject *group_get_staged(GroupObject *self, void *x) {
+    (void)x;
+    int n = ra_tgroup_size(self->group);
+    PyObject *out = PyList_New(0);
+    for (int a = 0; out != NULL && a < n; a++) {
+        for (int b = 0; b < n; b++) {
+            if (!ra_tgroup_staged(self->group, a, b)) continue;
+            PyObject *pair = Py_BuildValue("(ii)", a, b);
+            if (pair == NULL || PyList_Append(out, pair) < 0) {
+                Py_XDECREF(pair);
+                Py_CLEAR(out);
+                break;
+            }
+            Py_DECREF(pair);
+        }
+    }
+    return out;
+}
+
 static PyGetSetDef group_getset[] = {
     {"size", (getter)group_get_size, NULL, "number of ranks", NULL},
     {"devices", (getter)group_get_devices, NULL,
      "each rank's CUDA device as ('cuda', N), or None (host memory)", NULL},
+    {"staged", (getter)group_get_staged, NULL,
+     "the (src, dst) rank pairs whose copies go through pinned host memory "
+     "(their GPUs allow no peer access)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

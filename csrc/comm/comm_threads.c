@@ -490,6 +490,12 @@ ra_status ra_tgroup_create_devices(int size, double timeout,
     return RA_OK;
 }
 
+int ra_tgroup_staged(const ra_tgroup *g, int a, int b) {
+    if (g->direct == NULL || a < 0 || b < 0 || a >= g->size || b >= g->size)
+        return 0;
+    return !g->direct[(size_t)a * (size_t)g->size + (size_t)b];
+}
+
 int ra_tgroup_device(const ra_tgroup *g, int rank) {
     return g->devices != NULL && rank >= 0 && rank < g->size
                ? g->devices[rank] : -1;

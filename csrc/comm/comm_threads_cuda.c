@@ -18,10 +18,14 @@
  * fails, since the ordering is queued before it can finish.
  *
  * Peer access is enabled between every pair of the group's devices that
- * allows it; where it does not, cudaMemcpyPeerAsync still moves the bytes
- * (the CUDA driver stages them through host memory).  Deadlines, abort
- * and the named errors are the host path's: only the bytes move
- * differently.
+ * allows it both ways; a copy between two such devices is one
+ * cudaMemcpyPeerAsync.  Between devices that do not allow it the bytes go
+ * through the receiver's pinned staging buffer: device to host on the
+ * sender's copy stream, then host to device on the receiver's, the
+ * staging buffer reused in stream order (one staged copy into a rank is
+ * queued at a time; the next one's download waits for the previous
+ * upload).  Deadlines, abort and the named errors are the host path's:
+ * only the bytes move differently.
  */
 #include "comm/comm_threads_internal.h"
 #include "core/cuda_rt.h"
@@ -31,6 +35,16 @@
 #ifdef RA_WITH_CUDA
 
 #include <cuda_runtime.h>
+
+/* A receiving rank's pinned staging buffer (devices without peer
+ * access). */
+struct tstage {
+    pthread_mutex_t mu;       /* one staged copy queued at a time */
+    int init;
+    void *host;               /* cudaMallocHost */
+    size_t bytes;
+    cudaEvent_t last;         /* after the last upload from it, or NULL */
+};
 
 /* A device request's CUDA state (ra_req.impl). */
 typedef struct tdev_req {
@@ -76,20 +90,46 @@ ra_status ra_tcuda_group_init(ra_tgroup *g) {
         for (int b = 0; b < count; b++) {
             int used_b = 0, can = 0;
             for (int r = 0; r < g->size; r++) used_b |= g->devices[r] == b;
-            if (b == a || !used_b) continue;
-            CU(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer");
+            if (b == a || !used_b || st != RA_OK) continue;
+            cudaError_t e = cudaDeviceCanAccessPeer(&can, a, b);
+            if (e != cudaSuccess) {
+                st = ra_cuda_status((int)e, "cudaDeviceCanAccessPeer",
+                                    __FILE__, __LINE__);
+                continue;
+            }
             if (!can) continue;
-            cudaError_t e = cudaDeviceEnablePeerAccess(b, 0);
+            e = cudaDeviceEnablePeerAccess(b, 0);
             if (e == cudaErrorPeerAccessAlreadyEnabled)
                 (void)cudaGetLastError();
-            else
-                CU(e, "cudaDeviceEnablePeerAccess");
+            else if (e != cudaSuccess)
+                st = ra_cuda_status((int)e, "cudaDeviceEnablePeerAccess",
+                                    __FILE__, __LINE__);
         }
-    exit:
         ra_cuda_leave_device(a, prev);
     }
     for (int r = 0; r < g->size && st == RA_OK; r++)
         st = rank_stream(g, r);
+    size_t n = (size_t)g->size;
+    if (st == RA_OK) {
+        g->direct = ra_host_calloc(n * n);
+        g->stages = ra_host_calloc(sizeof(struct tstage) * n);
+        if (g->direct == NULL || g->stages == NULL) st = RA_ERR_NOMEM;
+    }
+    for (int a = 0; a < g->size && st == RA_OK; a++) {
+        pthread_mutex_init(&g->stages[a].mu, NULL);
+        g->stages[a].init = 1;
+        for (int b = 0; b < g->size && st == RA_OK; b++) {
+            int da = g->devices[a], db = g->devices[b], ab = 1, ba = 1;
+            if (da != db) {
+                CU(cudaDeviceCanAccessPeer(&ab, da, db),
+                   "cudaDeviceCanAccessPeer");
+                CU(cudaDeviceCanAccessPeer(&ba, db, da),
+                   "cudaDeviceCanAccessPeer");
+            }
+            g->direct[(size_t)a * n + b] = ab && ba;
+        }
+    }
+exit:
     return st;
 }
 
@@ -107,9 +147,22 @@ exit:
 }
 
 void ra_tcuda_group_free(ra_tgroup *g) {
+    size_t n = (size_t)g->size;
     for (int r = 0; r < g->size; r++)
         if (g->copy_streams[r] != NULL)
             (void)cudaStreamDestroy((cudaStream_t)g->copy_streams[r]);
+    for (int r = 0; g->stages != NULL && r < g->size; r++) {
+        struct tstage *t = &g->stages[r];
+        if (!t->init) continue;
+        if (t->last != NULL) {
+            (void)cudaEventSynchronize(t->last);    /* uploads from it */
+            (void)cudaEventDestroy(t->last);
+        }
+        if (t->host != NULL) (void)cudaFreeHost(t->host);
+        pthread_mutex_destroy(&t->mu);
+    }
+    ra_host_free(g->stages, sizeof(struct tstage) * n);
+    ra_host_free(g->direct, n * n);
 }
 
 ra_status ra_tcuda_post(ra_req *q, char *err, size_t n) {
@@ -143,6 +196,63 @@ exit:
     return RA_OK;
 }
 
+/* `from`'s send block into `to`'s receive block through the receiver's
+ * pinned staging buffer (devices without peer access); *done is recorded
+ * on the receiver's copy stream after the upload.  Receiver's device
+ * entered by the caller (it stays so on return). */
+static ra_status staged_copy(ra_tgroup *g, ra_req *from, ra_req *to,
+                             cudaEvent_t *done) {
+    tdev_req *s = from->impl, *r = to->impl;
+    size_t nbytes = from->x.send_nbytes;
+    struct tstage *t = &g->stages[to->comm->rank];
+    cudaStream_t down = (cudaStream_t)g->copy_streams[from->comm->rank];
+    cudaStream_t up = (cudaStream_t)g->copy_streams[to->comm->rank];
+    cudaEvent_t mid = NULL;
+    int prev = 0, entered = 0;
+    ra_status st = RA_OK;
+    pthread_mutex_lock(&t->mu);
+    if (t->last == NULL)
+        CU(cudaEventCreateWithFlags(&t->last, cudaEventDisableTiming),
+           "cudaEventCreateWithFlags");
+    if (t->bytes < nbytes) {
+        /* grown (rarely: the ring's block sizes repeat): the uploads from
+         * the old buffer end first, a host wait */
+        CU(cudaEventSynchronize(t->last), "cudaEventSynchronize");
+        if (t->host != NULL) (void)cudaFreeHost(t->host);
+        t->host = NULL;
+        t->bytes = 0;
+        CU(cudaMallocHost(&t->host, nbytes), "cudaMallocHost");
+        t->bytes = nbytes;
+    }
+    /* download on the sender's device, after its kernels and the last
+     * upload from the buffer */
+    if ((st = ra_cuda_enter_device(s->device, &prev)) != RA_OK) goto exit;
+    entered = 1;
+    CU(cudaStreamWaitEvent(down, s->ready, 0), "cudaStreamWaitEvent");
+    CU(cudaStreamWaitEvent(down, t->last, 0), "cudaStreamWaitEvent");
+    CU(cudaMemcpyAsync(t->host, from->x.send, nbytes, cudaMemcpyDeviceToHost,
+                       down), "cudaMemcpyAsync");
+    CU(cudaEventCreateWithFlags(&mid, cudaEventDisableTiming),
+       "cudaEventCreateWithFlags");
+    CU(cudaEventRecord(mid, down), "cudaEventRecord");
+    ra_cuda_leave_device(s->device, prev);
+    entered = 0;
+    /* upload on the receiver's */
+    CU(cudaStreamWaitEvent(up, mid, 0), "cudaStreamWaitEvent");
+    CU(cudaStreamWaitEvent(up, r->ready, 0), "cudaStreamWaitEvent");
+    CU(cudaMemcpyAsync(to->x.recv, t->host, nbytes, cudaMemcpyHostToDevice,
+                       up), "cudaMemcpyAsync");
+    CU(cudaEventRecord(t->last, up), "cudaEventRecord");
+    CU(cudaEventCreateWithFlags(done, cudaEventDisableTiming),
+       "cudaEventCreateWithFlags");
+    CU(cudaEventRecord(*done, up), "cudaEventRecord");
+exit:
+    if (entered) ra_cuda_leave_device(s->device, prev);
+    if (mid != NULL) (void)cudaEventDestroy(mid);     /* the wait keeps it */
+    pthread_mutex_unlock(&t->mu);
+    return st;
+}
+
 ra_status ra_tcuda_copy(ra_tgroup *g, ra_req *from, ra_req *to, char *err,
                         size_t n) {
     size_t nbytes = from->x.send_nbytes;
@@ -154,21 +264,27 @@ ra_status ra_tcuda_copy(ra_tgroup *g, ra_req *from, ra_req *to, char *err,
     ra_status st = RA_OK;
     if ((st = ra_cuda_enter_device(rdev, &prev)) != RA_OK) goto exit;
     entered = 1;
-    CU(cudaStreamWaitEvent(cs, s->ready, 0), "cudaStreamWaitEvent");
-    if (r != s) CU(cudaStreamWaitEvent(cs, r->ready, 0), "cudaStreamWaitEvent");
-    if (to->x.recv != from->x.send) {
-        if (rdev == sdev)
-            CU(cudaMemcpyAsync(to->x.recv, from->x.send, nbytes,
-                               cudaMemcpyDeviceToDevice, cs),
-               "cudaMemcpyAsync");
-        else
-            CU(cudaMemcpyPeerAsync(to->x.recv, rdev, from->x.send, sdev,
-                                   nbytes, cs),
-               "cudaMemcpyPeerAsync");
+    if (!g->direct[(size_t)from->comm->rank * (size_t)g->size +
+                   (size_t)to->comm->rank]) {
+        if ((st = staged_copy(g, from, to, &done)) != RA_OK) goto exit;
+    } else {
+        CU(cudaStreamWaitEvent(cs, s->ready, 0), "cudaStreamWaitEvent");
+        if (r != s)
+            CU(cudaStreamWaitEvent(cs, r->ready, 0), "cudaStreamWaitEvent");
+        if (to->x.recv != from->x.send) {
+            if (rdev == sdev)
+                CU(cudaMemcpyAsync(to->x.recv, from->x.send, nbytes,
+                                   cudaMemcpyDeviceToDevice, cs),
+                   "cudaMemcpyAsync");
+            else
+                CU(cudaMemcpyPeerAsync(to->x.recv, rdev, from->x.send, sdev,
+                                       nbytes, cs),
+                   "cudaMemcpyPeerAsync");
+        }
+        CU(cudaEventCreateWithFlags(&done, cudaEventDisableTiming),
+           "cudaEventCreateWithFlags");
+        CU(cudaEventRecord(done, cs), "cudaEventRecord");
     }
-    CU(cudaEventCreateWithFlags(&done, cudaEventDisableTiming),
-       "cudaEventCreateWithFlags");
-    CU(cudaEventRecord(done, cs), "cudaEventRecord");
     CU(cudaStreamWaitEvent(r->stream, done, 0), "cudaStreamWaitEvent");
     if (s->stream != r->stream) {
         ra_cuda_leave_device(rdev, prev);

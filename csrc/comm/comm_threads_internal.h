@@ -27,6 +27,9 @@ struct ra_tgroup {
     tsplit *splits;           /* comm_threads_split.c */
     int *devices;             /* CUDA device of each rank, or NULL: host */
     void **copy_streams;      /* with devices: each rank's copy stream */
+    unsigned char *direct;    /* [a * size + b]: a device or peer copy
+                               * between ranks a and b (else staged) */
+    struct tstage *stages;    /* per receiving rank: pinned staging */
 };
 
 #define DEAD_MSG(g, r) ((g)->dead_msg + (size_t)(r) * RA_COMM_MSG_LEN)
