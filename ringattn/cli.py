@@ -212,7 +212,7 @@ def _bench_parser(sub):
     b.add_argument("--ring", action="store_true",
                    help="ring time, hidden transfer share and per-rank "
                         "memory for p = 1, 2, 4 (with --gpu: the NCCL ring "
-                        "against one device)")
+                        "and thread ranks on the GPUs against one device)")
     b.add_argument("--dilated", action="store_true",
                    help="dilated vs dense attention table")
     b.add_argument("--masks", action="store_true",
@@ -237,6 +237,9 @@ def _bench_parser(sub):
     b.add_argument("--seq-lens", type=positive_int_list, default=None,
                    help="comma-separated sequence lengths (--cpu default: "
                         "1024,4096,8192; 256,512 with --quick)")
+    b.add_argument("--seq-len", type=positive_int, default=None,
+                   help="sequence length of --ring (default 8192, 2048 "
+                        "with --quick; with --gpu 16384, 4096 with --quick)")
     b.add_argument("--repeat", type=positive_int, default=3,
                    help="timed calls per case (the median is shown)")
     b.add_argument("--quick", action="store_true", help="small sizes")

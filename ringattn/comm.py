@@ -6,7 +6,10 @@ once, which is all the ring needs; ``barrier()`` and ``allgather(bytes)``
 cover the rest.  Backends:
 
 * ``host``: TCP between CPU ranks (processes, possibly on several machines);
-* ``threads``: ranks that are threads of one process (``ThreadsGroup``);
+* ``threads``: ranks that are threads of one process (``ThreadsGroup``),
+  on host memory or, with ``ThreadsGroup(size, devices=[...])``, each on
+  its CUDA device (device copies between ranks of one GPU, peer copies
+  between GPUs, ordered on the GPU with events: no host wait per step);
 * ``nccl``: GPUs: one NCCL communicator per rank on its own CUDA stream
   (NCCL is loaded at first use; ``auto`` picks it when a CUDA ``device`` is
   asked for and CUDA is available).
@@ -428,6 +431,10 @@ def init(backend="auto", rank=None, world_size=None, *, master_addr=None,
     if backend != "nccl" and unique_id is not None:
         raise ValueError(f"unique_id is for backend 'nccl', got backend "
                          f"{backend!r}")
+    if backend == "threads" and wants_cuda:
+        raise ValueError(f"backend 'threads' takes each rank's device from "
+                         f"its group (ThreadsGroup(size, devices=[...])), "
+                         f"not device=: got device={device!r}")
     if backend != "nccl" and wants_cuda:
         raise ValueError(f"backend {backend!r} moves host memory: device "
                          f"must be 'cpu' or None, got {device!r}")

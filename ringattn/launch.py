@@ -279,8 +279,9 @@ def _stop_processes(procs):
 
 # ---- threads --------------------------------------------------------------
 
-def _launch_threads(fn, nprocs, args, timeout):
-    group = ThreadsGroup(nprocs, timeout=min(default_timeout(), timeout))
+def _launch_threads(fn, nprocs, args, timeout, devices=None):
+    group = ThreadsGroup(nprocs, timeout=min(default_timeout(), timeout),
+                         devices=devices)
     results = [None] * nprocs
     failures, causes = [], {}
     lock = threading.Lock()
@@ -328,7 +329,7 @@ def _launch_threads(fn, nprocs, args, timeout):
     return results
 
 
-def launch(fn, nprocs, args=(), backend="auto", timeout=None):
+def launch(fn, nprocs, args=(), backend="auto", timeout=None, devices=None):
     """Run ``fn(comm, *args)`` on ``nprocs`` ranks; return results by rank.
 
     backend: ``"host"`` (``"auto"``): processes started with the spawn
@@ -341,6 +342,11 @@ def launch(fn, nprocs, args=(), backend="auto", timeout=None):
     a host rendezvous that hands out the unique id; several ranks per GPU
     only with ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (NCCL >= 2.30).
 
+    devices (``"threads"`` only): one CUDA device per rank (an int,
+    ``"cuda:N"`` or ``("cuda", N)``; ranks may share one), as in
+    ``ThreadsGroup(nprocs, devices=...)``: the ranks then move CUDA arrays
+    of their device.
+
     timeout: seconds for the whole launch (default ``RINGATTN_TIMEOUT`` +
     60).  Every communicator wait also has the ``RINGATTN_TIMEOUT``
     deadline (capped at ``timeout``).
@@ -350,8 +356,11 @@ def launch(fn, nprocs, args=(), backend="auto", timeout=None):
     """
     timeout = _check_launch_args(nprocs, backend, timeout)
     args = tuple(args)
+    if devices is not None and backend != "threads":
+        raise ValueError(f"devices is for backend 'threads', got backend "
+                         f"{backend!r}")
     if backend == "threads":
-        return _launch_threads(fn, nprocs, args, timeout)
+        return _launch_threads(fn, nprocs, args, timeout, devices)
     if backend == "nccl":
         _check_gpus(nprocs)
         return _launch_processes(fn, nprocs, args, timeout, "nccl")

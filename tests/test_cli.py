@@ -125,6 +125,7 @@ BAD_FLAGS = [
     (["bench", "--threads", "-1"], "--threads"),
     (["bench", "--seq-lens", "512,0"], "--seq-lens"),
     (["bench", "--seq-lens", ","], "--seq-lens"),
+    (["bench", "--seq-len", "0"], "--seq-len"),
     (["bench", "--plot", "/no/such/folder/x.png"], "--plot"),
     (["bench", "--dilated", "--plot", "x.png"], "--plot"),
     (["launch", "-n", "0", "job.py"], "--nprocs"),
@@ -211,11 +212,12 @@ def test_demo_relative_error_is_what_it_says():
 
 @pytest.mark.timeout(300)
 def test_bench_ring_prints_each_row_once(tmp_path):
-    proc = run_cli("bench", "--ring", "--quick", "--repeat", "1", timeout=280)
+    proc = run_cli("bench", "--ring", "--quick", "--repeat", "1",
+                   "--seq-len", "1000", timeout=280)
     rows = [line for line in proc.stdout.splitlines()
             if line.startswith("| ") and line[2].isdigit()]
     ok = (proc.returncode == 0 and len(rows) == 6 == len(set(rows))
-          and "peak MiB/rank" in proc.stdout)
+          and "peak MiB/rank" in proc.stdout and "n=1000," in proc.stdout)
     assert ok, describe(proc)
 
 

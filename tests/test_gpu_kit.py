@@ -2,8 +2,9 @@
 sanitizer's kernel filter names every ringattn kernel (by its mangled and
 its demangled name) and the canary that proves the filter matches, the ptx
 stage (the PTX conformance program) comes first after the build and needs
-no installed package, the script parses, and the ``--repeat N`` option its
-tests stage uses (tests/conftest.py) runs a test N times."""
+no installed package, the threadring stage runs the thread-rank tests and
+is documented, the script parses, and the ``--repeat N`` option its tests
+stage uses (tests/conftest.py) runs a test N times."""
 
 import glob
 import os
@@ -89,6 +90,21 @@ def _script_var_dq(name):
     found = re.search(rf'^{name}="([^"]*)"$', open(SCRIPT).read(), re.M)
     assert found, f"{name} not found in gpu_check.sh"
     return found.group(1)
+
+
+def test_threadring_stage_runs_the_thread_rank_tests_and_is_documented():
+    text = open(SCRIPT).read()
+    assert "threadring" in _script_var_dq("ALL_STAGES").split()
+    body = re.search(r"^stage_threadring\(\) \{\n(.*?)^\}", text, re.M | re.S)
+    assert body and "tests/test_threads_cuda.py" in body.group(1)
+    assert os.path.exists(os.path.join(ROOT, "tests", "test_threads_cuda.py"))
+    readme = open(os.path.join(ROOT, "tools", "README.md")).read()
+    assert "| `threadring` |" in readme and "threadring" in readme.split("| call |")[1]
+    # the ring bench takes the sequence length the kit passes it
+    assert '--seq-len "$RINGBENCH_SEQ_LEN"' in text
+    from ringattn.cli import build_parser
+    args = build_parser()[0].parse_args(["bench", "--ring", "--gpu", "--seq-len", "4096"])
+    assert args.seq_len == 4096
 
 
 def test_script_parses():

@@ -3,8 +3,8 @@
 # 10-minute call of the device tool.  Run from anywhere; it works on the
 # repository it lives in.
 #
-# The three device calls (timeout_s 600 each; about 27.5 minutes of commands
-# plus three machine starts, about 31 device-minutes; a machine is bare
+# The three device calls (timeout_s 600 each; about 29.5 minutes of commands
+# plus three machine starts, about 33 device-minutes; a machine is bare
 # again 30 s after a call, so every call builds):
 #
 #   1. tools/gpu_check.sh build ptx selftest tests
@@ -12,9 +12,11 @@
 #                                                                  (~9.5 min)
 #   2. tools/gpu_check.sh build sanitize
 #        build ~2.5 min, sanitize ~6.5 min                         (~9 min)
-#   3. tools/gpu_check.sh build nccl bench ringbench
-#        build ~2.5 min, nccl ~2 min, bench ~3 min, ringbench ~1.5 min
-#                                                                  (~9 min)
+#   3. tools/gpu_check.sh build nccl threadring bench ringbench
+#        build ~2.5 min, nccl ~2 min, threadring ~1 min, bench ~3 min,
+#        ringbench ~2.5 min (NCCL and thread rows)    (~11 min estimated:
+#        the budget cuts what does not fit, and says so; then run
+#        "build ringbench" alone)
 #
 # Stages (any order, any subset; "all" = every stage):
 #   build      pip install --no-build-isolation --no-deps . with the CUDA
@@ -48,9 +50,15 @@
 #   nccl       pytest -m gpu tests/test_nccl.py (world size 1; 2-4 ranks on
 #              one GPU where NCCL >= 2.30; masks; ringattn demo --backend
 #              nccl; a silent and a killed peer)
+#   threadring pytest -m gpu tests/test_threads_cuda.py: the ring on thread
+#              ranks sharing GPU 0 (p = 2, 4, 8; masks; Ulysses u = 2) against
+#              one rank, n = 8192 bfloat16; the ring, Ulysses, alltoall/split,
+#              a raising and a stalling rank, and examples/ring_threads_gpu.py
+#              at a small size, on thread ranks without NCCL
 #   bench      ringattn bench --gpu (TFLOP/s next to SDPA flash/cuDNN, and
 #              accuracy by flash-attention's rule)
-#   ringbench  ringattn bench --ring --gpu (the NCCL ring, p = 1..4)
+#   ringbench  ringattn bench --ring --gpu (the NCCL ring, p = 1..4, and
+#              thread ranks, p = 2, 4, 8; RINGBENCH_SEQ_LEN sets --seq-len)
 #
 # What it prints: "== <stage> ..." as a stage starts and, for a stage that
 # failed, the tail of its log; the last lines are one "SUMMARY <stage>:
@@ -66,7 +74,8 @@
 # Environment: PYTHON (default python3: the interpreter with torch there),
 # RINGATTN_CUDA_ARCHS (default 90a), REBUILD=1, GPU_CHECK_WORK,
 # GPU_CHECK_BUDGET, SANITIZE_TOOLS (default "memcheck racecheck synccheck
-# initcheck"; a subset reruns one that ran out of time), CUDA_HOME.
+# initcheck"; a subset reruns one that ran out of time), RINGBENCH_SEQ_LEN
+# (the ringbench stage's --seq-len), CUDA_HOME.
 # Exit status: 0 when every stage passed.
 set -u -o pipefail
 
@@ -77,7 +86,7 @@ BUDGET="${GPU_CHECK_BUDGET:-570}"
 ARCHS="${RINGATTN_CUDA_ARCHS:-90a}"
 export RINGATTN_CUDA_ARCHS="$ARCHS" PYTHONUNBUFFERED=1
 START=$SECONDS
-ALL_STAGES="build ptx selftest tests sanitize nccl bench ringbench"
+ALL_STAGES="build ptx selftest tests sanitize nccl threadring bench ringbench"
 # ringattn's kernels only, by either name the sanitizer may match: the
 # mangled one (nvcc names a kernel of an anonymous namespace after its
 # source file: _GLOBAL__N__<hash>_<n>_attn_fwd_simt_cu_...) or the
@@ -101,7 +110,7 @@ STAGES=()
 for a in "$@"; do
     case "$a" in
         all) read -r -a STAGES <<<"$ALL_STAGES" ;;
-        build | ptx | selftest | tests | sanitize | nccl | bench | ringbench) STAGES+=("$a") ;;
+        build | ptx | selftest | tests | sanitize | nccl | threadring | bench | ringbench) STAGES+=("$a") ;;
         -h | --help) usage ;;
         *) echo "gpu_check.sh: unknown stage '$a' (stages: $ALL_STAGES, all)" >&2; exit 2 ;;
     esac
@@ -426,6 +435,11 @@ stage_nccl() {
     return $rc
 }
 
+stage_threadring() {
+    note "== threadring: pytest -m gpu test_threads_cuda.py: thread ranks on one GPU, no NCCL (~1 min)"
+    pytest_stage threadring "$REPO/tests/test_threads_cuda.py"
+}
+
 stage_sanitize() {
     note "== sanitize: ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck} on selftest quick, memcheck on sanitize_case.py (~6.5 min)"
     local san
@@ -516,8 +530,8 @@ stage_bench() {
 }
 
 stage_ringbench() {
-    note "== ringbench: ringattn bench --ring --gpu (~1.5 min)"
-    bench_stage ringbench bench-gpu-ring --ring --gpu
+    note "== ringbench: ringattn bench --ring --gpu, NCCL and thread ranks (~2.5 min)"
+    bench_stage ringbench bench-gpu-ring --ring --gpu ${RINGBENCH_SEQ_LEN:+--seq-len "$RINGBENCH_SEQ_LEN"}
 }
 
 # ---- environment, summary, archive ---------------------------------------------

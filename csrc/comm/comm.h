@@ -20,7 +20,8 @@
  *                   its progress thread (frames matched by context);
  *                   comm_host_boot.c joins its full mesh
  *   comm_threads.c  in-process backend ("threads"); comm_threads_split.c
- *                   the splits on it and who left them
+ *                   the splits on it and who left them; comm_threads_cuda.c
+ *                   its device memory (a group with devices)
  *   comm_auth.c     SHA-256 / HMAC for the host handshake
  *   comm_nccl.c     NCCL backend ("nccl"), device pointers on a CUDA stream:
  *                   bootstrap, watchdog, close; comm_nccl_xfer.c one
@@ -69,7 +70,9 @@ static inline uint32_t ra_xfer_context(int kind) {
 }
 
 /* One sendrecv: either side may be absent (peer < 0).  Pointers are host
- * memory for host/threads, device memory of `device_id` for nccl.  nccl:
+ * memory for host/threads, device memory of `device_id` for nccl and for
+ * threads with devices (device_type RA_DEV_CUDA; stream as for nccl, the
+ * ordering in comm_threads_cuda.c).  nccl:
  * the transfer runs on the communicator's own stream after the work queued
  * so far on `stream` (a cudaStream_t; NULL = ringattn's compute stream of
  * the device), and waiting orders `stream` after the transfer.  Host
@@ -159,7 +162,8 @@ typedef struct ra_req {
 typedef struct ra_comm_vtable {
     const char *name;
     /* Device memory the backend moves: RA_DEV_CPU for host/threads
-     * (CUDA host memory is accepted too), RA_DEV_CUDA for nccl. */
+     * (CUDA host memory is accepted too), RA_DEV_CUDA for nccl and for
+     * threads with devices. */
     int device_type;
     ra_status (*sendrecv_start)(ra_comm *c, ra_req *req);
     /* Wait until the request is done or failed, or the deadline passes;
@@ -290,6 +294,11 @@ ra_status ra_comm_allgather(ra_comm *c, const void *in, size_t nbytes,
  * rank + s, receive from rank - s).  Overlapping receive blocks are a
  * ValueError naming them, before any communication. */
 ra_status ra_comm_alltoall(ra_comm *c, const ra_a2a *a, double timeout);
+/* The pairwise steps alone (every block but the one to itself), memory as
+ * in ra_xfer: a backend's alltoall that moves its own block and in-place
+ * blocks itself (threads on CUDA devices) calls it for the rest. */
+ra_status ra_comm_alltoall_steps(ra_comm *c, const ra_a2a *a,
+                                 double timeout);
 /* staged[i] = 1 for the send blocks that overlap a receive block (other
  * than the block to itself being its own receive block exactly), which
  * must be copied aside before anything is received; returns their bytes
@@ -341,6 +350,20 @@ ra_status ra_host_comm_create(int rank, int size, const char *master_addr,
 /* comm_threads.c: ranks are threads of this process sharing a group. */
 typedef struct ra_tgroup ra_tgroup;
 ra_status ra_tgroup_create(int size, double timeout, ra_tgroup **out);
+/* The same with one CUDA device per rank (devices[size], copied; several
+ * ranks may share one): the ranks then move CUDA device memory of their
+ * device (comm_threads_cuda.c), host memory only for barrier/allgather. */
+ra_status ra_tgroup_create_devices(int size, double timeout,
+                                   const int *devices, ra_tgroup **out);
+/* devices[rank] of a group made with devices, or -1 */
+int ra_tgroup_device(const ra_tgroup *g, int rank);
+/* 1 when copies from rank a to rank b of a group with devices go through
+ * pinned host memory (their devices allow no peer access), else 0 */
+int ra_tgroup_staged(const ra_tgroup *g, int a, int b);
+/* The all-to-all of a group with devices (its communicators and their
+ * splits): the block to itself and in-place blocks on the device, the rest
+ * pairwise (comm_threads_cuda.c). */
+ra_status ra_tcuda_alltoall(ra_comm *c, const ra_a2a *a, double timeout);
 void ra_tgroup_incref(ra_tgroup *g);
 void ra_tgroup_decref(ra_tgroup *g);
 int ra_tgroup_size(const ra_tgroup *g);

@@ -534,20 +534,11 @@ fail:
 /* Pairwise steps: in step s every rank sends its block for rank + s and
  * receives the block of rank - s, so each step is a shift that never
  * deadlocks; all steps are started at once and waited on under one
- * deadline.  The block to self is a copy. */
-static ra_status generic_alltoall(ra_comm *c, const ra_a2a *a,
-                                  double timeout) {
+ * deadline. */
+ra_status ra_comm_alltoall_steps(ra_comm *c, const ra_a2a *a,
+                                 double timeout) {
     int p = c->size, me = c->rank;
     double deadline = ra_now() + timeout;
-    if (a->send_nbytes[me] != a->recv_nbytes[me]) {
-        ra_set_error(RA_ERR_VALUE,
-                     "rank %d: alltoall: the block to itself has %zu bytes "
-                     "but its receive block holds %zu bytes", me,
-                     a->send_nbytes[me], a->recv_nbytes[me]);
-        return RA_ERR_VALUE;
-    }
-    if (a->send_nbytes[me] > 0 && a->send[me] != a->recv[me])
-        memmove(a->recv[me], a->send[me], a->send_nbytes[me]);
     if (p == 1) return RA_OK;
     ra_req **reqs = ra_host_calloc(sizeof(ra_req *) * (size_t)p);
     if (reqs == NULL) return RA_ERR_NOMEM;
@@ -589,6 +580,22 @@ static ra_status generic_alltoall(ra_comm *c, const ra_a2a *a,
     ra_host_free(reqs, sizeof(ra_req *) * (size_t)p);
     if (st != RA_OK) ra_set_error(st, "%s", first);
     return st;
+}
+
+/* Host memory: the block to self is a copy, the rest pairwise steps. */
+static ra_status generic_alltoall(ra_comm *c, const ra_a2a *a,
+                                  double timeout) {
+    int me = c->rank;
+    if (a->send_nbytes[me] != a->recv_nbytes[me]) {
+        ra_set_error(RA_ERR_VALUE,
+                     "rank %d: alltoall: the block to itself has %zu bytes "
+                     "but its receive block holds %zu bytes", me,
+                     a->send_nbytes[me], a->recv_nbytes[me]);
+        return RA_ERR_VALUE;
+    }
+    if (a->send_nbytes[me] > 0 && a->send[me] != a->recv[me])
+        memmove(a->recv[me], a->send[me], a->send_nbytes[me]);
+    return ra_comm_alltoall_steps(c, a, timeout);
 }
 
 /* ---- in-place blocks ----------------------------------------------------- */

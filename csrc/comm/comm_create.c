@@ -8,6 +8,7 @@
  */
 #include "comm/comm_py.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct GroupObject {
@@ -17,21 +18,106 @@ typedef struct GroupObject {
 
 /* ---- ThreadsGroup ------------------------------------------------------ */
 
+/* One entry of devices=: an int N, "cuda", "cuda:N" or ("cuda", N). */
+static int parse_device(PyObject *item, Py_ssize_t i, int *out) {
+    PyObject *index = NULL;
+    if (PyLong_Check(item) && !PyBool_Check(item)) {
+        index = Py_NewRef(item);
+    } else if (PyUnicode_Check(item)) {
+        const char *str = PyUnicode_AsUTF8(item);
+        if (str == NULL) return -1;
+        if (strcmp(str, "cuda") == 0) {
+            *out = 0;
+            return 0;
+        }
+        if (strncmp(str, "cuda:", 5) == 0 && str[5] >= '0' && str[5] <= '9') {
+            char *end = NULL;
+            long v = strtol(str + 5, &end, 10);
+            if (*end == '\0' && v <= 1 << 20) {
+                *out = (int)v;
+                return 0;
+            }
+        }
+    } else if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2 &&
+               PyUnicode_Check(PyTuple_GET_ITEM(item, 0)) &&
+               PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(item, 0),
+                                                "cuda") == 0 &&
+               PyLong_Check(PyTuple_GET_ITEM(item, 1)) &&
+               !PyBool_Check(PyTuple_GET_ITEM(item, 1))) {
+        index = Py_NewRef(PyTuple_GET_ITEM(item, 1));
+    }
+    if (index == NULL) {
+        PyErr_Format(PyExc_ValueError, "devices[%zd] must be a CUDA device "
+                     "(an int, 'cuda:N' or ('cuda', N)), got %R", i, item);
+        return -1;
+    }
+    int overflow = 0;
+    long v = PyLong_AsLongAndOverflow(index, &overflow);
+    Py_DECREF(index);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow || v < 0 || v > (1 << 20)) {
+        PyErr_Format(PyExc_ValueError, "devices[%zd] must be a CUDA device "
+                     "index >= 0, got %R", i, item);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* devices=None or a sequence of `size` devices -> *out (PyMem_Malloc'd)
+ * or NULL. */
+static int parse_devices(PyObject *obj, int size, int **out) {
+    *out = NULL;
+    if (obj == Py_None) return 0;
+    PyObject *seq = PySequence_Fast(obj, "devices must be a list of CUDA "
+                                    "devices, one per rank");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n != size) {
+        PyErr_Format(PyExc_ValueError, "devices must name one CUDA device per "
+                     "rank: expected %d entries, got %zd", size, n);
+        Py_DECREF(seq);
+        return -1;
+    }
+    int *devs = PyMem_Malloc(sizeof(int) * (size_t)size);
+    if (devs == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (parse_device(PySequence_Fast_GET_ITEM(seq, i), i, &devs[i]) < 0) {
+            PyMem_Free(devs);
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    *out = devs;
+    return 0;
+}
+
 static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"size", "timeout", NULL};
+    static char *kwlist[] = {"size", "timeout", "devices", NULL};
     int size;
-    PyObject *tobj = Py_None;
+    PyObject *tobj = Py_None, *dobj = Py_None;
     double timeout;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|O:ThreadsGroup", kwlist,
-                                     &size, &tobj))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|O$O:ThreadsGroup", kwlist,
+                                     &size, &tobj, &dobj))
         return NULL;
     if (ra_parse_timeout(tobj, &timeout) < 0) return NULL;
     if (size < 1) {
         PyErr_Format(PyExc_ValueError, "size must be >= 1, got %d", size);
         return NULL;
     }
+    int *devices = NULL;
+    if (parse_devices(dobj, size, &devices) < 0) return NULL;
     ra_tgroup *g = NULL;
-    ra_status st = ra_tgroup_create(size, timeout, &g);
+    ra_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ra_tgroup_create_devices(size, timeout, devices, &g);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(devices);
     if (st != RA_OK) return ra_raise(st);
     GroupObject *self = (GroupObject *)type->tp_alloc(type, 0);
     if (self == NULL) {
@@ -84,8 +170,50 @@ static PyMethodDef group_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *group_get_devices(GroupObject *self, void *x) {
+    (void)x;
+    int n = ra_tgroup_size(self->group);
+    if (ra_tgroup_device(self->group, 0) < 0) Py_RETURN_NONE;
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) return NULL;
+    for (int r = 0; r < n; r++) {
+        PyObject *d = Py_BuildValue("(si)", "cuda",
+                                    ra_tgroup_device(self->group, r));
+        if (d == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, r, d);
+    }
+    return t;
+}
+
+static PyObject *group_get_staged(GroupObject *self, void *x) {
+    (void)x;
+    int n = ra_tgroup_size(self->group);
+    PyObject *out = PyList_New(0);
+    for (int a = 0; out != NULL && a < n; a++) {
+        for (int b = 0; b < n; b++) {
+            if (!ra_tgroup_staged(self->group, a, b)) continue;
+            PyObject *pair = Py_BuildValue("(ii)", a, b);
+            if (pair == NULL || PyList_Append(out, pair) < 0) {
+                Py_XDECREF(pair);
+                Py_CLEAR(out);
+                break;
+            }
+            Py_DECREF(pair);
+        }
+    }
+    return out;
+}
+
 static PyGetSetDef group_getset[] = {
     {"size", (getter)group_get_size, NULL, "number of ranks", NULL},
+    {"devices", (getter)group_get_devices, NULL,
+     "each rank's CUDA device as ('cuda', N), or None (host memory)", NULL},
+    {"staged", (getter)group_get_staged, NULL,
+     "the (src, dst) rank pairs whose copies go through pinned host memory "
+     "(their GPUs allow no peer access)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -94,9 +222,12 @@ static PyType_Slot group_slots[] = {
     {Py_tp_dealloc, group_dealloc},
     {Py_tp_methods, group_methods},
     {Py_tp_getset, group_getset},
-    {Py_tp_doc, "ThreadsGroup(size, timeout=None): ranks that are threads "
-                "of this process; group.comm(rank) gives each its Comm "
-                "(backend 'threads')."},
+    {Py_tp_doc, "ThreadsGroup(size, timeout=None, *, devices=None): ranks "
+                "that are threads of this process; group.comm(rank) gives "
+                "each its Comm (backend 'threads').  devices: one CUDA "
+                "device per rank (int, 'cuda:N' or ('cuda', N); ranks may "
+                "share one): the ranks then move CUDA memory of their "
+                "device."},
     {0, NULL},
 };
 

@@ -96,23 +96,26 @@ static ra_status view_unreachable(ra_comm *c, ra_req *r) {
     return RA_ERR_INTERNAL;
 }
 
-#define VIEW_VTABLE(backend)                                                  \
+#define VIEW_VTABLE(backend, device, a2a)                                     \
     {                                                                         \
-        .name = backend, .device_type = RA_DEV_CPU,                           \
+        .name = backend, .device_type = device,                               \
         .sendrecv_start = view_unreachable, .wait = NULL, .barrier = NULL,   \
-        .allgather = NULL, .alltoall = NULL, .abort = view_abort,             \
+        .allgather = NULL, .alltoall = a2a, .abort = view_abort,              \
         .close = view_close, .destroy = view_destroy,                         \
         .context_open = NULL, .context_close = NULL,                          \
     }
 
 static const ra_comm_vtable view_vtables[] = {
-    VIEW_VTABLE("host"),
-    VIEW_VTABLE("threads"),
+    VIEW_VTABLE("host", RA_DEV_CPU, NULL),
+    VIEW_VTABLE("threads", RA_DEV_CPU, NULL),
+    VIEW_VTABLE("threads", RA_DEV_CUDA, ra_tcuda_alltoall),
 };
 
-static const ra_comm_vtable *view_vtable(const char *backend) {
+static const ra_comm_vtable *view_vtable(const ra_comm_vtable *root) {
     for (size_t i = 0; i < sizeof view_vtables / sizeof view_vtables[0]; i++)
-        if (strcmp(view_vtables[i].name, backend) == 0) return &view_vtables[i];
+        if (strcmp(view_vtables[i].name, root->name) == 0 &&
+            view_vtables[i].device_type == root->device_type)
+            return &view_vtables[i];
     return NULL;
 }
 
@@ -120,7 +123,7 @@ static const ra_comm_vtable *view_vtable(const char *backend) {
 static ra_status make_view(ra_comm *c, const int *members, int size,
                            int new_rank, uint32_t context, ra_comm **out) {
     ra_comm *root = c->transport != NULL ? c->transport : c;
-    const ra_comm_vtable *vt = view_vtable(root->vt->name);
+    const ra_comm_vtable *vt = view_vtable(root->vt);
     if (vt == NULL) {
         ra_set_error(RA_ERR_UNSUPPORTED, "rank %d: split: the '%s' backend "
                      "cannot share its transport", c->rank, root->vt->name);
@@ -506,7 +509,7 @@ ra_status ra_comm_split(ra_comm *c, int color, int key, double timeout,
     if (!(timeout > 0)) timeout = c->default_timeout;
     double deadline = ra_now() + timeout;
     ra_comm *root = c->transport != NULL ? c->transport : c;
-    int p = c->size, nccl = c->vt->device_type == RA_DEV_CUDA;
+    int p = c->size, nccl = strcmp(c->vt->name, "nccl") == 0;
     int token;                /* names this split's claims while it runs */
     ra_status st = RA_OK;
     split_entry *e = ra_host_calloc(sizeof(split_entry) * (size_t)p);

@@ -17,6 +17,11 @@
  * comm_threads_split.c keeps the splits and who left them (closed, or
  * failed because a member they exchanged with left).
  *
+ * Device memory: a group made with devices (one CUDA device per rank)
+ * moves device memory instead, with the same queues and matching; only the
+ * copy differs: it is queued on the GPU, ordered with events on the ranks'
+ * streams (comm_threads_cuda.c).
+ *
  * Failures: a rank whose communicator fails (or closes) is marked dead;
  * every request posted by it or waiting on it fails at once, and the ranks
  * that were waiting on it fail in turn, so one failing thread stops the
@@ -86,6 +91,7 @@ static void maybe_finish(ra_req *r) {
     if (r->copying > 0 || atomic_load(&r->state) != RA_REQ_PENDING) return;
     ra_comm *c = r->comm;
     if (r->doomed || (r->send_done && r->recv_done)) {
+        ra_tcuda_req_done(r);
         pthread_mutex_lock(&c->mu);
         ra_req_finish_locked(r, r->doomed ? r->status : RA_OK, r->msg);
         pthread_mutex_unlock(&c->mu);
@@ -148,6 +154,8 @@ static void kill_rank_locked(ra_tgroup *g, int d) {
 
 typedef struct copy_job {
     ra_req *from, *to;
+    ra_status st;             /* device copies: how queueing it went */
+    char msg[RA_COMM_MSG_LEN];
 } copy_job;
 
 /* Record a copy and pin both requests at once: a mismatch found later in
@@ -157,7 +165,27 @@ typedef struct copy_job {
 static void add_job(copy_job *jobs, int *njobs, ra_req *from, ra_req *to) {
     from->copying++;
     to->copying++;
-    jobs[(*njobs)++] = (copy_job){from, to};
+    jobs[*njobs].from = from;
+    jobs[*njobs].to = to;
+    jobs[*njobs].st = RA_OK;
+    (*njobs)++;
+}
+
+/* Fail a sender/receiver pair (each with its own side's message) and kill
+ * both ranks.  Group lock held. */
+static void fail_pair_locked(ra_tgroup *g, ra_req *s, ra_req *r,
+                             ra_status st, const char *ms, const char *mr) {
+    int a = s->comm->rank, b = r->comm->rank;
+    ra_tgroup_fail_req(g, s, st, ms);
+    ra_tgroup_fail_req(g, r, st, mr);
+    if (!g->dead[a]) {
+        ra_snprintf(DEAD_MSG(g, a), RA_COMM_MSG_LEN, "%s", ms);
+        kill_rank_locked(g, a);
+    }
+    if (!g->dead[b]) {
+        ra_snprintf(DEAD_MSG(g, b), RA_COMM_MSG_LEN, "%s", mr);
+        kill_rank_locked(g, b);
+    }
 }
 
 /* Check a meeting sender/receiver pair; on mismatch fail both with a
@@ -191,16 +219,7 @@ static int check_pair(ra_tgroup *g, ra_req *s, ra_req *r) {
     } else {
         return 1;
     }
-    ra_tgroup_fail_req(g, s, RA_ERR_COMM, ms);
-    ra_tgroup_fail_req(g, r, RA_ERR_COMM, mr);
-    if (!g->dead[a]) {
-        ra_snprintf(DEAD_MSG(g, a), RA_COMM_MSG_LEN, "%s", ms);
-        kill_rank_locked(g, a);
-    }
-    if (!g->dead[b]) {
-        ra_snprintf(DEAD_MSG(g, b), RA_COMM_MSG_LEN, "%s", mr);
-        kill_rank_locked(g, b);
-    }
+    fail_pair_locked(g, s, r, RA_ERR_COMM, ms, mr);
     return 0;
 }
 
@@ -209,12 +228,25 @@ static ra_status threads_start(ra_comm *c, ra_req *q) {
     int me = c->rank, dst = q->x.dst, src = q->x.src;
     copy_job jobs[2];
     int njobs = 0;
-    pthread_mutex_lock(&g->mu);
     char pre[128], msg[RA_COMM_MSG_LEN];
     ra_comm_prefix(pre, sizeof pre, me, q->op, q->x.step);
+    ra_status pst = RA_OK;
+    if (q->x.device_type == RA_DEV_CUDA) {
+        /* its ready event, before any peer can meet it */
+        char why[RA_COMM_MSG_LEN];
+        pst = ra_tcuda_post(q, why, sizeof why);
+        if (pst != RA_OK) ra_snprintf(msg, sizeof msg, "%s%s", pre, why);
+    }
+    pthread_mutex_lock(&g->mu);
     int bad = g->dead[me] ? me : (dst >= 0 && g->dead[dst]) ? dst
                                : (src >= 0 && g->dead[src]) ? src : -1;
     uint32_t context = ra_xfer_context(q->x.kind);
+    if (pst != RA_OK) {
+        ra_tgroup_fail_req(g, q, pst, msg);
+        pthread_mutex_unlock(&g->mu);
+        ra_snprintf(q->msg, sizeof q->msg, "%s", msg);
+        return pst;
+    }
     if (bad >= 0 || ra_tsplit_refuse(g, q, msg, sizeof msg)) {
         if (bad == me)
             ra_snprintf(msg, sizeof msg, "%s", DEAD_MSG(g, me));
@@ -246,7 +278,11 @@ static ra_status threads_start(ra_comm *c, ra_req *q) {
 
     for (int i = 0; i < njobs; i++) {
         size_t n = jobs[i].from->x.send_nbytes;
-        if (n > 0) memcpy(jobs[i].to->x.recv, jobs[i].from->x.send, n);
+        if (jobs[i].to->x.device_type == RA_DEV_CUDA)
+            jobs[i].st = ra_tcuda_copy(g, jobs[i].from, jobs[i].to,
+                                       jobs[i].msg, sizeof jobs[i].msg);
+        else if (n > 0)
+            memcpy(jobs[i].to->x.recv, jobs[i].from->x.send, n);
         atomic_fetch_add(&jobs[i].from->comm->bytes_sent, n);
         atomic_fetch_add(&jobs[i].from->comm->messages, 1);
         atomic_fetch_add(&jobs[i].to->comm->bytes_received, n);
@@ -259,6 +295,16 @@ static ra_status threads_start(ra_comm *c, ra_req *q) {
         r->recv_done = 1;
         s->copying--;
         r->copying--;
+        if (jobs[i].st != RA_OK) {
+            char ms[RA_COMM_MSG_LEN], mr[RA_COMM_MSG_LEN], pre[128];
+            ra_comm_prefix(pre, sizeof pre, s->comm->rank, s->op, s->x.step);
+            ra_snprintf(ms, sizeof ms, "%sdevice copy to rank %d failed: %s",
+                        pre, r->comm->rank, jobs[i].msg);
+            ra_comm_prefix(pre, sizeof pre, r->comm->rank, r->op, r->x.step);
+            ra_snprintf(mr, sizeof mr, "%sdevice copy from rank %d failed: "
+                        "%s", pre, s->comm->rank, jobs[i].msg);
+            fail_pair_locked(g, s, r, jobs[i].st, ms, mr);
+        }
     }
     /* finish each request once: a finished request may be freed by its
      * waiter at once (with two ranks, the peer's request can sit in both
@@ -360,11 +406,31 @@ static const ra_comm_vtable threads_vtable = {
     .stall_hint = threads_stall_hint,
 };
 
+/* ranks with a CUDA device each: the same transport on device memory */
+static const ra_comm_vtable threads_cuda_vtable = {
+    .name = "threads",
+    .device_type = RA_DEV_CUDA,
+    .sendrecv_start = threads_start,
+    .wait = NULL,
+    .barrier = NULL,
+    .allgather = NULL,
+    .alltoall = ra_tcuda_alltoall,
+    .abort = threads_abort,
+    .close = threads_close,
+    .destroy = threads_destroy,
+    .context_open = ra_tsplit_open,
+    .context_close = ra_tsplit_close,
+    .stall_hint = threads_stall_hint,
+};
+
 /* ---- group ------------------------------------------------------------- */
 
 static void group_free(ra_tgroup *g) {
     size_t n = (size_t)g->size;
     ra_tsplit_free_all(g);
+    if (g->copy_streams != NULL) ra_tcuda_group_free(g);
+    ra_host_free(g->devices, sizeof(int) * n);
+    ra_host_free(g->copy_streams, sizeof(void *) * n);
     ra_host_free(g->taken, sizeof(int) * n);
     ra_host_free(g->comms, sizeof(ra_comm *) * n);
     ra_host_free(g->dead, sizeof(int) * n);
@@ -377,6 +443,11 @@ static void group_free(ra_tgroup *g) {
 }
 
 ra_status ra_tgroup_create(int size, double timeout, ra_tgroup **out) {
+    return ra_tgroup_create_devices(size, timeout, NULL, out);
+}
+
+ra_status ra_tgroup_create_devices(int size, double timeout,
+                                   const int *devices, ra_tgroup **out) {
     *out = NULL;
     if (size < 1 || size > 4096) {
         ra_set_error(RA_ERR_VALUE, "size must be in 1..4096, got %d", size);
@@ -401,8 +472,33 @@ ra_status ra_tgroup_create(int size, double timeout, ra_tgroup **out) {
         group_free(g);
         return RA_ERR_NOMEM;
     }
+    if (devices != NULL) {
+        g->devices = ra_host_alloc(sizeof(int) * n);
+        g->copy_streams = ra_host_calloc(sizeof(void *) * n);
+        if (g->devices == NULL || g->copy_streams == NULL) {
+            group_free(g);
+            return RA_ERR_NOMEM;
+        }
+        memcpy(g->devices, devices, sizeof(int) * n);
+        ra_status st = ra_tcuda_group_init(g);
+        if (st != RA_OK) {
+            group_free(g);
+            return st;
+        }
+    }
     *out = g;
     return RA_OK;
+}
+
+int ra_tgroup_staged(const ra_tgroup *g, int a, int b) {
+    if (g->direct == NULL || a < 0 || b < 0 || a >= g->size || b >= g->size)
+        return 0;
+    return !g->direct[(size_t)a * (size_t)g->size + (size_t)b];
+}
+
+int ra_tgroup_device(const ra_tgroup *g, int rank) {
+    return g->devices != NULL && rank >= 0 && rank < g->size
+               ? g->devices[rank] : -1;
 }
 
 void ra_tgroup_incref(ra_tgroup *g) { atomic_fetch_add(&g->refs, 1); }
@@ -422,12 +518,14 @@ ra_status ra_tgroup_comm(ra_tgroup *g, int rank, ra_comm **out) {
     }
     ra_comm *c = ra_host_calloc(sizeof *c);
     if (c == NULL) return RA_ERR_NOMEM;
-    ra_status st = ra_comm_init_base(c, &threads_vtable, rank, g->size,
-                                     g->timeout);
+    ra_status st = ra_comm_init_base(
+        c, g->devices != NULL ? &threads_cuda_vtable : &threads_vtable, rank,
+        g->size, g->timeout);
     if (st != RA_OK) {
         ra_host_free(c, sizeof *c);
         return st;
     }
+    if (g->devices != NULL) c->device_id = g->devices[rank];
     pthread_mutex_lock(&g->mu);
     if (g->taken[rank]) {
         pthread_mutex_unlock(&g->mu);

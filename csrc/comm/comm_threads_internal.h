@@ -25,6 +25,11 @@ struct ra_tgroup {
     ra_req **sendq;           /* [src * size + dst] heads, linked by next */
     ra_req **recvq;           /* [src * size + dst] heads, by next_recv */
     tsplit *splits;           /* comm_threads_split.c */
+    int *devices;             /* CUDA device of each rank, or NULL: host */
+    void **copy_streams;      /* with devices: each rank's copy stream */
+    unsigned char *direct;    /* [a * size + b]: a device or peer copy
+                               * between ranks a and b (else staged) */
+    struct tstage *stages;    /* per receiving rank: pinned staging */
 };
 
 #define DEAD_MSG(g, r) ((g)->dead_msg + (size_t)(r) * RA_COMM_MSG_LEN)
@@ -46,5 +51,22 @@ ra_status ra_tsplit_open(ra_comm *t, ra_comm *view);
 void ra_tsplit_close(ra_comm *t, ra_comm *view);
 /* Free every split (the group is going). */
 void ra_tsplit_free_all(ra_tgroup *g);
+
+/* ---- comm_threads_cuda.c: device memory (group with devices) ---------- */
+
+/* Check g->devices against the devices there are; enable peer access
+ * between them where the devices allow it; make each rank's copy stream
+ * (on its device). */
+ra_status ra_tcuda_group_init(ra_tgroup *g);
+void ra_tcuda_group_free(ra_tgroup *g);
+/* Before q is queued (no lock held): record its ready event on its stream
+ * (q->impl); the message of a failure in err. */
+ra_status ra_tcuda_post(ra_req *q, char *err, size_t n);
+/* Queue the copy of from's send block into to's receive block and order
+ * both ranks' streams after it (no lock held; both pinned by copying). */
+ra_status ra_tcuda_copy(ra_tgroup *g, ra_req *from, ra_req *to, char *err,
+                        size_t n);
+/* q finished: free its CUDA state (group lock held). */
+void ra_tcuda_req_done(ra_req *q);
 
 #endif /* RA_COMM_THREADS_INTERNAL_H */

@@ -74,6 +74,7 @@ void read_settings() {
     c.seed = (uint64_t)env_long("RINGATTN_EMU_SEED", 1, 0, 0x7fffffffffffffffL);
     c.lazy = (int)env_long("RINGATTN_EMU_LAZY", 0, 0, 1);
     c.quiet = (int)env_long("RINGATTN_EMU_QUIET", 0, 0, 1);
+    c.peer = (int)env_long("RINGATTN_EMU_PEER", 1, 0, 1);
 }
 
 /* every report of the process, newest last (bounded: the first 200 kept

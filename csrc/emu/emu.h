@@ -64,6 +64,8 @@ typedef struct ra_emu_settings {
     int lazy;          /* RINGATTN_EMU_LAZY=1: stream work starts only when the
                           host observes it (sync, query, event wait, ...) */
     int quiet;         /* RINGATTN_EMU_QUIET=1: reports are not printed */
+    int peer;          /* RINGATTN_EMU_PEER=0: cudaDeviceCanAccessPeer says no
+                          (default 1: every pair of devices may be peers) */
 } ra_emu_settings;
 
 const ra_emu_settings *ra_emu_config(void);

@@ -130,6 +130,7 @@ struct Runtime {
     uint64_t next_handle = 0;
     std::map<uintptr_t, Pinned> pinned;       // cudaMallocHost blocks
     std::set<uintptr_t> pending_free;         // blocks with a cudaFreeAsync queued
+    unsigned peer_enabled[RA_EMU_MAX_DEVICES] = {};  // bit p of [d]: d may access p
 };
 
 typedef std::unique_lock<std::mutex> Lock;

@@ -330,6 +330,51 @@ extern "C" cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count,
     return copy(dst, src, count, kind, stream, false);
 }
 
+/* ---- peers ----------------------------------------------------------------- */
+
+extern "C" cudaError_t cudaDeviceCanAccessPeer(int *can_access, int device, int peer_device) {
+    cudaError_t e = enter();
+    if (e != cudaSuccess) return fail(e);
+    if (can_access == nullptr) return fail(cudaErrorInvalidValue);
+    const int n = rt().ndev;
+    if (device < 0 || device >= n || peer_device < 0 || peer_device >= n)
+        return fail(cudaErrorInvalidDevice);
+    *can_access = device != peer_device && ra_emu_config()->peer;
+    return cudaSuccess;
+}
+
+extern "C" cudaError_t cudaDeviceEnablePeerAccess(int peer_device, unsigned int flags) {
+    cudaError_t e = enter();
+    if (e != cudaSuccess) return fail(e);
+    if (flags != 0) return fail(cudaErrorInvalidValue);
+    Runtime &R = rt();
+    const int d = current_device();
+    if (peer_device < 0 || peer_device >= R.ndev) return fail(cudaErrorInvalidDevice);
+    if (peer_device == d || !ra_emu_config()->peer) return fail(cudaErrorInvalidDevice);
+    Lock lk(R.mu);
+    if (R.peer_enabled[d] & (1u << peer_device)) return fail(cudaErrorPeerAccessAlreadyEnabled);
+    R.peer_enabled[d] |= 1u << peer_device;
+    return cudaSuccess;
+}
+
+/* dst must lie in dst_device's memory and src in src_device's; the copy
+ * runs on `stream` as any device -> device copy, with or without peer access
+ * (the bytes move the same way: only the speed would differ) */
+extern "C" cudaError_t cudaMemcpyPeerAsync(void *dst, int dst_device, const void *src,
+                                           int src_device, size_t count, cudaStream_t stream) {
+    cudaError_t e = enter();
+    if (e != cudaSuccess) return fail(e);
+    const int n = rt().ndev;
+    if (dst_device < 0 || dst_device >= n || src_device < 0 || src_device >= n)
+        return fail(cudaErrorInvalidDevice);
+    if (count == 0) return cudaSuccess;
+    int dd = -1, sd = -1;
+    if (ra_emu_mem_range(dst, count, &dd) != 0 || ra_emu_mem_range(src, count, &sd) != 0 ||
+        dd != dst_device || sd != src_device)
+        return fail(cudaErrorInvalidValue);
+    return copy(dst, src, count, cudaMemcpyDeviceToDevice, stream, false);
+}
+
 extern "C" cudaError_t cudaMemset(void *ptr, int value, size_t count) {
     return fill(ptr, value, count, nullptr, true);
 }

@@ -604,28 +604,6 @@ def speed_bars(rows):
     return out
 
 
-def preflight(command, tag):
-    """PyTorch when ringattn and PyTorch both see a GPU; otherwise None,
-    after printing why and the failing summary line `tag: FAIL ...`."""
-    import ringattn as ra
-
-    why = None
-    if not ra.cuda_available():
-        why = f"no usable GPU: {ra.cuda_info()['reason']}"
-    else:
-        try:
-            import torch
-        except ImportError:
-            torch, why = None, "PyTorch is needed for the baselines and the timing (pip install torch)"
-        if torch is not None and not torch.cuda.is_available():
-            why = "PyTorch sees no CUDA device"
-    if why is not None:
-        print(f"{command}: {why}")
-        print(f"{tag}: FAIL {why.split(':')[0]}")
-        return None
-    return torch
-
-
 def run(args=None) -> int:
     import ringattn as ra
 

@@ -237,7 +237,7 @@ def run_ring(args):
 
     import ringattn as ra
 
-    n = 2048 if args.quick else 8192
+    n = getattr(args, "seq_len", None) or (2048 if args.quick else 8192)
     B, H, D = 1, 8, 64
     ncores = os.cpu_count() or 1
     rng = np.random.default_rng(0)

@@ -45,6 +45,7 @@ typedef enum cudaError {
     cudaErrorIllegalAddress = 700,
     cudaErrorLaunchOutOfResources = 701,
     cudaErrorLaunchTimeout = 702,
+    cudaErrorPeerAccessAlreadyEnabled = 704,
     cudaErrorPeerAccessNotEnabled = 705,
     cudaErrorContextIsDestroyed = 709,
     cudaErrorAssert = 710,
@@ -152,6 +153,13 @@ cudaError_t cudaMemset(void *ptr, int value, size_t count);
 cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t stream);
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *attributes,
                                      const void *ptr);
+/* peers: every pair of emulated devices can access each other unless
+ * RINGATTN_EMU_PEER=0; a peer copy works either way (as on real GPUs, where
+ * the driver stages it through host memory without peer access) */
+cudaError_t cudaDeviceCanAccessPeer(int *can_access, int device, int peer_device);
+cudaError_t cudaDeviceEnablePeerAccess(int peer_device, unsigned int flags);
+cudaError_t cudaMemcpyPeerAsync(void *dst, int dst_device, const void *src,
+                                int src_device, size_t count, cudaStream_t stream);
 
 /* ---- streams and events ---- */
 cudaError_t cudaStreamCreate(cudaStream_t *stream);
