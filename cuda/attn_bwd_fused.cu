@@ -239,6 +239,26 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
     }
 
     const int ngroup = (int)(p.heads / p.heads_kv);
+    // D 64: the warp's K fragments of S = Q K^T (keys 32 wn + 16 j2, all 64
+    // columns: 32 registers) are the same on every tile, loaded once here
+    // rather than 8 ldmatrix per tile (docs/results.md "The backward as
+    // built"); at D 128 they would be 64 registers beside dK, dV's 128
+    constexpr bool kKeepK = D == 64;
+    uint32_t kfr[kKeepK ? D / 16 : 1][2][4];
+    if constexpr (kKeepK) {
+        ra::cp_async_wait<0>();
+        __syncthreads();  // K (cp.async group 0) visible
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+            for (int j2 = 0; j2 < 2; j2++) {
+                if (first.hg < ngroup)
+                    ra::ldsm_x4(kfr[kk][j2], fa_k.at(16 * j2, 16 * kk));
+                else
+                    kfr[kk][j2][0] = kfr[kk][j2][1] = kfr[kk][j2][2] = kfr[kk][j2][3] = 0u;
+            }
+        }
+    }
     const float sl2 = scale * ra::bwd_tc::kLog2e;
     const bool capped = M && p.mask.softcap > 0;
     const float cap_in = capped ? (float)(p.scale / p.mask.softcap) : 0.f;
@@ -313,7 +333,12 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
 #pragma unroll
                     for (int j2 = 0; j2 < 2; j2++) {
                         uint32_t bk[4];
-                        ra::ldsm_x4(bk, fa_k.at(16 * j2, 16 * kk));
+                        if constexpr (kKeepK) {
+#pragma unroll
+                            for (int e = 0; e < 4; e++) bk[e] = kfr[kk][j2][e];
+                        } else {
+                            ra::ldsm_x4(bk, fa_k.at(16 * j2, 16 * kk));
+                        }
 #pragma unroll
                         for (int i = 0; i < NI; i++) {
                             ra::mma_16816<T>(s[i][2 * j2], a[i], bk[0], bk[1]);
