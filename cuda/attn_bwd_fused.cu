@@ -58,10 +58,7 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
     typedef Layout<D, M> L;
     unsigned char *smem = ra::dynamic_smem();
     const ra::saddr_t sb = ra::saddr(smem);
-    float *slse = reinterpret_cast<float *>(smem + L::kLse);
-    float *sband = reinterpret_cast<float *>(smem + L::kBand);
-    float *sdls = reinterpret_cast<float *>(smem + L::kDelta);
-    int32_t *sqid = reinterpret_cast<int32_t *>(smem + L::kQid);
+    RowStats *srows = reinterpret_cast<RowStats *>(smem + L::kStats);
     int32_t *skid = reinterpret_cast<int32_t *>(smem + L::kKid);
     uint32_t *doc_words = reinterpret_cast<uint32_t *>(smem + L::kWords);
     BlockState *state = reinterpret_cast<BlockState *>(smem + L::kState);
@@ -128,10 +125,7 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
         const int tid = ra::tid_x();
         if (tid < kBlockM) {
             const int i = buf * kBlockM + tid;
-            row_stats_of(r, scale, slse + i, sband + i, sdls + i);
-            if constexpr (M) {
-                if (docs) sqid[i] = r.qid;
-            }
+            row_stats_of(r, scale, srows + i);
         }
     };
 
@@ -286,10 +280,7 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
             c.full = m0 >= st.full_lo && last < st.full_hi && cur.same;
         }
         c.doc_test = docs && !cur.same;
-        c.lse2 = slse + buf * kBlockM;
-        c.band = sband + buf * kBlockM;
-        c.dls = sdls + buf * kBlockM;
-        c.qid = sqid + buf * kBlockM;
+        c.rows = srows + buf * kBlockM;
         c.kid = skid;
 
         // S = Q K^T and dP = dout V^T for the m-tiles [i0, i0 + NI) of the
