@@ -34,7 +34,8 @@
  *     where 16 keys per warp with P in registers would need 256;
  *   - 64 query rows per tile: S and dP are 32 + 32 registers per thread
  *     while dK, dV hold 128 (D 128): estimated 248 in all; compiled, 244 at
- *     D 128 with S and dP taken 16 rows at a time, 217 at D 64
+ *     D 128 with S and dP taken 16 rows at a time, 243 at D 64 with the
+ *     warp's K fragments of S kept in registers across the loop
  *     (docs/results.md "The backward as built").
  *
  * Shared memory (bytes; every 16-bit tile swizzled, mma.cuh swz):
