@@ -58,10 +58,7 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
     typedef Layout<D, M> L;
     unsigned char *smem = ra::dynamic_smem();
     const ra::saddr_t sb = ra::saddr(smem);
-    float *slse = reinterpret_cast<float *>(smem + L::kLse);
-    float *sband = reinterpret_cast<float *>(smem + L::kBand);
-    float *sdls = reinterpret_cast<float *>(smem + L::kDelta);
-    int32_t *sqid = reinterpret_cast<int32_t *>(smem + L::kQid);
+    RowStats *srows = reinterpret_cast<RowStats *>(smem + L::kStats);
     int32_t *skid = reinterpret_cast<int32_t *>(smem + L::kKid);
     uint32_t *doc_words = reinterpret_cast<uint32_t *>(smem + L::kWords);
     BlockState *state = reinterpret_cast<BlockState *>(smem + L::kState);
@@ -128,10 +125,7 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
         const int tid = ra::tid_x();
         if (tid < kBlockM) {
             const int i = buf * kBlockM + tid;
-            row_stats_of(r, scale, slse + i, sband + i, sdls + i);
-            if constexpr (M) {
-                if (docs) sqid[i] = r.qid;
-            }
+            row_stats_of(r, scale, srows + i);
         }
     };
 
@@ -239,6 +233,26 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
     }
 
     const int ngroup = (int)(p.heads / p.heads_kv);
+    // D 64: the warp's K fragments of S = Q K^T (keys 32 wn + 16 j2, all 64
+    // columns: 32 registers) are the same on every tile, loaded once here
+    // rather than 8 ldmatrix per tile (docs/results.md "The backward as
+    // built"); at D 128 they would be 64 registers beside dK, dV's 128
+    constexpr bool kKeepK = D == 64;
+    uint32_t kfr[kKeepK ? D / 16 : 1][2][4];
+    if constexpr (kKeepK) {
+        ra::cp_async_wait<0>();
+        __syncthreads();  // K (cp.async group 0) visible
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+            for (int j2 = 0; j2 < 2; j2++) {
+                if (first.hg < ngroup)
+                    ra::ldsm_x4(kfr[kk][j2], fa_k.at(16 * j2, 16 * kk));
+                else
+                    kfr[kk][j2][0] = kfr[kk][j2][1] = kfr[kk][j2][2] = kfr[kk][j2][3] = 0u;
+            }
+        }
+    }
     const float sl2 = scale * ra::bwd_tc::kLog2e;
     const bool capped = M && p.mask.softcap > 0;
     const float cap_in = capped ? (float)(p.scale / p.mask.softcap) : 0.f;
@@ -266,10 +280,7 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
             c.full = m0 >= st.full_lo && last < st.full_hi && cur.same;
         }
         c.doc_test = docs && !cur.same;
-        c.lse2 = slse + buf * kBlockM;
-        c.band = sband + buf * kBlockM;
-        c.dls = sdls + buf * kBlockM;
-        c.qid = sqid + buf * kBlockM;
+        c.rows = srows + buf * kBlockM;
         c.kid = skid;
 
         // S = Q K^T and dP = dout V^T for the m-tiles [i0, i0 + NI) of the
@@ -313,7 +324,12 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
 #pragma unroll
                     for (int j2 = 0; j2 < 2; j2++) {
                         uint32_t bk[4];
-                        ra::ldsm_x4(bk, fa_k.at(16 * j2, 16 * kk));
+                        if constexpr (kKeepK) {
+#pragma unroll
+                            for (int e = 0; e < 4; e++) bk[e] = kfr[kk][j2][e];
+                        } else {
+                            ra::ldsm_x4(bk, fa_k.at(16 * j2, 16 * kk));
+                        }
 #pragma unroll
                         for (int i = 0; i < NI; i++) {
                             ra::mma_16816<T>(s[i][2 * j2], a[i], bk[0], bk[1]);

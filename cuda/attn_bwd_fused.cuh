@@ -34,17 +34,19 @@
  *     where 16 keys per warp with P in registers would need 256;
  *   - 64 query rows per tile: S and dP are 32 + 32 registers per thread
  *     while dK, dV hold 128 (D 128): estimated 248 in all; compiled, 244 at
- *     D 128 with S and dP taken 16 rows at a time, 217 at D 64
+ *     D 128 with S and dP taken 16 rows at a time, 243 at D 64 with the
+ *     warp's K fragments of S kept in registers across the loop
  *     (docs/results.md "The backward as built").
  *
  * Shared memory (bytes; every 16-bit tile swizzled, mma.cuh swz):
  *   K, V        2 x 128 x D x 2        (64 KB at D 128)
  *   Q, dout     2 stages x 2 x 64 x D x 2  (64 KB)
  *   P, dS       2 x 64 x 128 x 2       (32 KB)
- *   stats       2 stages x 3 x 64 x 4  (lse * log2 e, band, delta * scale)
- *   with M:     2 x 64 query ids, 128 key ids, 2 x 8 document words
+ *   stats       2 stages x 64 x 16     (RowStats: lse * log2 e, band,
+ *                                       delta * scale, with M the row's id)
+ *   with M:     128 key ids, 2 x 8 document words
  *   BlockState  128
- * = 165,504 bytes at D 128 (166,592 with M), 99,968 at D 64 (101,056):
+ * = 166,016 bytes at D 128 (166,592 with M), 100,480 at D 64 (101,056):
  * inside the 227 KB an H100 grants a block and the 163 KB of an A100; a
  * device that grants less runs the split kernels.  After the loop the
  * first (128 x (D + 8) x 4) x 2 bytes hold dK and dV as float32 for the
@@ -87,6 +89,17 @@ struct BlockState {
     int group;                 // query heads per kv head
 };
 
+/* One query row's statistics as the P/dS step reads them, 16 bytes: one
+ * 128-bit shared load per row where three 32-bit ones were (the 8 rows a
+ * warp's load touches are 8 distinct 16-byte words: one wavefront). */
+struct __align__(16) RowStats {
+    float lse2;   // lse log2 e, or +inf for a row that contributes nothing
+    float band;   // the exponent rule's band
+    float dls;    // delta times the softmax scale (0 for such a row)
+    int32_t qid;  // M with documents: the row's document id
+};
+static_assert(sizeof(RowStats) == 16, "one 128-bit load");
+
 template <int D, bool M>
 struct Layout {
     static constexpr int kKV = kBlockN * D * 2;        // one of K, V
@@ -98,13 +111,10 @@ struct Layout {
     static constexpr int kDO = kQ + 2 * kQT;  // 2 stages
     static constexpr int kP = kDO + 2 * kQT;
     static constexpr int kDS = kP + kPT;
-    static constexpr int kLse = kDS + kPT;    // float[2][64]
-    static constexpr int kBand = kLse + 2 * kBlockM * 4;
-    static constexpr int kDelta = kBand + 2 * kBlockM * 4;
-    static constexpr int kQid = kDelta + 2 * kBlockM * 4;  // M: int32[2][64]
-    static constexpr int kKid = kQid + 2 * kBlockM * 4;    // M: int32[128]
-    static constexpr int kWords = kKid + kBlockN * 4;      // M: uint32[2 * kWarps]
-    static constexpr int kState = M ? kWords + 2 * kWarps * 4 : kQid;  // BlockState
+    static constexpr int kStats = kDS + kPT;                    // RowStats[2][64]
+    static constexpr int kKid = kStats + 2 * kBlockM * 16;      // M: int32[128]
+    static constexpr int kWords = kKid + kBlockN * 4;           // M: uint32[2 * kWarps]
+    static constexpr int kState = M ? kWords + 2 * kWarps * 4 : kKid;  // BlockState
     static constexpr int kBytes = kState + 128;
     // the epilogue's float32 dK and dV, rows padded by 8 floats (32 bytes:
     // the 8 rows one fragment store touches fall into distinct bank groups

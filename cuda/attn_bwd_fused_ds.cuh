@@ -37,13 +37,14 @@ struct RowLoad {
 /* The row's statistics as the step reads them (attn_bwd_tc.cuh row_stats):
  * lse log2 e, or +inf for a row that contributes nothing (then delta 0);
  * the band of the exponent rule; delta times the softmax scale. */
-__device__ __forceinline__ void row_stats_of(const RowLoad &r, float scale, float *lse2,
-                                             float *band, float *dls) {
+__device__ __forceinline__ void row_stats_of(const RowLoad &r, float scale, RowStats *out) {
     const bool live = r.lse != -CUDART_INF_F;
-    const float l2 = live ? r.lse * bwd_tc::kLog2e : CUDART_INF_F;
-    *lse2 = l2;
-    *band = band_of(l2);
-    *dls = live ? r.delta * scale : 0.f;
+    RowStats s;
+    s.lse2 = live ? r.lse * bwd_tc::kLog2e : CUDART_INF_F;
+    s.band = band_of(s.lse2);
+    s.dls = live ? r.delta * scale : 0.f;
+    s.qid = r.qid;
+    *out = s;
 }
 
 /* What the step needs to know of one tile. */
@@ -52,8 +53,8 @@ struct TileCtx {
     int64_t k0;          // first key of the block
     bool full;           // every (row, key) pair of the tile is visible
     bool doc_test;       // M: compare the query and key document ids
-    const float *lse2, *band, *dls;  // the tile's rows: lse log2 e, band, delta scale
-    const int32_t *qid, *kid;        // M: ids of the tile's rows and the block's keys
+    const RowStats *rows;  // the tile's rows' statistics (and with M their ids)
+    const int32_t *kid;    // M: ids of the block's keys
 };
 
 /* The keys [lo, hi) of the block (indices from k0, clamped to [0, 128])
@@ -97,9 +98,10 @@ __device__ __forceinline__ void p_ds_rows(const ra_attn_bwd_params &p, const Til
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int rr = 32 * wm + 16 * i + 8 * h + g;
-        l2[h] = c.lse2[rr];
-        bd[h] = c.band[rr];
-        dl[h] = c.dls[rr];
+        const RowStats rs = c.rows[rr];
+        l2[h] = rs.lse2;
+        bd[h] = rs.band;
+        dl[h] = rs.dls;
     }
     const bool capped = M && cap_in != 0.f;
 #pragma unroll
@@ -128,7 +130,7 @@ __device__ __forceinline__ void p_ds_rows(const ra_attn_bwd_params &p, const Til
         for (int h = 0; h < 2; h++) {
             const int rr = 32 * wm + 16 * i + 8 * h + g;
             const KeyRange kr = keys_of_row<M>(p, c, rr);
-            const int32_t qid = M && c.doc_test ? c.qid[rr] : 0;
+            const int32_t qid = M && c.doc_test ? c.rows[rr].qid : 0;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
 #pragma unroll

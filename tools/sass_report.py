@@ -125,9 +125,9 @@ def _dq_tc_smem(D, M):
 
 def _bwd_tc_smem(D, M):
     # K, V (128 keys), 2 stages of Q, dout (64 rows), P, dS, 2 stages of
-    # lse/band/delta; M: query ids, key ids, document words; BlockState
-    return ((2 * 128 + 4 * 64) * D * 2 + 2 * 64 * 128 * 2 + 3 * 2 * 64 * 4 +
-            (2 * 64 * 4 + 128 * 4 + 2 * 8 * 4 if M else 0) + 128)
+    # the rows' 16-byte RowStats; M: key ids, document words; BlockState
+    return ((2 * 128 + 4 * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * 64 * 16 +
+            (128 * 4 + 2 * 8 * 4 if M else 0) + 128)
 
 
 def _fwd_wg_smem(D, M):
