@@ -11,7 +11,14 @@ import ringattn as ra
 def test_import_reports_cuda_state_without_raising():
     info = ra.cuda_info()
     assert set(info) == {"built", "available", "reason", "devices", "emulated",
-                         "device_name"} and (info["available"] or info["reason"]), info
+                         "device_name", "forward_kernels", "backward_kernels"} and (
+        info["available"] or info["reason"]), info
+    # the kernel families name what runs on device 0: none without a GPU
+    families = (info["forward_kernels"], info["backward_kernels"])
+    if info["available"]:
+        assert families[0] in ("sm90a", "sm80") and families[1] == "sm80", info
+    else:
+        assert families == (None, None), info
 
 
 @pytest.mark.emulated
