@@ -299,6 +299,9 @@ ra_status ra_comm_alltoall(ra_comm *c, const ra_a2a *a, double timeout);
  * blocks itself (threads on CUDA devices) calls it for the rest. */
 ra_status ra_comm_alltoall_steps(ra_comm *c, const ra_a2a *a,
                                  double timeout);
+/* The block to itself must fit its receive block exactly: a ValueError
+ * naming both sizes otherwise (every backend's alltoall checks it first). */
+ra_status ra_comm_alltoall_check_self(const ra_comm *c, const ra_a2a *a);
 /* staged[i] = 1 for the send blocks that overlap a receive block (other
  * than the block to itself being its own receive block exactly), which
  * must be copied aside before anything is received; returns their bytes

@@ -582,17 +582,22 @@ ra_status ra_comm_alltoall_steps(ra_comm *c, const ra_a2a *a,
     return st;
 }
 
+ra_status ra_comm_alltoall_check_self(const ra_comm *c, const ra_a2a *a) {
+    int me = c->rank;
+    if (a->send_nbytes[me] == a->recv_nbytes[me]) return RA_OK;
+    ra_set_error(RA_ERR_VALUE,
+                 "rank %d: alltoall: the block to itself has %zu bytes "
+                 "but its receive block holds %zu bytes", me,
+                 a->send_nbytes[me], a->recv_nbytes[me]);
+    return RA_ERR_VALUE;
+}
+
 /* Host memory: the block to self is a copy, the rest pairwise steps. */
 static ra_status generic_alltoall(ra_comm *c, const ra_a2a *a,
                                   double timeout) {
     int me = c->rank;
-    if (a->send_nbytes[me] != a->recv_nbytes[me]) {
-        ra_set_error(RA_ERR_VALUE,
-                     "rank %d: alltoall: the block to itself has %zu bytes "
-                     "but its receive block holds %zu bytes", me,
-                     a->send_nbytes[me], a->recv_nbytes[me]);
-        return RA_ERR_VALUE;
-    }
+    ra_status st = ra_comm_alltoall_check_self(c, a);
+    if (st != RA_OK) return st;
     if (a->send_nbytes[me] > 0 && a->send[me] != a->recv[me])
         memmove(a->recv[me], a->send[me], a->send_nbytes[me]);
     return ra_comm_alltoall_steps(c, a, timeout);

@@ -306,18 +306,12 @@ exit:
  * transfers then wait for); the rest are comm_core.c's pairwise steps. */
 ra_status ra_tcuda_alltoall(ra_comm *c, const ra_a2a *a, double timeout) {
     int p = c->size, me = c->rank, dev = c->device_id;
-    if (a->send_nbytes[me] != a->recv_nbytes[me]) {
-        ra_set_error(RA_ERR_VALUE,
-                     "rank %d: alltoall: the block to itself has %zu bytes "
-                     "but its receive block holds %zu bytes", me,
-                     a->send_nbytes[me], a->recv_nbytes[me]);
-        return RA_ERR_VALUE;
-    }
+    ra_status st = ra_comm_alltoall_check_self(c, a);
+    if (st != RA_OK) return st;
     size_t total = 0;
     unsigned char *staged = ra_host_alloc((size_t)p);
     const void **send = ra_host_alloc(sizeof(void *) * (size_t)p);
     char *scratch = NULL;
-    ra_status st = RA_OK;
     if (staged == NULL || send == NULL) {
         st = RA_ERR_NOMEM;
         goto done;
