@@ -30,21 +30,11 @@ from gpu_arrays import (CUDA, EMULATED, backends_for, full, ids_to_device, narro
 if not CUDA:
     pytest.skip(f"no CUDA device: {ra.cuda_info()['reason']}", allow_module_level=True)
 
-TOL = {"bfloat16": 2e-2, "float16": 5e-3}
+from test_cuda import close  # noqa: E402  (test_cuda.py's tolerance, as the docstring says)
+
 DEFAULT = ra.cuda_info()["forward_kernels"]
 # the families this device runs: both where the default is the Hopper one
 FAMILIES = ["sm90a", "sm80"] if DEFAULT == "sm90a" else ["sm80"]
-
-
-def close(got, ref, dtype):
-    got, ref = to_host(got), np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    fin = np.isfinite(ref)
-    assert np.array_equal(np.isneginf(got), np.isneginf(ref)), "-inf pattern differs"
-    assert not np.isnan(got).any(), "NaN in result"
-    err = np.abs(got[fin] - ref[fin]).max(initial=0.0)
-    bound = TOL.get(dtype, 1e-4) * max(1.0, np.abs(ref[fin]).max(initial=0.0))
-    assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
 
 
 def counts():
