@@ -131,3 +131,208 @@ def test_canary_compiles(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     subprocess.run([nvcc, "-O1", "-arch=sm_90", CANARY, "-o",
                     str(tmp_path / "canary")], check=True, timeout=300, env=env)
+
+
+# ---- the one-call run, without a GPU ----------------------------------------
+# gpu_check.sh runs here against stand-ins on PATH: a python that fakes
+# pytest, pip and `ringattn bench` (and runs the real interpreter, with a
+# stand-in ringattn and torch, for everything else), an nvcc whose outputs
+# are copies of the stand-in (the selftest, the PTX program, the canary),
+# gcc and compute-sanitizer.  Each faked piece of work appends
+# "<name> start|end <time>" to a trace file and sleeps FAKE_SLEEP seconds
+# (FAKE_HANG: until killed); FAKE_FAIL names the ones that fail.
+
+FAKE = r'''#!/bin/bash
+me="$(basename "$0")"
+work() {
+    echo "$1 start $(date +%s.%N)" >>"$FAKE_TRACE"
+    if [[ " $FAKE_HANG " == *" $1 "* ]]; then sleep 1000; fi
+    sleep "$FAKE_SLEEP"
+    echo "$1 end $(date +%s.%N)" >>"$FAKE_TRACE"
+}
+fails() { [[ " $FAKE_FAIL " == *" $1 "* ]]; }
+output() {  # the value of option $1 in the rest of the arguments
+    local want="$1" prev= a; shift
+    for a; do [ "$prev" = "$want" ] && echo "$a"; prev="$a"; done
+}
+case "$me" in
+python)
+    if [ "$1" = -m ] && [ "$2" = pytest ]; then
+        for a; do case "$a" in --junitxml=*) xml="${a#--junitxml=}" ;; esac; done
+        name="$(basename "$xml" .xml)"
+        work "$name"
+        if fails "$name"; then
+            echo '<testsuite><testcase name="t"><failure/></testcase></testsuite>' >"$xml"
+            echo "FAILED test_fake.py::t"; exit 1
+        fi
+        echo '<testsuite><testcase name="t"/><testcase name="u"/></testsuite>' >"$xml"
+        echo "2 passed"; exit 0
+    elif [ "$1" = -m ] && [ "$2" = ringattn ]; then
+        name=bench; prefix=bench-gpu
+        [[ " $* " == *" --ring "* ]] && { name=ringbench; prefix=bench-gpu-ring; }
+        work "$name"
+        echo "$prefix: fake $name numbers"
+        fails "$name" && exit 1; exit 0
+    elif [ "$1" = -m ] && [ "$2" = pip ]; then
+        exit 0
+    fi
+    exec "$FAKE_REAL_PYTHON" "$@" ;;
+nvcc)
+    [ "$1" = --version ] && { echo "Cuda compilation tools, release 13.0"; exit 0; }
+    out="$(output -o "$@")"; cp "$0" "$out" && chmod +x "$out" ;;
+gcc)
+    out="$(output -o "$@")"; : >"$out" ;;
+nvidia-smi)
+    echo "Fake GPU, 0.0" ;;
+compute-sanitizer)
+    tool="$(output --tool "$@")"
+    case "${*: -1}" in
+        */canary) echo "========= Invalid __global__ write of size 4 bytes"; exit 9 ;;
+        */sanitize_case.py) work sanitize_python; echo "sanitize case done" ;;
+        quick) work "sanitize_$tool"; echo "========= ERROR SUMMARY: 0 errors"
+               fails "sanitize_$tool" && exit 9 ;;
+    esac
+    exit 0 ;;
+selftest)
+    work selftest; echo "selftest full: 0 of 5 cases failed" ;;
+ptx_conformance)
+    work ptx; echo "ptx_conformance: 3 of 3 digests match"; echo "overall 0123abcd" ;;
+esac
+exit 0
+'''
+
+FAKE_MODULES = {
+    "ringattn/__init__.py": (
+        "def cuda_available():\n    return True\n"
+        "def cuda_info():\n    return {'built': True, 'available': True, 'devices': 1,"
+        " 'reason': '', 'forward_kernels': 'fake'}\n"
+        "def nccl_version():\n    return '2.30.0'\n"),
+    "torch/__init__.py": (
+        "__version__ = '0.fake'\n"
+        "class cuda:\n    is_available = staticmethod(lambda: True)\n"
+        "class version:\n    cuda = '13.0'\n"),
+}
+
+
+def _start_kit(tmp, stages, **env_extra):
+    """gpu_check.sh STAGES with the stand-ins, as a Popen; returns
+    (process, trace file, out folder)."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    for name in ["python", "nvcc", "gcc", "nvidia-smi", "compute-sanitizer"]:
+        (bin_dir / name).write_text(FAKE)
+        (bin_dir / name).chmod(0o755)
+    for rel, text in FAKE_MODULES.items():
+        (tmp / "modules" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / "modules" / rel).write_text(text)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OUT")}
+    env.update(PATH=f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}", CUDA_HOME=str(tmp),
+               PYTHON=str(bin_dir / "python"), PYTHONPATH=str(tmp / "modules"),
+               FAKE_REAL_PYTHON=sys.executable, FAKE_TRACE=str(tmp / "trace"),
+               FAKE_SLEEP="1.5", FAKE_HANG="", FAKE_FAIL="",
+               GPU_CHECK_WORK=str(tmp / "work"), OUT=str(tmp / "out"))
+    env.update(env_extra)
+    proc = subprocess.Popen(["bash", SCRIPT, *stages], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return proc, tmp / "trace", tmp / "out"
+
+
+def _trace(path):
+    spans = {}
+    for line in path.read_text().splitlines():
+        name, what, when = line.split()
+        spans.setdefault(name, {})[what] = float(when)
+    return spans
+
+
+def _summary(stdout):
+    return dict(re.findall(r"^SUMMARY ([\w-]+): (.*)$", stdout, re.M))
+
+
+def test_one_call_runs_the_correctness_stages_concurrently(tmp_path):
+    """`all`: the correctness stages overlap (and the sanitizer tools within
+    sanitize), bench and ringbench run after every one of them has ended
+    and one after the other, PASS and FAIL verdicts of background stages
+    reach the SUMMARY lines, the output stays in stage order, the archive is
+    written.  A stage that runs past the budget (a second run, alongside)
+    is killed and reported timed out, and the others still pass."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    proc, trace, out = _start_kit(tmp_path / "a", ["all"], FAKE_FAIL="nccl sanitize_synccheck")
+    # the budget less the time kept for the timing stages leaves the
+    # background stages ~8 s: threadring never ends
+    hung, hung_trace, _ = _start_kit(tmp_path / "b", ["ptx", "threadring"],
+                                     FAKE_HANG="threadring", GPU_CHECK_BUDGET="45",
+                                     GPU_CHECK_RESERVE="16")
+    stdout = proc.communicate(timeout=120)[0]
+    hung_stdout = hung.communicate(timeout=120)[0]
+
+    assert proc.returncode == 1, stdout              # nccl and synccheck fail
+    summary = _summary(stdout)
+    assert list(summary) == ["env", "build", "ptx", "selftest", "tests", "repeat-docs",
+                             "repeat-lifetime", "sanitize", "nccl", "threadring", "bench",
+                             "ringbench"], stdout
+    for stage in ["build", "ptx", "selftest", "tests", "repeat-docs", "repeat-lifetime",
+                  "threadring", "bench", "ringbench"]:
+        assert summary[stage].startswith("PASS"), (stage, stdout)
+    assert summary["nccl"].startswith("FAIL rc=1; 0 passed, 1 failed"), stdout
+    assert summary["nccl"].endswith("; NCCL 2.30.0"), stdout
+    assert summary["sanitize"].startswith("FAIL canary caught, memcheck clean, racecheck "
+                                          "clean, synccheck rc=9"), stdout
+    assert summary["sanitize"].endswith("initcheck clean, python memcheck clean"), stdout
+    assert "(20 runs of" in summary["repeat-docs"]
+    assert "3 of 3 digests match (overall 0123abcd)" in summary["ptx"]
+    assert "bench-gpu-ring: fake" not in summary["ringbench"] and "fake ringbench" in \
+        summary["ringbench"]
+    # each background stage's output, in stage order
+    heads = re.findall(r"^== (\w+)", stdout, re.M)
+    assert heads[heads.index("ptx"):heads.index("threadring") + 1] == \
+        ["ptx", "selftest", "tests", "tests", "sanitize", "nccl", "threadring"], stdout
+    assert re.search(r"^---- last lines of nccl.log ----", stdout, re.M)
+
+    spans = _trace(trace)
+    concurrent = ["ptx", "selftest", "tests", "repeat-docs", "repeat-lifetime",
+                  "sanitize_memcheck", "sanitize_racecheck", "sanitize_synccheck",
+                  "sanitize_initcheck", "sanitize_python", "nccl", "threadring"]
+    assert set(spans) == set(concurrent + ["bench", "ringbench"]), spans
+    # the stages (and the sanitizer's tools) really overlap: the latest
+    # start among them before the earliest end; sequential they would take
+    # 4 x 1.5 s each
+    for group in (["ptx", "selftest", "tests", "nccl", "threadring"],
+                  ["sanitize_memcheck", "sanitize_racecheck", "sanitize_synccheck",
+                   "sanitize_initcheck", "sanitize_python"]):
+        assert max(spans[s]["start"] for s in group) < min(spans[s]["end"] for s in group), \
+            (group, spans)
+    first = min(spans[s]["start"] for s in concurrent)
+    last = max(spans[s]["end"] for s in concurrent)
+    assert last - first < 12, spans       # one after the other: ~18 s of sleeps
+    # the timing stages: after all of them, alone, bench then ringbench
+    assert spans["bench"]["start"] >= last, spans
+    assert spans["ringbench"]["start"] >= spans["bench"]["end"], spans
+    archive = out / ("gpu_check-build-ptx-selftest-tests-sanitize-nccl-threadring-bench-"
+                     "ringbench.tar.gz")
+    assert archive.exists() and f"logs: {archive}" in stdout
+    import tarfile
+    with tarfile.open(archive) as tar:
+        names = {os.path.basename(n) for n in tar.getnames()}
+    assert {"summary.txt", "nccl.log", "nccl.out", "sanitize_racecheck.log",
+            "tests.xml", "bench.log"} <= names, names
+
+    # the run past its budget
+    assert hung.returncode == 1, hung_stdout
+    summary = _summary(hung_stdout)
+    assert summary["ptx"].startswith("PASS"), hung_stdout
+    assert summary["threadring"].startswith("FAIL rc=124; timed out"), hung_stdout
+    assert "start" in _trace(hung_trace)["threadring"]
+    assert (tmp_path / "b" / "out" / "gpu_check-ptx-threadring.tar.gz").exists()
+
+
+def test_serial_knob_runs_one_stage_after_another(tmp_path):
+    proc, trace, _ = _start_kit(tmp_path, ["ptx", "nccl", "threadring"],
+                                GPU_CHECK_SERIAL="1", FAKE_SLEEP="0.5")
+    stdout = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, stdout
+    assert list(_summary(stdout)) == ["env", "build", "ptx", "nccl", "threadring"], stdout
+    spans = _trace(trace)
+    assert spans["ptx"]["end"] <= spans["nccl"]["start"], spans
+    assert spans["nccl"]["end"] <= spans["threadring"]["start"], spans

@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# gpu_check.sh -- ringattn's GPU bring-up, in stages that each fit one
-# 10-minute call of the device tool.  Run from anywhere; it works on the
-# repository it lives in.
+# gpu_check.sh -- ringattn's GPU bring-up kit, in ONE call of the device
+# tool (timeout_s 600) on a machine of 16 cores with one GPU.  Run from
+# anywhere; it works on the repository it lives in.
 #
-# The three device calls (timeout_s 600 each; about 29.5 minutes of commands
-# plus three machine starts, about 33 device-minutes; a machine is bare
-# again 30 s after a call, so every call builds):
+#   tools/gpu_check.sh all
 #
-#   1. tools/gpu_check.sh build ptx selftest tests
-#        build ~2.5 min, ptx ~0.5 min, selftest ~2 min, tests ~4.5 min
-#                                                                  (~9.5 min)
-#   2. tools/gpu_check.sh build sanitize
-#        build ~2.5 min, sanitize ~6.5 min                         (~9 min)
-#   3. tools/gpu_check.sh build nccl threadring bench ringbench
-#        build ~2.5 min, nccl ~2 min, threadring ~1 min, bench ~3 min,
-#        ringbench ~2.5 min (NCCL and thread rows)    (~11 min estimated:
-#        the budget cuts what does not fit, and says so; then run
-#        "build ringbench" alone)
+# runs, estimated from the H100 run of 2026-11-26 (16 cores: build 45 s for
+# sm_90, selftest full 21 s, tests 82 s, nccl 37 s, memcheck + racecheck
+# 129 s, ringbench 16 s, bench 40 s) and what the stages gained since; no
+# GPU run has timed this order yet:
 #
-# Stages (any order, any subset; "all" = every stage):
+#   1. build (sm_90a, more kernels)                                 ~1.25 min
+#   2. the selftest binary, once (selftest and sanitize share it)   ~0.5 min
+#   3. ptx, selftest, tests, sanitize, nccl, threadring, all at once
+#      (each alone: ~0.5, ~0.75, ~2.5, ~4.5 one tool after another,
+#      ~0.75, ~1 min; they share the GPU and the cores, sanitize runs its
+#      four tools and the Python case at once too)                  ~3.5 min
+#   4. bench, then ringbench, alone on the GPU                      ~1.75 min
+#                                                    about 7 minutes in all
+#
+# Any subset reruns alone, e.g. "tools/gpu_check.sh sanitize" (it builds
+# first when no installed build of these sources is there);
+# GPU_CHECK_SERIAL=1 runs the stages one after the other as given (for
+# debugging; "all" then takes ~13 minutes: more than one call).
+#
+# Stages (any subset, run in the phases above whatever order is given;
+# "all" = every stage):
 #   build      pip install --no-build-isolation --no-deps . with the CUDA
 #              part (RINGATTN_CUDA=1, RINGATTN_CUDA_ARCHS, default 90a: the
 #              wgmma/TMA kernels and, forced per call, the mma.sync ones), only
@@ -45,7 +52,7 @@
 #              ("repeat-lifetime"); they fail where PyTorch sees no GPU
 #   sanitize   compute-sanitizer memcheck, racecheck, synccheck, initcheck
 #              on "selftest quick", and memcheck on tools/sanitize_case.py,
-#              limited to ringattn's kernels; first a canary
+#              all five at once, limited to ringattn's kernels; first a canary
 #              (tools/sanitizer_canary.cu) the filtered memcheck must catch
 #   nccl       pytest -m gpu tests/test_nccl.py (world size 1; 2-4 ranks on
 #              one GPU where NCCL >= 2.30; masks; ringattn demo --backend
@@ -61,19 +68,25 @@
 #              thread ranks, p = 2, 4, 8; RINGBENCH_SEQ_LEN sets --seq-len)
 #
 # What it prints: "== <stage> ..." as a stage starts and, for a stage that
-# failed, the tail of its log; the last lines are one "SUMMARY <stage>:
-# PASS|FAIL ..." line per stage (counts and key numbers).  Every log (and
+# failed, the tail of its log (a stage of phase 3 writes to
+# $LOGDIR/<stage>.out, shown in stage order as each one ends); the last
+# lines are one "SUMMARY <stage>: PASS|FAIL ..." line per stage (counts and
+# key numbers), in stage order.  Every log (and
 # the junit XML of the pytest stages) is written under $GPU_CHECK_WORK
 # (default /tmp/ringattn-gpu-check, outside $OUT and the tree) and packed
 # at exit into ONE archive, $OUT/gpu_check-<stages>.tar.gz (or under the
 # work folder when OUT is unset).  A stage without a GPU, or in which no
 # GPU test ran, FAILS.  The whole run keeps inside GPU_CHECK_BUDGET seconds
 # (default 570): a stage gets at most what is left, so the archive and the
-# summary are always written before the device tool's 600 s limit.
+# summary are always written before the device tool's 600 s limit.  The
+# stages of phase 3 get what is left less GPU_CHECK_RESERVE (default 90 s
+# for bench plus 60 s for ringbench, when asked for); one still running
+# then is killed and reported FAIL "timed out", as is any command cut by
+# the budget.
 #
 # Environment: PYTHON (default python3: the interpreter with torch there),
 # RINGATTN_CUDA_ARCHS (default 90a), REBUILD=1, GPU_CHECK_WORK,
-# GPU_CHECK_BUDGET, SANITIZE_TOOLS (default "memcheck racecheck synccheck
+# GPU_CHECK_BUDGET, GPU_CHECK_RESERVE, GPU_CHECK_SERIAL, SANITIZE_TOOLS (default "memcheck racecheck synccheck
 # initcheck"; a subset reruns one that ran out of time), RINGBENCH_SEQ_LEN
 # (the ringbench stage's --seq-len), CUDA_HOME.
 # Exit status: 0 when every stage passed.
@@ -127,13 +140,23 @@ ORDER=()                    # stages in the order they ran
 
 note() { echo "$*" | tee -a "$LOGDIR/gpu_check.log"; }
 
-record() {  # record STAGE VERDICT DETAILS...
-    local stage="$1" verdict="$2"; shift 2
-    [ -n "${RESULT[$stage]:-}" ] || ORDER+=("$stage")
-    RESULT[$stage]="$verdict $*"
+set_result() {  # set_result STAGE "VERDICT DETAILS"
+    [ -n "${RESULT[$1]:-}" ] || ORDER+=("$1")
+    RESULT[$1]="${2//$'\n'/ }"
+    # a stage running in the background also writes it to its results
+    # file, which the main shell reads back (stage_bg, collect_stage)
+    [ -z "${STAGE_RESULTS:-}" ] || printf '%s\t%s\n' "$1" "${RESULT[$1]}" >>"$STAGE_RESULTS"
 }
 
-left() { echo $((BUDGET - (SECONDS - START))); }
+record() {  # record STAGE VERDICT DETAILS...
+    local stage="$1" verdict="$2"; shift 2
+    set_result "$stage" "$verdict $*"
+}
+
+# Seconds left in the budget, less RESERVE: what the timing stages (bench,
+# ringbench) keep for themselves while the correctness stages run.
+RESERVE=0
+left() { echo $((BUDGET - RESERVE - (SECONDS - START))); }
 
 # run_logged NAME LIMIT CMD...: run CMD (cwd: the work folder, so Python
 # imports the installed ringattn) with output to $LOGDIR/NAME.log, killed
@@ -181,7 +204,7 @@ stage_build() {
         record build PASS "installed CUDA build already there (no rebuild)"
         return 0
     fi
-    note "== build: pip install --no-build-isolation (RINGATTN_CUDA=1, archs $ARCHS, $(nproc) jobs; ~2.5 min)"
+    note "== build: pip install --no-build-isolation (RINGATTN_CUDA=1, archs $ARCHS, $(nproc) jobs; ~1.25 min)"
     local t0=$SECONDS
     run_logged build 420 env -C "$REPO" RINGATTN_CUDA=1 RINGATTN_BUILD_JOBS="$(nproc)" \
         "$PY" -m pip install --no-build-isolation --no-deps --no-index \
@@ -260,8 +283,15 @@ selftest_binary() {
 }
 
 # build_selftest: print the selftest binary's path; fails (with the tail
-# of its log on stderr) when it does not build
+# of its log on stderr) when it does not build.  selftest and sanitize share
+# the binary: when they run concurrently it is built once before them
+# (SELFTEST_BIN), never by both at once.
 build_selftest() {
+    if [ -n "${SELFTEST_BIN:-}" ]; then
+        echo "$SELFTEST_BIN"
+        [ -x "$SELFTEST_BIN" ]
+        return
+    fi
     export -f selftest_binary source_hash nvcc_path
     export ARCHS WORK REPO
     run_logged selftest_build 300 bash -c selftest_binary
@@ -275,7 +305,7 @@ build_selftest() {
 }
 
 stage_selftest() {
-    note "== selftest: every kernel variant vs float64, full grid (~2 min)"
+    note "== selftest: every kernel variant vs float64, full grid (~0.75 min)"
     local bin rc
     if ! bin="$(build_selftest)"; then
         record selftest FAIL "the selftest did not build (selftest_build.log)"
@@ -400,7 +430,7 @@ PY
 REPEAT_RUNS=20
 
 stage_tests() {
-    note "== tests: pytest -m gpu test_cuda.py test_cuda_fwd_tc.py test_cuda_families.py test_cuda_interop.py test_cuda_lifetime.py test_jax_ffi_gpu.py (~4 min)"
+    note "== tests: pytest -m gpu test_cuda.py test_cuda_fwd_tc.py test_cuda_families.py test_cuda_interop.py test_cuda_lifetime.py test_jax_ffi_gpu.py (~1.5 min)"
     pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_fwd_tc.py" \
         "$REPO/tests/test_cuda_families.py" "$REPO/tests/test_cuda_interop.py" \
         "$REPO/tests/test_cuda_lifetime.py" "$REPO/tests/test_jax_ffi_gpu.py"
@@ -418,20 +448,20 @@ stage_tests() {
     note "== tests, $REPEAT_RUNS runs each with PyTorch tensors: the ring-step docs cases, test_cuda_lifetime.py (~1 min)"
     pytest_stage repeat-docs --repeat "$REPEAT_RUNS" -k "docs" \
         "$REPO/tests/test_cuda.py::test_masked_ring_steps_accumulate" || rc=1
-    RESULT[repeat-docs]="${RESULT[repeat-docs]} ($REPEAT_RUNS runs of the 9 docs cases of test_masked_ring_steps_accumulate)"
+    set_result repeat-docs "${RESULT[repeat-docs]} ($REPEAT_RUNS runs of the 9 docs cases of test_masked_ring_steps_accumulate)"
     pytest_stage repeat-lifetime --repeat "$REPEAT_RUNS" -k "torch and not ulysses" \
         "$REPO/tests/test_cuda_lifetime.py" || rc=1
-    RESULT[repeat-lifetime]="${RESULT[repeat-lifetime]} ($REPEAT_RUNS runs of test_cuda_lifetime.py's PyTorch tests)"
+    set_result repeat-lifetime "${RESULT[repeat-lifetime]} ($REPEAT_RUNS runs of test_cuda_lifetime.py's PyTorch tests)"
     return $rc
 }
 
 stage_nccl() {
     local v
     v="$(py -c 'import ringattn as ra; print(ra.nccl_version())' 2>&1 | tail -n 1)"
-    note "== nccl: pytest -m gpu test_nccl.py; NCCL $v (~2 min)"
+    note "== nccl: pytest -m gpu test_nccl.py; NCCL $v (~0.75 min)"
     pytest_stage nccl "$REPO/tests/test_nccl.py"
     local rc=$?
-    RESULT[nccl]="${RESULT[nccl]}; NCCL $v"
+    set_result nccl "${RESULT[nccl]}; NCCL $v"
     return $rc
 }
 
@@ -441,7 +471,7 @@ stage_threadring() {
 }
 
 stage_sanitize() {
-    note "== sanitize: ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck} on selftest quick, memcheck on sanitize_case.py (~6.5 min)"
+    note "== sanitize: ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck} on selftest quick, memcheck on sanitize_case.py (~2 min, all at once)"
     local san
     san="$(command -v compute-sanitizer || true)"
     [ -n "$san" ] || san="${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"
@@ -476,9 +506,22 @@ stage_sanitize() {
         show_tail sanitize_canary 20
         return 1
     fi
-    for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
-        run_logged "sanitize_$tool" 180 "$san" --tool "$tool" --error-exitcode 9 \
-            --kernel-name "$KERNEL_FILTER" "$bin" quick
+    # the tools and the Python case all at once (one after the other with
+    # GPU_CHECK_SERIAL=1), each with its own log
+    local tools pids=() i
+    read -r -a tools <<<"${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}"
+    for tool in "${tools[@]}"; do
+        run_logged "sanitize_$tool" 300 "$san" --tool "$tool" --error-exitcode 9 \
+            --kernel-name "$KERNEL_FILTER" "$bin" quick &
+        pids+=($!)
+        [ "$SERIAL" = 1 ] && wait "${pids[-1]}"
+    done
+    run_logged sanitize_python 180 env RINGATTN_CUDA_CACHING=0 "$san" --tool memcheck \
+        --error-exitcode 9 --kernel-name "$KERNEL_FILTER" "$PY" "$REPO/tools/sanitize_case.py" &
+    local python_pid=$!
+    for i in "${!tools[@]}"; do
+        tool="${tools[$i]}"
+        wait "${pids[$i]}"
         rc=$?
         out="$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SUMMARY:' "$LOGDIR/sanitize_$tool.log" |
             tail -n 1 | sed 's/^=* *//')"
@@ -491,13 +534,13 @@ stage_sanitize() {
             show_tail "sanitize_$tool" 20
         fi
     done
-    run_logged sanitize_python 120 env RINGATTN_CUDA_CACHING=0 "$san" --tool memcheck \
-        --error-exitcode 9 --kernel-name "$KERNEL_FILTER" "$PY" "$REPO/tools/sanitize_case.py"
+    wait "$python_pid"
     rc=$?
     if [ $rc -eq 0 ] && grep -q 'sanitize case done' "$LOGDIR/sanitize_python.log"; then
         parts+=("python memcheck clean")
     else
         verdict=FAIL
+        [ $rc -eq 124 ] && rc="$rc timed out"
         parts+=("python memcheck rc=$rc")
         show_tail sanitize_python 20
     fi
@@ -525,12 +568,12 @@ bench_stage() {  # bench_stage NAME SUMMARY-PREFIX ARGS...
 }
 
 stage_bench() {
-    note "== bench: ringattn bench --gpu (~3 min)"
+    note "== bench: ringattn bench --gpu (~1 min)"
     bench_stage bench bench-gpu --gpu
 }
 
 stage_ringbench() {
-    note "== ringbench: ringattn bench --ring --gpu, NCCL and thread ranks (~2.5 min)"
+    note "== ringbench: ringattn bench --ring --gpu, NCCL and thread ranks (~0.75 min)"
     bench_stage ringbench bench-gpu-ring --ring --gpu ${RINGBENCH_SEQ_LEN:+--seq-len "$RINGBENCH_SEQ_LEN"}
 }
 
@@ -555,7 +598,14 @@ environment() {
 }
 
 finish() {
-    local status=0 s
+    local status=0 s shown=" "
+    # the stages in their usual order (the tests stage's repeat-* lines after
+    # it), whatever order they ended in
+    for s in build ptx selftest tests repeat-docs repeat-lifetime sanitize nccl threadring \
+        bench ringbench "${ORDER[@]}"; do
+        [ -n "${RESULT[$s]:-}" ] && [[ "$shown" != *" $s "* ]] && shown+="$s "
+    done
+    read -r -a ORDER <<<"$shown"
     {
         echo "env: $ENV_LINE"
         for s in "${ORDER[@]}"; do echo "$s: ${RESULT[$s]}"; done
@@ -574,20 +624,180 @@ finish() {
     return $status
 }
 
-ENV_LINE="unknown"
-environment
-for stage in "${STAGES[@]}"; do
-    [ -n "${RESULT[$stage]:-}" ] && continue          # ran already (build via need_build)
+# ---- running the stages ----------------------------------------------------------
+
+CONCURRENT_STAGES=" ptx selftest tests sanitize nccl threadring "
+TIMING_STAGES=" bench ringbench "
+
+requested() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
+
+# run_stage STAGE: run it here (the stages run before or after the
+# concurrent ones, and every stage with GPU_CHECK_SERIAL=1)
+run_stage() {
+    local stage="$1" t0=$SECONDS
+    [ -n "${RESULT[$stage]:-}" ] && return 0          # ran already (build via need_build)
     if [ "$(left)" -le 30 ]; then
         record "$stage" FAIL "not run: no time left in the ${BUDGET} s budget"
-        continue
+        return 1
     fi
     if [ "$stage" != build ] && [ "$stage" != ptx ] && ! need_build; then
         record "$stage" FAIL "not run: no installed CUDA build"
-        continue
+        return 1
     fi
-    t0=$SECONDS
     "stage_$stage"
+    local rc=$?
     echo "   ($stage took $((SECONDS - t0)) s)" >>"$LOGDIR/gpu_check.log"
-done
+    return $rc
+}
+
+# stage_bg STAGE: a stage in a background subshell.  Its records cannot
+# reach the main shell's RESULT, so each one also goes to
+# $LOGDIR/STAGE.results as "stage<TAB>verdict details" (set_result), and
+# the final values once more at the end (later lines win).
+stage_bg() {
+    local stage="$1" n=${#ORDER[@]} rc s
+    STAGE_RESULTS="$LOGDIR/$stage.results"
+    "stage_$stage"
+    rc=$?
+    for s in "${ORDER[@]:n}"; do set_result "$s" "${RESULT[$s]}"; done
+    exit $rc
+}
+
+descendants() {  # every process under PID, children first
+    local child
+    for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
+        descendants "$child"
+        echo "$child"
+    done
+}
+
+kill_tree() {  # kill_tree PID...: each PID and everything it started
+    local victims=() more=() pid
+    for pid in "$@"; do
+        read -r -d '' -a more < <(descendants "$pid")
+        victims+=("${more[@]}" "$pid")
+    done
+    kill -TERM "${victims[@]}" 2>/dev/null
+    sleep 2
+    kill -KILL "${victims[@]}" 2>/dev/null
+}
+
+# collect_stage STAGE RC KILLED: the background stage's records into
+# RESULT/ORDER and its output to stdout
+collect_stage() {
+    local stage="$1" rc="$2" killed="$3" took=$((SECONDS - BG_T0[$1])) s v
+    if [ -f "$LOGDIR/$stage.results" ]; then
+        while IFS=$'\t' read -r s v; do
+            [ -n "$s" ] && set_result "$s" "$v"
+        done <"$LOGDIR/$stage.results"
+    fi
+    if [ "$killed" = 1 ]; then
+        v="${RESULT[$stage]:-}"
+        set_result "$stage" "FAIL timed out: killed at the budget's end after $took s${v:+ (had: $v)}"
+        if [ "$stage" = tests ]; then
+            for s in repeat-docs repeat-lifetime; do
+                [ -n "${RESULT[$s]:-}" ] || set_result "$s" "FAIL not run: the tests stage timed out"
+            done
+        fi
+    elif [ -z "${RESULT[$stage]:-}" ]; then
+        set_result "$stage" "FAIL the stage ended (rc=$rc) without a result"
+    fi
+    cat "$LOGDIR/$stage.out" 2>/dev/null
+    echo "   ($stage took $took s)" | tee -a "$LOGDIR/gpu_check.log"
+}
+
+declare -A BG_PID=() BG_T0=()
+
+# The correctness stages requested, all at once in the background (they
+# share the GPU and the cores); their output is shown in stage order as each
+# one ends.  Each keeps inside the budget less RESERVE; one still running
+# RESERVE + 5 s before the budget's end is killed and reported timed out.
+run_concurrent() {
+    local stage bg=() next=0 rc
+    declare -A done_=() killed=()
+    for stage in "${STAGES[@]}"; do
+        [[ "$CONCURRENT_STAGES" == *" $stage "* ]] || continue
+        [ -n "${RESULT[$stage]:-}${BG_PID[$stage]:-}" ] && continue
+        # (run_logged keeps 20 s of it for what follows, and needs 5 more)
+        if [ "$(left)" -le 25 ]; then
+            record "$stage" FAIL "not run: no time left in the ${BUDGET} s budget (less ${RESERVE} s kept for the timing stages)"
+            continue
+        fi
+        if [ "$stage" != ptx ] && [[ "${RESULT[build]:-}" != PASS* ]]; then
+            record "$stage" FAIL "not run: no installed CUDA build"
+            continue
+        fi
+        : >"$LOGDIR/$stage.results"
+        ( stage_bg "$stage" ) >"$LOGDIR/$stage.out" 2>&1 &
+        BG_PID[$stage]=$!
+        BG_T0[$stage]=$SECONDS
+        bg+=("$stage")
+    done
+    [ ${#bg[@]} -gt 0 ] || return 0
+    note "== running ${bg[*]} concurrently (~3.5 min; output as each one ends, in stage order)"
+    local deadline=$((START + BUDGET - RESERVE - 5))
+    local late=()
+    while [ "$next" -lt ${#bg[@]} ]; do
+        for stage in "${bg[@]}"; do
+            [ -n "${done_[$stage]:-}" ] && continue
+            if ! kill -0 "${BG_PID[$stage]}" 2>/dev/null; then
+                wait "${BG_PID[$stage]}"
+                done_[$stage]=$?
+            elif [ "$SECONDS" -ge "$deadline" ]; then
+                late+=("$stage")
+            fi
+        done
+        if [ ${#late[@]} -gt 0 ]; then     # all at once: the summary must not wait
+            local pids=()
+            for stage in "${late[@]}"; do pids+=("${BG_PID[$stage]}"); done
+            kill_tree "${pids[@]}"
+            for stage in "${late[@]}"; do
+                wait "${BG_PID[$stage]}"
+                done_[$stage]=$?
+                killed[$stage]=1
+            done
+            late=()
+        fi
+        while [ "$next" -lt ${#bg[@]} ] && [ -n "${done_[${bg[$next]}]:-}" ]; do
+            stage="${bg[$next]}"
+            collect_stage "$stage" "${done_[$stage]}" "${killed[$stage]:-0}"
+            next=$((next + 1))
+        done
+        [ "$next" -lt ${#bg[@]} ] && sleep 0.5
+    done
+    rc=0
+    for stage in "${bg[@]}"; do [[ "${RESULT[$stage]}" == PASS* ]] || rc=1; done
+    return $rc
+}
+
+SERIAL="${GPU_CHECK_SERIAL:-0}"
+ENV_LINE="unknown"
+environment
+if [ "$SERIAL" = 1 ]; then
+    for stage in "${STAGES[@]}"; do run_stage "$stage"; done
+else
+    # 1. the build (also when only a stage that needs it was asked for)
+    needs_package=0
+    for stage in "${STAGES[@]}"; do
+        [ "$stage" = build ] || [ "$stage" = ptx ] || needs_package=1
+    done
+    if requested build || [ $needs_package = 1 ]; then run_stage build; fi
+    # 2. the selftest binary, once, for selftest and sanitize
+    if { requested selftest || requested sanitize; } &&
+        [[ "${RESULT[build]:-}" == PASS* ]] && [ "$(left)" -gt 30 ]; then
+        note "== selftest binary: tools/cuda_selftest.cu with the build's CUDA objects"
+        SELFTEST_BIN="$(build_selftest)" || SELFTEST_BIN="$LOGDIR/selftest-did-not-build"
+    fi
+    # 3. the correctness stages, concurrently, keeping time for 4.
+    reserve=0
+    requested bench && reserve=$((reserve + 90))
+    requested ringbench && reserve=$((reserve + 60))
+    RESERVE="${GPU_CHECK_RESERVE:-$reserve}"
+    run_concurrent
+    RESERVE=0
+    # 4. the timing stages, alone on the GPU, one after the other
+    for stage in "${STAGES[@]}"; do
+        [[ "$TIMING_STAGES" == *" $stage "* ]] && run_stage "$stage"
+    done
+fi
 finish
