@@ -3,8 +3,11 @@ sanitizer's kernel filter names every ringattn kernel (by its mangled and
 its demangled name) and the canary that proves the filter matches, the ptx
 stage (the PTX conformance program) comes first after the build and needs
 no installed package, the threadring stage runs the thread-rank tests and
-is documented, the script parses, and the ``--repeat N`` option its tests
-stage uses (tests/conftest.py) runs a test N times."""
+is documented, the script parses, the ``--repeat N`` option its tests
+stage uses (tests/conftest.py) runs a test N times, and, with stand-ins
+for python, nvcc and compute-sanitizer, ``all`` runs the correctness
+stages concurrently and the timing stages alone after them, carries every
+verdict to the summary and reports a stage past the budget as timed out."""
 
 import glob
 import os
@@ -83,7 +86,9 @@ def test_ptx_stage_runs_first_after_the_build_without_the_package():
     assert '[ "$stage" != ptx ]' in text   # runs even when the build failed
     assert "ptx_conformance.expected" in text and "-arch=sm_90a" in text
     readme = open(os.path.join(ROOT, "tools", "README.md")).read()
-    assert "gpu_check.sh build ptx selftest tests" in readme
+    assert "tools/gpu_check.sh all" in readme
+    phases = readme.split("| phase |")[1].split("\n\n")[0]
+    assert "| 3 | ~3.5 | `ptx`, `selftest`" in phases, phases
 
 
 def _script_var_dq(name):
@@ -99,7 +104,7 @@ def test_threadring_stage_runs_the_thread_rank_tests_and_is_documented():
     assert body and "tests/test_threads_cuda.py" in body.group(1)
     assert os.path.exists(os.path.join(ROOT, "tests", "test_threads_cuda.py"))
     readme = open(os.path.join(ROOT, "tools", "README.md")).read()
-    assert "| `threadring` |" in readme and "threadring" in readme.split("| call |")[1]
+    assert "| `threadring` |" in readme and "`threadring`" in readme.split("| phase |")[1]
     # the ring bench takes the sequence length the kit passes it
     assert '--seq-len "$RINGBENCH_SEQ_LEN"' in text
     from ringattn.cli import build_parser
@@ -282,8 +287,8 @@ def test_one_call_runs_the_correctness_stages_concurrently(tmp_path):
     assert summary["sanitize"].endswith("initcheck clean, python memcheck clean"), stdout
     assert "(20 runs of" in summary["repeat-docs"]
     assert "3 of 3 digests match (overall 0123abcd)" in summary["ptx"]
-    assert "bench-gpu-ring: fake" not in summary["ringbench"] and "fake ringbench" in \
-        summary["ringbench"]
+    assert summary["bench"] == "PASS fake bench numbers", stdout
+    assert summary["ringbench"] == "PASS fake ringbench numbers", stdout
     # each background stage's output, in stage order
     heads = re.findall(r"^== (\w+)", stdout, re.M)
     assert heads[heads.index("ptx"):heads.index("threadring") + 1] == \
