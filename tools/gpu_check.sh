@@ -21,8 +21,9 @@
 #
 # Any subset reruns alone, e.g. "tools/gpu_check.sh sanitize" (it builds
 # first when no installed build of these sources is there);
-# GPU_CHECK_SERIAL=1 runs the stages one after the other as given (for
-# debugging; "all" then takes ~13 minutes: more than one call).
+# GPU_CHECK_SERIAL=1 runs the stages (and the sanitizer's tools) one after
+# the other as given (for debugging; "all" then takes ~13 minutes: more than
+# one call).
 #
 # Stages (any subset, run in the phases above whatever order is given;
 # "all" = every stage):
