@@ -687,11 +687,9 @@ kill_tree() {  # kill_tree PID...: each PID and everything it started
 # RESULT/ORDER and its output to stdout
 collect_stage() {
     local stage="$1" rc="$2" killed="$3" took=$((SECONDS - BG_T0[$1])) s v
-    if [ -f "$LOGDIR/$stage.results" ]; then
-        while IFS=$'\t' read -r s v; do
-            [ -n "$s" ] && set_result "$s" "$v"
-        done <"$LOGDIR/$stage.results"
-    fi
+    while IFS=$'\t' read -r s v; do     # (run_concurrent made the file)
+        [ -n "$s" ] && set_result "$s" "$v"
+    done <"$LOGDIR/$stage.results"
     if [ "$killed" = 1 ]; then
         v="${RESULT[$stage]:-}"
         set_result "$stage" "FAIL timed out: killed at the budget's end after $took s${v:+ (had: $v)}"
