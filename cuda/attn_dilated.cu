@@ -301,6 +301,22 @@ ra_status store4(const Scratch4 &src, ra_dtype src_dt, void *dst, ra_dtype dst_d
     return ra_cuda_copy(&c, s);
 }
 
+/* The scratch (document ids, state, gradients) comes from ringattn's
+ * caching pool, which hands a freed block out again only to work queued
+ * after it on ringattn's compute stream: the composition runs there only. */
+ra_status check_stream(cudaStream_t s, const char *what) {
+    int dev = 0;
+    void *compute = nullptr;
+    RA_CUDA_CHECK(cudaGetDevice(&dev));
+    RA_CHECK(ra_cuda_compute_stream(dev, &compute));
+    if ((cudaStream_t)compute != s) {
+        ra_set_error(RA_ERR_UNSUPPORTED, "%s on CUDA runs on ringattn's compute stream only",
+                     what);
+        return RA_ERR_UNSUPPORTED;
+    }
+    return RA_OK;
+}
+
 }  // namespace
 
 extern "C" ra_status ra_cuda_dilated_fwd(const ra_attn_fwd_params *p,
@@ -323,6 +339,7 @@ extern "C" ra_status ra_cuda_dilated_fwd(const ra_attn_fwd_params *p,
     cudaStream_t s = (cudaStream_t)stream;
     RaDeviceGuard guard;
     RA_CHECK(guard.enter_for(p->q));
+    RA_CHECK(check_stream(s, "dilated attention"));
     const int64_t B = p->batch, Sq = p->seqlen_q, H = p->heads, D = p->head_dim;
 
     /* the running state: out itself, or an acc scratch */
@@ -402,6 +419,7 @@ extern "C" ra_status ra_cuda_dilated_bwd(const ra_attn_bwd_params *p,
     cudaStream_t s = (cudaStream_t)stream;
     RaDeviceGuard guard;
     RA_CHECK(guard.enter_for(p->q));
+    RA_CHECK(check_stream(s, "dilated attention backward"));
     const int64_t B = p->batch, Sq = p->seqlen_q, Sk = p->seqlen_k, H = p->heads,
                   Hkv = p->heads_kv, D = p->head_dim;
 
