@@ -39,6 +39,14 @@ ra_status ra_cuda_attn_bwd_preprocess(const ra_attn_bwd_params *p,
  * deterministic kernels run).  cuda/attn_bwd.cu */
 ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream);
 
+/* LongNet dilated attention (positions strides 1, no masks): the forward
+ * as ra_cuda_attn_fwd, the backward as ra_cuda_attn_bwd (delta computed
+ * first), composed of the dense kernels.  cuda/attn_dilated.cu */
+ra_status ra_cuda_dilated_fwd(const ra_attn_fwd_params *p,
+                              const ra_dilated_config *cfg, void *stream);
+ra_status ra_cuda_dilated_bwd(const ra_attn_bwd_params *p,
+                              const ra_dilated_config *cfg, void *stream);
+
 /* out, lse = LSE merge of (out1, lse1) and (out2, lse2).  cuda/merge.cu */
 ra_status ra_cuda_merge(const ra_merge_params *p, void *stream);
 

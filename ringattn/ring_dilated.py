@@ -21,8 +21,6 @@ the agreed plan, so sizes always match.
 
 import math
 
-import numpy as np
-
 from . import _C, checks
 from .agreement import agree, describe
 from .dilated import check_config
@@ -111,19 +109,22 @@ def _block_numel(blk, B, D):
 
 
 def _pack(blocks, kb, vb, B, D, dtype, dev):
-    """Gather the blocks' rows of local k, v into one flat buffer."""
+    """Gather the blocks' rows of local k, v into one flat buffer (on k's
+    device: strided copies, no host round trip)."""
     total = sum(_block_numel(x, B, D) for x in blocks)
-    buf = _C.empty((max(total, 1),), dtype, *dev)
-    flat, k, v = buf.numpy(), kb.numpy(), vb.numpy()
-    pos = 0
-    for blk in blocks:
-        first, step, _, _, count = blk["k"]
-        idx = first + step * np.arange(count)
-        part = flat[pos:pos + _block_numel(blk, B, D)].reshape(2, B, count, D)
-        part[0] = k[:, idx, blk["g"], :]
-        part[1] = v[:, idx, blk["g"], :]
-        pos += part.size
-    return buf.narrow(0, 0, total) if total else None
+    if not total:
+        return None
+    buf = _C.empty((total,), dtype, *dev)
+    for blk, (k_dst, v_dst) in zip(blocks, _views(buf, blocks, B, D)):
+        k_dst.copy_(_rows(kb, blk))
+        v_dst.copy_(_rows(vb, blk))
+    return buf
+
+
+def _rows(b, blk):
+    """The (B, count, 1, D) rows of block `blk` in a local k/v-shaped buffer."""
+    first, step, _, _, count = blk["k"]
+    return b.narrow(1, first, count, step).narrow(2, blk["g"], 1)
 
 
 def _views(buf, blocks, B, D):
@@ -354,7 +355,6 @@ def ring_dilated_attention_backward(dout, q, k, v, out, lse, comm,
                          qb, doutb, lse_c, delta, dq, causal, scale, threads,
                          (segs, rates))
 
-    dk_np, dv_np = dk.numpy(), dv.numpy()
     for d, dst, send, src, recv in _rounds(plan, comm, segs, rates, H, Hkv,
                                            causal):
         # rows in: k/v of the blocks this rank needs from src
@@ -377,13 +377,8 @@ def ring_dilated_attention_backward(dout, q, k, v, out, lse, comm,
         if req is not None:
             req.wait()
         if send:
-            flat, pos = grad_in.numpy(), 0
-            for blk in send:
-                first, step, _, _, count = blk["k"]
-                idx = first + step * np.arange(count)
-                part = flat[pos:pos + _block_numel(blk, B, D)].reshape(2, B, count, D)
-                dk_np[:, idx, blk["g"], :] += part[0]
-                dv_np[:, idx, blk["g"], :] += part[1]
-                pos += part.size
+            for blk, (dk_in, dv_in) in zip(send, _views(grad_in, send, B, D)):
+                _C.add_(_rows(dk, blk), dk_in)
+                _C.add_(_rows(dv, blk), dv_in)
     return tuple(as_result(g, like, kind)
                  for g, like in ((dq, qb), (dk, kb), (dv, vb)))

@@ -4,7 +4,8 @@ With q scaled by 1e9 (float32) or 1e18 (float64) every softmax row is one
 key; the backward's P = 2^(S - L) must give that key P = 1 although L, kept
 in the acc dtype, is off by ulps of its huge value (DESIGN §2: lse float32).
 Checked locally, dilated, and through the ring and the dilated ring, in
-every dtype, against the float64 reference (max-subtracted softmax).
+every dtype, against the float64 reference (max-subtracted softmax); the
+rings also on thread ranks with CUDA arrays (marked gpu).
 
 Tolerance: ``ringattn.testing.tolerance(dtype)`` rtol times the larger of
 max |ref| and the size of the terms a gradient sums (dq: scale |dS| |k|,
@@ -90,8 +91,10 @@ def test_dilated_backward_with_huge_scores(dtype):
 
 
 def ring_body(comm, q, k, v, dout, layout, dilated):
-    r, p = comm.rank, comm.size
+    r, p, dev = comm.rank, comm.size, getattr(comm, "device", None)
     qs, ks, vs, ds = (ra.shard(x, r, p, layout) for x in (q, k, v, dout))
+    if dev is not None:         # thread ranks on a CUDA device
+        qs, ks, vs, ds = (ra.to_device(x, dev) for x in (qs, ks, vs, ds))
     if dilated:
         out, lse = ra.ring_dilated_attention(qs, ks, vs, comm, SEGS, RATES,
                                              causal=True, layout=layout,
@@ -104,7 +107,10 @@ def ring_body(comm, q, k, v, dout, layout, dilated):
                                      layout=layout, return_lse=True)
         grads = ra.ring_attention_backward(ds, qs, ks, vs, out, lse, comm,
                                            causal=True, layout=layout)
-    return (out, lse) + tuple(grads)
+    res = (out, lse) + tuple(grads)
+    if dev is not None:
+        res = tuple(ra.to_device(x, "cpu").numpy() for x in res)
+    return res
 
 
 @pytest.mark.timeout(120)
@@ -116,6 +122,26 @@ def test_ring_backward_with_huge_scores(dtype, dilated, layout):
     q, k, v, dout = problem(dtype, n=n)
     results = ra.launch(ring_body, 3, args=(q, k, v, dout, layout, dilated),
                         backend="threads", timeout=LAUNCH_TIMEOUT)
+    got = [ra.unshard([res[i] for res in results], layout,
+                      axis=2 if i == 1 else 1) for i in range(5)]
+    bias = rt.dilated_bias(n, SEGS, RATES, q.shape[2]) if dilated else None
+    bad = check(got, q, k, v, dout, dtype, bias=bias)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ra.cuda_available(), reason="no CUDA device")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dilated", [False, True], ids=["dense", "dilated"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ring_backward_with_huge_scores_on_cuda(dtype, dilated):
+    """The same through thread ranks on a CUDA device (the CUDA kernels'
+    exponent rule; dilated: pairs two branches share get half each)."""
+    n, layout = 16, "zigzag"
+    q, k, v, dout = problem(dtype, n=n)
+    results = ra.launch(ring_body, 3, args=(q, k, v, dout, layout, dilated),
+                        backend="threads", timeout=LAUNCH_TIMEOUT,
+                        devices=[0, 0, 0])
     got = [ra.unshard([res[i] for res in results], layout,
                       axis=2 if i == 1 else 1) for i in range(5)]
     bias = rt.dilated_bias(n, SEGS, RATES, q.shape[2]) if dilated else None

@@ -30,15 +30,23 @@ from ringattn.testing import (close_failures, random_problem, random_qkv,
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 LAUNCH_TIMEOUT = 60
+# the correctness tests run on thread ranks with host arrays, and (marked
+# gpu, where a CUDA device is there: CI's emulated GPU) with CUDA arrays
+WHERE = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not ra.cuda_available(), reason="no CUDA device")])]
 
 
 # ---- per-rank bodies (module level, so they pickle for backend="host") ----
 
 def dilated_fwd_bwd(comm, q, k, v, dout, segs, rates, layout, causal,
                     num_threads=None):
-    """This rank's (out, lse, dq, dk, dv) for its shard of the full arrays."""
-    r, p = comm.rank, comm.size
+    """This rank's (out, lse, dq, dk, dv) for its shard of the full arrays
+    (on the rank's CUDA device when it has one, brought back to the host)."""
+    r, p, dev = comm.rank, comm.size, getattr(comm, "device", None)
     qs, ks, vs, ds = (ra.shard(x, r, p, layout) for x in (q, k, v, dout))
+    if dev is not None:
+        qs, ks, vs, ds = (ra.to_device(x, dev) for x in (qs, ks, vs, ds))
     out, lse = ra.ring_dilated_attention(qs, ks, vs, comm, segs, rates,
                                          causal=causal, layout=layout,
                                          return_lse=True,
@@ -47,17 +55,28 @@ def dilated_fwd_bwd(comm, q, k, v, dout, segs, rates, layout, causal,
                                                segs, rates, causal=causal,
                                                layout=layout,
                                                num_threads=num_threads)
-    return (out, lse) + tuple(grads)
+    res = (out, lse) + tuple(grads)
+    if dev is not None:
+        assert all(x.device == dev for x in res)
+        res = tuple(ra.to_device(x, "cpu").numpy() for x in res)
+    return res
 
 
 def run_ring(q, k, v, dout, segs, rates, p, layout, causal,
-             backend="threads"):
+             backend="threads", where="cpu"):
+    """where="cuda": thread ranks on the CUDA devices (two when there are,
+    ranks alternating), arrays on them."""
     # host ranks are processes on this machine: one kernel thread each
     num_threads = 1 if backend == "host" else None
+    devices = None
+    if where == "cuda":
+        ndev = min(2, ra.cuda_info()["devices"])
+        devices = [r % ndev for r in range(p)]
     results = ra.launch(dilated_fwd_bwd, p,
                         args=(q, k, v, dout, segs, rates, layout, causal,
                               num_threads),
-                        backend=backend, timeout=LAUNCH_TIMEOUT)
+                        backend=backend, timeout=LAUNCH_TIMEOUT,
+                        devices=devices)
     return [ra.unshard([res[i] for res in results], layout,
                        axis=2 if i == 1 else 1) for i in range(5)]
 
@@ -82,10 +101,11 @@ SEGS, RATES = [5, 16, 64], [1, 2, 4]
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
-def test_ring_dilated_matches_reference(rng, p, layout, causal):
+@pytest.mark.parametrize("where", WHERE)
+def test_ring_dilated_matches_reference(rng, where, p, layout, causal):
     """n = 41 (odd), GQA 4:2, segments 5/16/64 at rates 1/2/4."""
     q, k, v, dout = problem(rng, 41, 4, 2)
-    got = run_ring(q, k, v, dout, SEGS, RATES, p, layout, causal)
+    got = run_ring(q, k, v, dout, SEGS, RATES, p, layout, causal, where=where)
     bad = close_failures(got, reference(q, k, v, dout, SEGS, RATES, causal),
                      "float64")
     assert not bad, "\n".join(bad)
@@ -93,13 +113,14 @@ def test_ring_dilated_matches_reference(rng, p, layout, causal):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_ring_dilated_huge_rates_and_lengths(rng, layout):
+@pytest.mark.parametrize("where", WHERE)
+def test_ring_dilated_huge_rates_and_lengths(rng, where, layout):
     """Rates and lengths up to int64's end (past the 23 positions: the
     reference takes them capped at 10**6, which selects the same rows): no
     step of a one-row selection leaves the positions' int64 bound."""
     q, k, v, dout = problem(rng, 23, 8, 2)
     segs, rates = [4, 2**62, 2**63 - 1], [2**62, 3, 2**63 - 1]
-    got = run_ring(q, k, v, dout, segs, rates, 3, layout, True)
+    got = run_ring(q, k, v, dout, segs, rates, 3, layout, True, where=where)
     capped = [[min(x, 10**6) for x in xs] for xs in (segs, rates)]
     bad = close_failures(got, reference(q, k, v, dout, *capped, True), "float64")
     assert not bad, "\n".join(bad)
@@ -109,11 +130,12 @@ def test_ring_dilated_huge_rates_and_lengths(rng, layout):
 @pytest.mark.parametrize("H,H_kv", [(8, 8), (8, 2), (4, 1)],
                          ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_ring_dilated_heads(rng, layout, H, H_kv):
+@pytest.mark.parametrize("where", WHERE)
+def test_ring_dilated_heads(rng, where, layout, H, H_kv):
     """Head groupings over 3 ranks, causal, n = 53, rates up to 8."""
     segs, rates = [7, 24, 53], [1, 3, 8]
     q, k, v, dout = problem(rng, 53, H, H_kv)
-    got = run_ring(q, k, v, dout, segs, rates, 3, layout, True)
+    got = run_ring(q, k, v, dout, segs, rates, 3, layout, True, where=where)
     bad = close_failures(got, reference(q, k, v, dout, segs, rates, True),
                      "float64")
     assert not bad, "\n".join(bad)
@@ -122,11 +144,12 @@ def test_ring_dilated_heads(rng, layout, H, H_kv):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("n", [1, 3, 6])
-def test_ring_dilated_short_sequences(rng, n, layout):
+@pytest.mark.parametrize("where", WHERE)
+def test_ring_dilated_short_sequences(rng, where, n, layout):
     """n <= p + 2 with p = 4: empty and one-token shards."""
     segs, rates = [2, 5], [1, 2]
     q, k, v, dout = problem(rng, n, 4, 2)
-    got = run_ring(q, k, v, dout, segs, rates, 4, layout, True)
+    got = run_ring(q, k, v, dout, segs, rates, 4, layout, True, where=where)
     bad = close_failures(got, reference(q, k, v, dout, segs, rates, True),
                      "float64")
     assert not bad, "\n".join(bad)
@@ -134,11 +157,12 @@ def test_ring_dilated_short_sequences(rng, n, layout):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_ring_dilated_longnet_float32(rng, layout):
+@pytest.mark.parametrize("where", WHERE)
+def test_ring_dilated_longnet_float32(rng, where, layout):
     """The LongNet-like configuration of the traffic tests, float32."""
     segs, rates = [32, 64, 128, 256], [1, 2, 4, 8]
     q, k, v, dout = problem(rng, 256, 8, 8, D=16, dtype="float32")
-    got = run_ring(q, k, v, dout, segs, rates, 4, layout, True)
+    got = run_ring(q, k, v, dout, segs, rates, 4, layout, True, where=where)
     bad = close_failures(got, reference(q, k, v, dout, segs, rates, True),
                      "float32")
     assert not bad, "\n".join(bad)

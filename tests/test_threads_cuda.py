@@ -8,9 +8,9 @@ device: 2 and 4 ranks on one device (device copies) and on two devices
 ``ra.to_device`` buffers.
 
 * the ring (forward and backward, contiguous and zigzag, causal and not)
-  and Ulysses (u = 2, hybrid with p = 4) against the float64 reference;
-  the dilated ring, which has no CUDA kernel, refuses CUDA arrays by name
-  on every rank before any transfer;
+  Ulysses (u = 2, hybrid with p = 4) and the dilated ring (branches inside
+  a shard and across shards; contiguous, zigzag and striped) against the
+  float64 reference;
 * the communicator itself: sendrecv, alltoall (in place too) and split on
   device memory; host memory refused by name; bad devices refused before
   any work;
@@ -35,7 +35,8 @@ import pytest
 import ringattn as ra
 from ringattn.launch import LaunchError
 from ringattn.testing import (np_dtype, random_qkv, ref_attention,
-                              ref_attention_backward)
+                              ref_attention_backward, ref_dilated_attention,
+                              ref_dilated_attention_backward)
 
 from gpu_arrays import emu_subset
 
@@ -147,25 +148,48 @@ def test_ulysses_on_devices_matches_reference(p, ndev):
         assert_close(f"{name} [ulysses=2]", g, e)
 
 
-def dilated_rank(comm, q, k, v):
+def dilated_rank(comm, q, k, v, dout, segs, rates, cases):
+    """(out, lse, dq, dk, dv) of the dilated ring on the host, per case."""
     r, p, dev = comm.rank, comm.size, comm.device
-    qs, ks, vs = (ra.to_device(ra.shard(x, r, p, "zigzag"), dev)
-                  for x in (q, k, v))
-    return ra.ring_dilated_attention(qs, ks, vs, comm, [8, 32], [1, 2],
-                                     causal=True, layout="zigzag")
+    results = {}
+    for layout, causal in cases:
+        qs, ks, vs, ds = (ra.to_device(ra.shard(x, r, p, layout), dev)
+                          for x in (q, k, v, dout))
+        out, lse = ra.ring_dilated_attention(qs, ks, vs, comm, segs, rates,
+                                             causal=causal, layout=layout,
+                                             return_lse=True)
+        grads = ra.ring_dilated_attention_backward(ds, qs, ks, vs, out, lse,
+                                                   comm, segs, rates,
+                                                   causal=causal,
+                                                   layout=layout)
+        assert out.device == dev and all(g.device == dev for g in grads)
+        results[layout, causal] = tuple(host(x) for x in (out, lse) + grads)
+    comm.barrier()
+    return results
 
 
-def test_dilated_ring_on_devices_is_refused_by_name_before_any_transfer():
-    """There is no CUDA dilated kernel: every rank gets the same
-    NotImplementedError from its own argument check, none a CommError."""
-    q, k, v, _ = problem(21, 45)
-    with pytest.raises(LaunchError) as info:
-        ra.launch(dilated_rank, 2, args=(q, k, v), backend="threads",
-                  devices=devices_for(2, 1), timeout=TIMEOUT)
-    assert len(info.value.failures) == 2
-    for f in info.value.failures:
-        assert f["exc_type"] == "NotImplementedError", f
-        assert "dilated attention runs on the CPU only" in f["message"]
+DILATED_CASES = [("contiguous", False), ("zigzag", True), ("striped", True)]
+
+
+@pytest.mark.parametrize("p,ndev", GRID)
+def test_dilated_ring_on_devices_matches_reference(p, ndev):
+    """Branches inside a shard and across shards (rows exchanged, their
+    gradients sent back), on device memory: against the float64
+    reference."""
+    devices = devices_for(p, ndev)
+    segs, rates = [8, 32], [1, 2]
+    q, k, v, dout = problem(30 + p, 41 + 4 * p)
+    res = ra.launch(dilated_rank, p,
+                    args=(q, k, v, dout, segs, rates, DILATED_CASES),
+                    backend="threads", devices=devices, timeout=TIMEOUT)
+    for layout, causal in DILATED_CASES:
+        got = gather([x[layout, causal] for x in res], layout)
+        out, lse = ref_dilated_attention(q, k, v, segs, rates, causal=causal)
+        grads = ref_dilated_attention_backward(dout, q, k, v, segs, rates,
+                                               causal=causal)
+        for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got,
+                              (out, lse) + tuple(grads)):
+            assert_close(f"{name} [dilated, {layout}, causal={causal}]", g, e)
 
 
 # ---- p = 2, 4, 8 on one GPU, masks, Ulysses: against one rank ------------------

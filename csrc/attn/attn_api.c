@@ -144,7 +144,9 @@ static PyObject *fwd_common(PyObject *args, PyObject *kwds, int dilated) {
                      view_of(t[4].buf));
     ra_status st = RA_OK;
     if (d.device_type == RA_DEV_CUDA) {
-        st = ra_cuda_run(d.device_id, RA_CUDA_FWD, &p);
+        const ra_dilated_call dc = {&p, &cfg};
+        st = dilated ? ra_cuda_run(d.device_id, RA_CUDA_DILATED_FWD, &dc)
+                     : ra_cuda_run(d.device_id, RA_CUDA_FWD, &p);
     } else {
         Py_BEGIN_ALLOW_THREADS
         st = dilated ? ra_cpu_dilated_fwd(&p, &cfg) : ra_cpu_attn_fwd(&p);

@@ -240,7 +240,9 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         }
     }
     if (d.device_type == RA_DEV_CUDA) {
-        st = ra_cuda_run(d.device_id, RA_CUDA_BWD, &p);
+        const ra_dilated_call dc = {&p, &cfg};
+        st = dilated ? ra_cuda_run(d.device_id, RA_CUDA_DILATED_BWD, &dc)
+                     : ra_cuda_run(d.device_id, RA_CUDA_BWD, &p);
     } else {
         Py_BEGIN_ALLOW_THREADS
         st = dilated ? ra_cpu_dilated_bwd(&p, &cfg) : ra_cpu_attn_bwd(&p);

@@ -370,12 +370,6 @@ int parse_positions(PyObject *qoff, PyObject *qstride, PyObject *koff,
 
 int parse_dilated_positions(PyObject *qoff, PyObject *koff, const qkv_dims *d,
                             int64_t out[4]) {
-    if (d->device_type == RA_DEV_CUDA) {
-        PyErr_SetString(PyExc_NotImplementedError,
-                        "q: dilated attention runs on the CPU only for now; "
-                        "got CUDA arrays");
-        return -1;
-    }
     if (position_int(qoff, "q_pos_offset", 0, &out[0]) < 0 ||
         position_int(koff, "k_pos_offset", 0, &out[2]) < 0)
         return -1;
@@ -515,6 +509,16 @@ static ra_status launch_call(const void *arg, void *stream) {
     case RA_CUDA_MERGE:
         st = ra_cuda_merge((const ra_merge_params *)params, stream);
         break;
+    case RA_CUDA_DILATED_FWD: {
+        const ra_dilated_call *d = (const ra_dilated_call *)params;
+        st = ra_cuda_dilated_fwd((const ra_attn_fwd_params *)d->params, d->cfg, stream);
+        break;
+    }
+    case RA_CUDA_DILATED_BWD: {
+        const ra_dilated_call *d = (const ra_dilated_call *)params;
+        st = ra_cuda_dilated_bwd((const ra_attn_bwd_params *)d->params, d->cfg, stream);
+        break;
+    }
     case RA_CUDA_STATE: {
         const ra_state_params *s = (const ra_state_params *)params;
         st = ra_cuda_fill_state(s->out, s->lse, s->acc, s->batch, s->seqlen,

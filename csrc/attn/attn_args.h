@@ -97,8 +97,16 @@ typedef enum {
     RA_CUDA_BWD_PRE,  /* ra_attn_bwd_params */
     RA_CUDA_BWD,      /* ra_attn_bwd_params */
     RA_CUDA_MERGE,    /* ra_merge_params */
-    RA_CUDA_STATE     /* ra_state_params */
+    RA_CUDA_STATE,    /* ra_state_params */
+    RA_CUDA_DILATED_FWD, /* ra_dilated_call of ra_attn_fwd_params */
+    RA_CUDA_DILATED_BWD  /* ra_dilated_call of ra_attn_bwd_params */
 } ra_cuda_op;
+
+/* a dilated attention call: the params and the branches */
+typedef struct ra_dilated_call {
+    const void *params;
+    const ra_dilated_config *cfg;
+} ra_dilated_call;
 
 /* (out, lse) := (0, -inf) over (B, S, H, D) / (B, H, S) */
 typedef struct ra_state_params {

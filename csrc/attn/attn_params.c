@@ -69,6 +69,7 @@ void ra_attn_bwd_fill(ra_attn_bwd_params *p, const ra_attn_call *c,
                       const ra_view t[RA_BWD_NVIEWS], ra_dtype out_dtype,
                       ra_dtype grad_dtype, int deterministic) {
     memset(p, 0, sizeof *p);
+    p->branch_head_stride = 1;
     RA_CALL_FIELDS(p, c);
     p->q = t[RA_BWD_Q].data;
     p->k = t[RA_BWD_K].data;

@@ -146,6 +146,9 @@ typedef struct ra_attn_bwd_params {
      * plain attention */
     const struct ra_dilated_config *branches;
     int64_t branch_head0;
+    /* query head j of the call is global head branch_head0 +
+     * branch_head_stride * j (the fill functions set 1) */
+    int64_t branch_head_stride;
 } ra_attn_bwd_params;
 
 /* out = merge of (out1, lse1) and (out2, lse2) by the LSE rule (DESIGN 3).
