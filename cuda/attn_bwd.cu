@@ -72,11 +72,7 @@ ra_status check_bwd(const ra_attn_bwd_params *p) {
                      ra_dtype_name(acc), ra_dtype_name(p->grad_dtype));
         return RA_ERR_TYPE;
     }
-    if (p->branches != nullptr) {
-        ra_set_error(RA_ERR_UNSUPPORTED, "attention backward: dilated branches run on the "
-                     "CPU only (ringattn has no CUDA dilated kernel)");
-        return RA_ERR_UNSUPPORTED;
-    }
+    RA_CHECK(ra_check_branches(p));
     return ra_check_attn_geometry("attention backward", *p);
 }
 

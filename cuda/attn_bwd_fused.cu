@@ -54,7 +54,8 @@ struct Iter {
 
 template <typename T, int D, bool M>
 __global__ void __launch_bounds__(kThreads, 1)
-bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
+bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt,
+              const __grid_constant__ ra::Branches br) {
     typedef Layout<D, M> L;
     unsigned char *smem = ra::dynamic_smem();
     const ra::saddr_t sb = ra::saddr(smem);
@@ -282,6 +283,7 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
         c.doc_test = docs && !cur.same;
         c.rows = srows + buf * kBlockM;
         c.kid = skid;
+        c.hg = cur.hg;
 
         // S = Q K^T and dP = dout V^T for the m-tiles [i0, i0 + NI) of the
         // warp's rows (32 wm + 16 i, keys 32 wn + 16 j2: two n-tiles each),
@@ -340,7 +342,7 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
 #pragma unroll
                 for (int i = 0; i < NI; i++)
                     p_ds_rows<T, M>(p, c, i0 + i, s[i], dp[i], smem + L::kP, smem + L::kDS, sl2,
-                                    scale, cap_in, cap_out);
+                                    scale, cap_in, cap_out, br);
             }
         };
         // D 128: one m-tile at a time, S and dP of 16 rows (dK, dV hold 128
@@ -464,14 +466,15 @@ ra_status launch_fused(const ra_attn_bwd_params &p, cudaStream_t s, const DqTarg
     if (blocks == 0) return RA_OK;
     // grid: B * H_kv * ceil(S_k / 128) blocks of 256 threads;
     // k, v, dk, dv (B, S_k, H_kv, D), q, dout (B, S_q, H, D), dq target float32
-    RA_LAUNCH((bwd_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_kblocks, tgt);
+    RA_LAUNCH((bwd_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_kblocks, tgt,
+                                                                           ra::branches_of(p));
     RA_CUDA_CHECK_LAUNCH("bwd_tc_kernel");
     return RA_OK;
 }
 
 template <typename T>
 ra_status launch_fused_d(const ra_attn_bwd_params &p, cudaStream_t s, const DqTarget &tgt) {
-    const bool m = ra::mask_active(p.mask);
+    const bool m = ra::masked_variant(p);
     if (p.head_dim == 64)
         return m ? launch_fused<T, 64, true>(p, s, tgt) : launch_fused<T, 64, false>(p, s, tgt);
     return m ? launch_fused<T, 128, true>(p, s, tgt) : launch_fused<T, 128, false>(p, s, tgt);
@@ -496,7 +499,7 @@ ra_status ra_bwd_tc_fused(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran
     int dev = 0, optin = 0;
     RA_CUDA_CHECK(cudaGetDevice(&dev));
     RA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if ((size_t)optin < fused_smem(p.head_dim, ra::mask_active(p.mask))) return RA_OK;
+    if ((size_t)optin < fused_smem(p.head_dim, ra::masked_variant(p))) return RA_OK;
     const bool bf16 = p.dtype == RA_BFLOAT16;
     if (p.accumulate) {
         // the ring's steps: dq is float32 already, added into in place

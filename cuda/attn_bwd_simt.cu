@@ -33,7 +33,9 @@
  * block's tile loop (the query range of a key block, the key range of a
  * query block), tiles holding none of the block's document ids are
  * skipped, pairs are tested against both, and with a softcap c the scores
- * are c * tanh(s / c) and dS gains the factor 1 - tanh^2.
+ * are c * tanh(s / c) and dS gains the factor 1 - tanh^2.  With p.branches
+ * (one branch of dilated attention) a snapped pair that c branches share
+ * reads as exp(-log c) = 1/c (mask.cuh bwd_exponent_br, the branch rule).
  *
  * Shapes: q, out, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D);
  * lse, delta (B, H, S_q) in A.
@@ -46,7 +48,7 @@ using namespace ra::bwd_simt;
 
 template <typename T, int DPL, bool M>
 __global__ void __launch_bounds__(kWarps * 32)
-dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
+dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks, const __grid_constant__ ra::Branches br) {
     typedef typename ra::Acc<T>::type A;
     unsigned char *smem_raw = ra::dynamic_smem();
     const int D = (int)p.head_dim;
@@ -181,7 +183,14 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                 } else {
                     vis = lse_i != ra::neg_inf<A>() && (!p.causal || kpos[r] <= qpos);
                 }
-                const A pr = vis ? ra::exp_acc(ra::bwd_exponent(s - lse_i, band_i)) : (A)0;
+                const A pr = vis ? ra::exp_acc(ra::bwd_exponent_br<M, false>(
+                                       s - lse_i, band_i, br,
+                                       [&](int64_t *hq, int64_t *qp, int64_t *kp) {
+                                           *hq = br.head0 + br.head_stride * h;
+                                           *qp = qpos;
+                                           *kp = kpos[r];
+                                       }))
+                                 : (A)0;
                 A ds = pr * (dp - delta_i);
                 if constexpr (M) ds *= dcap;
                 for (int i = 0; i < in; i++) {
@@ -239,7 +248,8 @@ struct Launch {
             const int64_t n_kblocks = (p.seqlen_k + kBlockRows - 1) / kBlockRows;
             int64_t blocks = 0;
             RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
-            RA_LAUNCH((dkdv_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_kblocks);
+            RA_LAUNCH((dkdv_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_kblocks,
+                                                                             ra::branches_of(p));
             RA_CUDA_CHECK_LAUNCH("dkdv_simt_kernel");
         }
         return RA_OK;

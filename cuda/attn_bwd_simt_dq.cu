@@ -14,7 +14,7 @@ using namespace ra::bwd_simt;
 
 template <typename T, int DPL, bool M>
 __global__ void __launch_bounds__(kWarps * 32)
-dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
+dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ ra::Branches br) {
     typedef typename ra::Acc<T>::type A;
     unsigned char *smem_raw = ra::dynamic_smem();
     const int D = (int)p.head_dim;
@@ -141,7 +141,14 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
             } else {
                 vis = kvalid && (!p.causal || kpos <= qpos[r]);
             }
-            const A pr = vis ? ra::exp_acc(ra::bwd_exponent(s - lse[r], band[r])) : (A)0;
+            const A pr = vis ? ra::exp_acc(ra::bwd_exponent_br<M, false>(
+                                   s - lse[r], band[r], br,
+                                   [&](int64_t *hq, int64_t *qp, int64_t *kp) {
+                                       *hq = br.head0 + br.head_stride * h;
+                                       *qp = qpos[r];
+                                       *kp = kpos;
+                                   }))
+                             : (A)0;
             A ds = pr * (dp - delta[r]);
             if constexpr (M) ds *= dcap;
             for (int j = 0; j < jn; j++) {
@@ -186,7 +193,8 @@ struct Launch {
             const int64_t n_qblocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
             int64_t blocks = 0;
             RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
-            RA_LAUNCH((dq_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_qblocks);
+            RA_LAUNCH((dq_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_qblocks,
+                                                                           ra::branches_of(p));
             RA_CUDA_CHECK_LAUNCH("dq_simt_kernel");
         }
         return RA_OK;

@@ -38,6 +38,8 @@
  * fragment gives P^T and dS^T with the softcap's factor 1 - tanh^2 (the
  * score recomputed exactly as the forward capped it); elements of tiles not
  * known to be fully visible are tested against each key's span and id.
+ * With p.branches it also applies the branch rule of dilated attention to
+ * the pairs the exponent rule snaps (mask.cuh bwd_exponent_br).
  *
  * Launch: grid B * H_kv * ceil(S_k / 64) (1-D; the earliest keys, which see
  * the most causal queries, first), 128 threads, dynamic shared memory
@@ -69,7 +71,7 @@ constexpr size_t dkdv_smem_bytes() {
 
 template <typename T, int D, bool M>
 __global__ void __launch_bounds__(kThreads)
-dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
+dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, const __grid_constant__ ra::Branches br) {
     constexpr int BM = Tile<D, M>::BM;
     constexpr int kMT = BM / 8;  // n-tiles of S^T, dP^T (queries)
     constexpr int kDT = D / 8;   // n-tiles of dK, dV
@@ -278,6 +280,7 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                 p.q_pos_offset + (m0 + BM - 1) * p.q_pos_stride <= blk_hi && same;
             const int32_t *ids = sqid + buf * BM;
             const bool doc_test = docs && !same;
+            const int64_t h_it = hk * group + it / n_mtiles;  // the tile's query head
 #pragma unroll
             for (int i = 0; i < kMT; i++) {
 #pragma unroll
@@ -296,8 +299,18 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                         xa = s[i][e] * sl2;
                         xb = s[i][2 + e] * sl2;
                     }
-                    float pa = exp2f(ra::bwd_exponent(xa - l2, band));
-                    float pb = exp2f(ra::bwd_exponent(xb - l2, band));
+                    // the branch rule: query m0 + col of head h_it, keys a, b
+                    const auto pos_a = [&](int64_t *hq, int64_t *qp, int64_t *kp) {
+                        *hq = br.head0 + br.head_stride * h_it;
+                        *qp = p.q_pos_offset + (m0 + col) * p.q_pos_stride;
+                        *kp = kpos_a;
+                    };
+                    const auto pos_b = [&](int64_t *hq, int64_t *qp, int64_t *kp) {
+                        pos_a(hq, qp, kp);
+                        *kp = kpos_b;
+                    };
+                    float pa = exp2f(ra::bwd_exponent_br<M, true>(xa - l2, band, br, pos_a));
+                    float pb = exp2f(ra::bwd_exponent_br<M, true>(xb - l2, band, br, pos_b));
                     if (!full) {
                         const int64_t qpos = p.q_pos_offset + (m0 + col) * p.q_pos_stride;
                         const int32_t qid = doc_test ? ids[col] : 0;
@@ -399,7 +412,8 @@ struct Launch {
         RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
         // grid: B * H_kv * ceil(S_k / 64) blocks of 128 threads;
         // k, v, dk, dv (B, S_k, H_kv, D), q, dout (B, S_q, H, D)
-        RA_LAUNCH((dkdv_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_kblocks);
+        RA_LAUNCH((dkdv_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_kblocks,
+                                                                            ra::branches_of(p));
         RA_CUDA_CHECK_LAUNCH("dkdv_tc_kernel");
         return RA_OK;
     }

@@ -33,6 +33,8 @@
  * to be fully visible against each row's span and segment id, and with a
  * softcap c recomputes the capped score exactly as the forward did
  * (u = tanh(s * scale / c), score c * u) and multiplies dS by 1 - u^2.
+ * With p.branches it also applies the branch rule of dilated attention to
+ * the pairs the exponent rule snaps (mask.cuh bwd_exponent_br).
  *
  * Launch: grid B * H * ceil(S_q / 64) (1-D, heaviest causal blocks first),
  * 128 threads, dynamic shared memory (2 * 64 + 4 * 64) * D * 2 bytes
@@ -55,7 +57,7 @@ constexpr size_t dq_smem_bytes() {
 
 template <typename T, int D, bool M>
 __global__ void __launch_bounds__(kThreads)
-dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
+dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ ra::Branches br) {
     constexpr int kNT = kBlockN / 8;  // n-tiles of S, dP (keys)
     constexpr int kDT = D / 8;        // n-tiles of dQ
     unsigned char *smem_raw = ra::dynamic_smem();
@@ -222,8 +224,18 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
                         xa = s[i][e] * sl2;
                         xb = s[i][2 + e] * sl2;
                     }
-                    float pa = exp2f(ra::bwd_exponent(xa - lse2_a, band_a));
-                    float pb = exp2f(ra::bwd_exponent(xb - lse2_b, band_b));
+                    // the branch rule: rows a, b of head h, key k0 + 8i + 2t + e
+                    const auto pos_a = [&](int64_t *hq, int64_t *qp, int64_t *kp) {
+                        *hq = br.head0 + br.head_stride * h;
+                        *qp = qpos_a;
+                        *kp = p.k_pos_offset + (k0 + i * 8 + 2 * t + e) * p.k_pos_stride;
+                    };
+                    const auto pos_b = [&](int64_t *hq, int64_t *qp, int64_t *kp) {
+                        pos_a(hq, qp, kp);
+                        *qp = qpos_b;
+                    };
+                    float pa = exp2f(ra::bwd_exponent_br<M, true>(xa - lse2_a, band_a, br, pos_a));
+                    float pb = exp2f(ra::bwd_exponent_br<M, true>(xb - lse2_b, band_b, br, pos_b));
                     if (!full) {
                         const int col = i * 8 + 2 * t + e;
                         const int64_t key = k0 + col;
@@ -304,7 +316,8 @@ struct Launch {
         RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
         // grid: B * H * ceil(S_q / 64) blocks of 128 threads;
         // q, dout, dq (B, S_q, H, D), k, v (B, S_k, H_kv, D)
-        RA_LAUNCH((dq_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_qblocks);
+        RA_LAUNCH((dq_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_qblocks,
+                                                                          ra::branches_of(p));
         RA_CUDA_CHECK_LAUNCH("dq_tc_kernel");
         return RA_OK;
     }

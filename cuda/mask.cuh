@@ -27,6 +27,8 @@
 #ifndef RA_CUDA_MASK_CUH
 #define RA_CUDA_MASK_CUH
 
+#include <string.h>
+
 #include "common.cuh"
 
 namespace ra {
@@ -131,6 +133,79 @@ __device__ __forceinline__ A band_of(A lse) {
 template <typename A>
 __device__ __forceinline__ A bwd_exponent(A x, A band) {
     return x >= band ? (A)0 : x;
+}
+
+/* ---- the branch rule of dilated attention ---------------------------------- */
+
+/* What the backward kernels need of p.branches (a host pointer, never read
+ * on the device), copied into a by-value kernel argument: the branches'
+ * segment lengths and dilation rates (n = 0: plain attention, the rule is
+ * off) and the global query head of the kernel's head j, head0 +
+ * head_stride * j.  Only the masked variants (M) read it: the launchers
+ * pick them whenever branches is set (masked_variant). */
+struct Branches {
+    int n;
+    int64_t head0, head_stride;
+    int64_t w[RA_MAX_BRANCHES], r[RA_MAX_BRANCHES];
+};
+inline Branches branches_of(const ra_attn_bwd_params &p) {
+    Branches br;
+    memset(&br, 0, sizeof br);
+    if (p.branches != nullptr) {
+        br.n = p.branches->n_branches;
+        br.head0 = p.branch_head0;
+        br.head_stride = p.branch_head_stride;
+        for (int i = 0; i < br.n && i < RA_MAX_BRANCHES; i++) {
+            br.w[i] = p.branches->segment_lengths[i];
+            br.r[i] = p.branches->dilation_rates[i];
+        }
+    }
+    return br;
+}
+/* whether a call runs the masked instantiation: a mask, or (backward) the
+ * branch rule */
+inline bool masked_variant(const ra_attn_fwd_params &p) { return mask_active(p.mask); }
+inline bool masked_variant(const ra_attn_bwd_params &p) {
+    return mask_active(p.mask) || p.branches != nullptr;
+}
+
+/* How many branches select both global positions qp and kp for global
+ * query head h (csrc/attn/attn_cpu_kern.h ra_dilated_pair_count). */
+__device__ __forceinline__ int pair_count(const Branches &br, int64_t h, int64_t qp, int64_t kp) {
+    int c = 0;
+#pragma unroll 1
+    for (int i = 0; i < br.n; i++) {
+        const int64_t w = br.w[i], r = br.r[i];
+        const int64_t s = qp / w, o = h % r;
+        c += kp / w == s && (qp - s * w) % r == o && (kp - s * w) % r == o;
+    }
+    return c;
+}
+/* The exponent of a pair the exponent rule snaps (x >= band) when the
+ * scores are one branch of dilated attention: -log c of the c branches
+ * that share the pair (in log2 units when LOG2), so that P sums to 1 over
+ * them (csrc/attn/attn_cpu_tiles.h bwd_row); 0, the plain rule, for c <= 1.
+ * Inlined: a call (__noinline__) would make the tensor-core kernels save
+ * their live fragments around it (dq_tc at D 128 spilled 106 bytes). */
+template <bool LOG2, typename A>
+__device__ __forceinline__ A shared_exponent(const Branches &br, int64_t h, int64_t qp, int64_t kp) {
+    const int c = pair_count(br, h, qp, kp);
+    if (c <= 1) return (A)0;
+    return (A)(LOG2 ? -log2((double)c) : -log((double)c));
+}
+/* bwd_exponent with the branch rule: the masked variants' exponent.  The
+ * rule is in the rare snapped path only; h, qp, kp are computed by the
+ * callers' lambdas there. */
+template <bool M, bool LOG2, typename A, typename Pos>
+__device__ __forceinline__ A bwd_exponent_br(A x, A band, const Branches &br, Pos &&pos) {
+    if constexpr (M) {
+        if (x >= band && br.n != 0) {
+            int64_t h, qp, kp;
+            pos(&h, &qp, &kp);
+            return shared_exponent<LOG2, A>(br, h, qp, kp);
+        }
+    }
+    return bwd_exponent(x, band);
 }
 
 /* ---- documents ------------------------------------------------------------- */
