@@ -2,8 +2,7 @@
  * attn_bwd_fused_ds.cuh -- the fused backward's P/dS step: from one
  * thread's fragments of S = Q K^T and dP = dout V^T over a 64 x 128 tile,
  *   P  = exp2(S * scale * log2 e - lse * log2 e)  (the exponent rule of
- *        mask.cuh, ra::bwd_exponent; with M and p.branches the
- *        branch rule of bwd_exponent_br; then ex2.approx), 0 where a mask hides
+ *        mask.cuh, ra::bwd_exponent, then ex2.approx), 0 where a mask hides
  *        the pair,
  *   dS = P (dP - delta) * scale   (with a softcap c also times 1 - u^2,
  *        u = tanh(s * scale / c), the forward's very tanh),
@@ -56,7 +55,6 @@ struct TileCtx {
     bool doc_test;       // M: compare the query and key document ids
     const RowStats *rows;  // the tile's rows' statistics (and with M their ids)
     const int32_t *kid;    // M: ids of the block's keys
-    int hg;                // the tile's query head within the group
 };
 
 /* The keys [lo, hi) of the block (indices from k0, clamped to [0, 128])
@@ -92,8 +90,7 @@ template <typename T, bool M>
 __device__ __forceinline__ void p_ds_rows(const ra_attn_bwd_params &p, const TileCtx &c, int i,
                                           float (&s)[4][4], float (&dp)[4][4],
                                           unsigned char *sp, unsigned char *sds, float sl2,
-                                          float scale, float cap_in, float cap_out,
-                                          const Branches &br) {
+                                          float scale, float cap_in, float cap_out) {
     const int tid = tid_x(), wm = tid / 128, wn = (tid / 32) % 4;
     const int g = (tid % 32) / 4, t = tid % 4;
     // the rows' statistics: rows 32 wm + 16 i + 8 h + g
@@ -120,18 +117,7 @@ __device__ __forceinline__ void p_ds_rows(const ra_attn_bwd_params &p, const Til
             } else {
                 x = fmaf(s[j][e], sl2, -l2[h]);
             }
-            // the branch rule (M): row m0 + 32 wm + 16 i + 8 h + g, key
-            // k0 + 32 wn + 8 j + 2 t + (e & 1), the group's head hg of the
-            // block's kv head
-            const float pe = ex2_approx(bwd_exponent_br<M, true>(
-                x, bd[h], br, [&](int64_t *hq, int64_t *qp, int64_t *kp) {
-                    const int64_t nkb = (p.seqlen_k + kBlockN - 1) / kBlockN;
-                    const int64_t hk = ((int64_t)blockIdx.x / nkb) % p.heads_kv;
-                    *hq = br.head0 + br.head_stride * (hk * (p.heads / p.heads_kv) + c.hg);
-                    *qp = p.q_pos_offset + (c.m0 + 32 * wm + 16 * i + 8 * h + g) * p.q_pos_stride;
-                    *kp = p.k_pos_offset + (c.k0 + 32 * wn + 8 * j + 2 * t + (e & 1)) *
-                                               p.k_pos_stride;
-                }));
+            const float pe = ex2_approx(bwd_exponent(x, bd[h]));
             s[j][e] = pe;
             const float d = pe * fmaf(dp[j][e], scale, -dl[h]);
             dp[j][e] = M ? d * f : d;

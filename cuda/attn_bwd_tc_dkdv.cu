@@ -39,7 +39,8 @@
  * score recomputed exactly as the forward capped it); elements of tiles not
  * known to be fully visible are tested against each key's span and id.
  * With p.branches it also applies the branch rule of dilated attention to
- * the pairs the exponent rule snaps (mask.cuh bwd_exponent_br).
+ * the pairs the exponent rule snapped, after the P/dS pass (mask.cuh
+ * branch_rule_fix).
  *
  * Launch: grid B * H_kv * ceil(S_k / 64) (1-D; the earliest keys, which see
  * the most causal queries, first), 128 threads, dynamic shared memory
@@ -280,7 +281,6 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, const __grid_constant__ 
                 p.q_pos_offset + (m0 + BM - 1) * p.q_pos_stride <= blk_hi && same;
             const int32_t *ids = sqid + buf * BM;
             const bool doc_test = docs && !same;
-            const int64_t h_it = hk * group + it / n_mtiles;  // the tile's query head
 #pragma unroll
             for (int i = 0; i < kMT; i++) {
 #pragma unroll
@@ -299,18 +299,8 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, const __grid_constant__ 
                         xa = s[i][e] * sl2;
                         xb = s[i][2 + e] * sl2;
                     }
-                    // the branch rule: query m0 + col of head h_it, keys a, b
-                    const auto pos_a = [&](int64_t *hq, int64_t *qp, int64_t *kp) {
-                        *hq = br.head0 + br.head_stride * h_it;
-                        *qp = p.q_pos_offset + (m0 + col) * p.q_pos_stride;
-                        *kp = kpos_a;
-                    };
-                    const auto pos_b = [&](int64_t *hq, int64_t *qp, int64_t *kp) {
-                        pos_a(hq, qp, kp);
-                        *kp = kpos_b;
-                    };
-                    float pa = exp2f(ra::bwd_exponent_br<M, true>(xa - l2, band, br, pos_a));
-                    float pb = exp2f(ra::bwd_exponent_br<M, true>(xb - l2, band, br, pos_b));
+                    float pa = exp2f(ra::bwd_exponent(xa - l2, band));
+                    float pb = exp2f(ra::bwd_exponent(xb - l2, band));
                     if (!full) {
                         const int64_t qpos = p.q_pos_offset + (m0 + col) * p.q_pos_stride;
                         const int32_t qid = doc_test ? ids[col] : 0;
@@ -326,6 +316,29 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, const __grid_constant__ 
                     dp[i][e] = pa * (dp[i][e] - dl) * ca;
                     dp[i][2 + e] = pb * (dp[i][2 + e] - dl) * cb;
                 }
+            }
+            if (br.n != 0) {
+                // the branch rule: element k = 4i + e is query m0 + 8i + 2t +
+                // (e & 1) of the tile's head, key a (e < 2) or b; a visible
+                // snapped pair has P = 1 exactly (an unsnapped x < band gives
+                // P < 1 in a band row), a hidden one P = 0
+                const int64_t h_it = hk * group + it / n_mtiles;
+                ra::branch_rule_fix<kMT * 4>(
+                    br, [&](int k) { return s[k / 4][k % 4] == 1.f; },
+                    [&](int k, int64_t *hq, int64_t *qp, int64_t *kp) {
+                        *hq = br.head0 + br.head_stride * h_it;
+                        *qp = p.q_pos_offset + (m0 + (k / 4) * 8 + 2 * t + (k & 1)) * p.q_pos_stride;
+                        *kp = (k % 4) < 2 ? kpos_a : kpos_b;
+                    },
+                    [&](int k, float f) {
+#pragma unroll
+                        for (int kk = 0; kk < kMT * 4; kk++) {
+                            if (kk == k) {
+                                s[kk / 4][kk % 4] *= f;
+                                dp[kk / 4][kk % 4] *= f;
+                            }
+                        }
+                    });
             }
             add_dv();
         } else {

@@ -34,7 +34,8 @@
  * softcap c recomputes the capped score exactly as the forward did
  * (u = tanh(s * scale / c), score c * u) and multiplies dS by 1 - u^2.
  * With p.branches it also applies the branch rule of dilated attention to
- * the pairs the exponent rule snaps (mask.cuh bwd_exponent_br).
+ * the pairs the exponent rule snapped, after the P/dS pass (mask.cuh
+ * branch_rule_fix).
  *
  * Launch: grid B * H * ceil(S_q / 64) (1-D, heaviest causal blocks first),
  * 128 threads, dynamic shared memory (2 * 64 + 4 * 64) * D * 2 bytes
@@ -224,18 +225,8 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ ra
                         xa = s[i][e] * sl2;
                         xb = s[i][2 + e] * sl2;
                     }
-                    // the branch rule: rows a, b of head h, key k0 + 8i + 2t + e
-                    const auto pos_a = [&](int64_t *hq, int64_t *qp, int64_t *kp) {
-                        *hq = br.head0 + br.head_stride * h;
-                        *qp = qpos_a;
-                        *kp = p.k_pos_offset + (k0 + i * 8 + 2 * t + e) * p.k_pos_stride;
-                    };
-                    const auto pos_b = [&](int64_t *hq, int64_t *qp, int64_t *kp) {
-                        pos_a(hq, qp, kp);
-                        *qp = qpos_b;
-                    };
-                    float pa = exp2f(ra::bwd_exponent_br<M, true>(xa - lse2_a, band_a, br, pos_a));
-                    float pb = exp2f(ra::bwd_exponent_br<M, true>(xb - lse2_b, band_b, br, pos_b));
+                    float pa = exp2f(ra::bwd_exponent(xa - lse2_a, band_a));
+                    float pb = exp2f(ra::bwd_exponent(xb - lse2_b, band_b));
                     if (!full) {
                         const int col = i * 8 + 2 * t + e;
                         const int64_t key = k0 + col;
@@ -250,6 +241,29 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ ra
                     dp[i][e] = pa * (dp[i][e] - delta_a) * ca;
                     dp[i][2 + e] = pb * (dp[i][2 + e] - delta_b) * cb;
                 }
+            }
+            if (br.n != 0) {
+                // the branch rule (no softcap with branches): element k = 4i +
+                // e is row a (e < 2) or b, key k0 + 8i + 2t + (e & 1); snapped
+                // as the pass above decided, from the same score; a hidden
+                // pair's dS is 0 whatever it is scaled by
+                ra::branch_rule_fix<kNT * 4>(
+                    br,
+                    [&](int k) {
+                        const bool a = (k % 4) < 2;
+                        return s[k / 4][k % 4] * sl2 - (a ? lse2_a : lse2_b) >=
+                               (a ? band_a : band_b);
+                    },
+                    [&](int k, int64_t *hq, int64_t *qp, int64_t *kp) {
+                        *hq = br.head0 + br.head_stride * h;
+                        *qp = (k % 4) < 2 ? qpos_a : qpos_b;
+                        *kp = p.k_pos_offset + (k0 + (k / 4) * 8 + 2 * t + (k & 1)) * p.k_pos_stride;
+                    },
+                    [&](int k, float f) {
+#pragma unroll
+                        for (int kk = 0; kk < kNT * 4; kk++)
+                            if (kk == k) dp[kk / 4][kk % 4] *= f;
+                    });
             }
         } else {
             const bool full = k0 + kBlockN <= kend &&
