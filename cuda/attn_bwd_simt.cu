@@ -35,7 +35,8 @@
  * skipped, pairs are tested against both, and with a softcap c the scores
  * are c * tanh(s / c) and dS gains the factor 1 - tanh^2.  With p.branches
  * (one branch of dilated attention) a snapped pair that c branches share
- * reads as exp(-log c) = 1/c (mask.cuh bwd_exponent_br, the branch rule).
+ * reads as exp(-ln c) = 1/c (the branch rule of mask.cuh, with the pair
+ * counts of a tile's pairs computed ahead of its score loop).
  *
  * Shapes: q, out, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D);
  * lse, delta (B, H, S_q) in A.
@@ -157,6 +158,21 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks, const __grid_constant_
             const A band_i = ra::band_of(lse_i);
             const bool doc_test = docs && !same;
             const int32_t qid = doc_test && i0 + lane < i_end ? qids.at(i0 + lane) : 0;
+            // M with branches: the pair counts of the lane's query with the
+            // warp's keys, 5 bits each (a rolled loop, ahead of the unrolled
+            // one: one copy of the count code, few registers)
+            uint32_t counts = 0;
+            if constexpr (M) {
+                if (br.n != 0) {
+                    const int64_t hq = br.head0 + br.head_stride * h;
+#pragma unroll 1
+                    for (int r = 0; r < kRowsPerWarp; r++) {
+                        const int64_t kp =
+                            p.k_pos_offset + (k0 + warp * kRowsPerWarp + r) * p.k_pos_stride;
+                        counts |= (uint32_t)ra::pair_count(br, hq, qpos, kp) << (5 * r);
+                    }
+                }
+            }
             const int in = (int)(p.seqlen_q - i0 < kTile ? p.seqlen_q - i0 : kTile);
 #pragma unroll
             for (int r = 0; r < kRowsPerWarp; r++) {
@@ -183,14 +199,15 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks, const __grid_constant_
                 } else {
                     vis = lse_i != ra::neg_inf<A>() && (!p.causal || kpos[r] <= qpos);
                 }
-                const A pr = vis ? ra::exp_acc(ra::bwd_exponent_br<M, false>(
-                                       s - lse_i, band_i, br,
-                                       [&](int64_t *hq, int64_t *qp, int64_t *kp) {
-                                           *hq = br.head0 + br.head_stride * h;
-                                           *qp = qpos;
-                                           *kp = kpos[r];
-                                       }))
-                                 : (A)0;
+                auto exponent = [&]() -> A {
+                    A x = ra::bwd_exponent(s - lse_i, band_i);
+                    if constexpr (M) {  // the branch rule: a snapped pair reads as -ln(c)
+                        if (counts != 0 && s - lse_i >= band_i)
+                            x = (A)br.neg_ln[(counts >> (5 * r)) & 31u];
+                    }
+                    return x;
+                };
+                const A pr = vis ? ra::exp_acc(exponent()) : (A)0;
                 A ds = pr * (dp - delta_i);
                 if constexpr (M) ds *= dcap;
                 for (int i = 0; i < in; i++) {

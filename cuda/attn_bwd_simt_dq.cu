@@ -116,6 +116,20 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ 
         const bool kvalid = key < kend;
         const bool doc_test = docs && !same;
         const int32_t kid = doc_test && kvalid ? kids.at(key) : 0;
+        // M with branches: the pair counts of the warp's rows with the lane's
+        // key, 5 bits each (a rolled loop, ahead of the unrolled one)
+        uint32_t counts = 0;
+        if constexpr (M) {
+            if (br.n != 0) {
+                const int64_t hq = br.head0 + br.head_stride * h;
+#pragma unroll 1
+                for (int r = 0; r < kRowsPerWarp; r++) {
+                    const int64_t qp =
+                        p.q_pos_offset + (q0 + warp * kRowsPerWarp + r) * p.q_pos_stride;
+                    counts |= (uint32_t)ra::pair_count(br, hq, qp, kpos) << (5 * r);
+                }
+            }
+        }
         const int jn = (int)(kend - j0 < kTile ? kend - j0 : kTile);
 #pragma unroll
         for (int r = 0; r < kRowsPerWarp; r++) {
@@ -141,14 +155,15 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ 
             } else {
                 vis = kvalid && (!p.causal || kpos <= qpos[r]);
             }
-            const A pr = vis ? ra::exp_acc(ra::bwd_exponent_br<M, false>(
-                                   s - lse[r], band[r], br,
-                                   [&](int64_t *hq, int64_t *qp, int64_t *kp) {
-                                       *hq = br.head0 + br.head_stride * h;
-                                       *qp = qpos[r];
-                                       *kp = kpos;
-                                   }))
-                             : (A)0;
+            auto exponent = [&]() -> A {
+                A x = ra::bwd_exponent(s - lse[r], band[r]);
+                if constexpr (M) {  // the branch rule: a snapped pair reads as -ln(c)
+                    if (counts != 0 && s - lse[r] >= band[r])
+                        x = (A)br.neg_ln[(counts >> (5 * r)) & 31u];
+                }
+                return x;
+            };
+            const A pr = vis ? ra::exp_acc(exponent()) : (A)0;
             A ds = pr * (dp - delta[r]);
             if constexpr (M) ds *= dcap;
             for (int j = 0; j < jn; j++) {

@@ -253,21 +253,6 @@ __device__ __forceinline__ void branch_rule_fix(const Branches &br, Snapped &&sn
     }
 }
 
-/* bwd_exponent with the branch rule: the masked variants' exponent.  The
- * rule is in the rare snapped path only; h, qp, kp are computed by the
- * callers' lambdas there. */
-template <bool M, bool LOG2, typename A, typename Pos>
-__device__ __forceinline__ A bwd_exponent_br(A x, A band, const Branches &br, Pos &&pos) {
-    if constexpr (M) {
-        if (x >= band && br.n != 0) {
-            int64_t h, qp, kp;
-            pos(&h, &qp, &kp);
-            return shared_exponent<LOG2, A>(br, h, qp, kp);
-        }
-    }
-    return bwd_exponent(x, band);
-}
-
 /* ---- documents ------------------------------------------------------------- */
 
 /* The segment ids of one batch row: id of row i = ids[i * stride]. */
