@@ -16,7 +16,10 @@
  *   attn_bwd_tc_dq.cu.  The split pairs (tensor-core and generic) write
  *   every output element from exactly one thread: the same bits on every
  *   run.  RINGATTN_CUDA_GENERIC=1 forces the generic kernels (for tests
- *   that compare the two).
+ *   that compare the two).  p->branches (the scores are one branch of
+ *   dilated attention; ra_check_branches) runs every family's masked
+ *   variant, which applies the branch rule of mask.cuh: a pair the
+ *   exponent rule snaps that c branches share gets P = 1/c.
  *
  * q, out, dout, dq: (B, S_q, H, D); k, v, dk, dv: (B, S_k, H_kv, D).
  */
@@ -72,11 +75,7 @@ ra_status check_bwd(const ra_attn_bwd_params *p) {
                      ra_dtype_name(acc), ra_dtype_name(p->grad_dtype));
         return RA_ERR_TYPE;
     }
-    if (p->branches != nullptr) {
-        ra_set_error(RA_ERR_UNSUPPORTED, "attention backward: dilated branches run on the "
-                     "CPU only (ringattn has no CUDA dilated kernel)");
-        return RA_ERR_UNSUPPORTED;
-    }
+    RA_CHECK(ra_check_branches(p));
     return ra_check_attn_geometry("attention backward", *p);
 }
 

@@ -24,7 +24,9 @@
  * only the tiles holding one of its document ids, as the split dk/dv kernel
  * does -- with the next pair's Q and dout loading by cp.async (its rows'
  * lse and delta into registers) while this one computes:
- *   S, dP (mainloop), P and dS (attn_bwd_fused_ds.cuh) into shared memory,
+ *   S, dP (mainloop), P and dS (attn_bwd_fused_ds.cuh) into shared memory
+ *   (with p.branches, M, the branch rule then fixes them there:
+ *   branch_rule_tile),
  *   dV += P^T dout, dK += dS^T Q (registers), dQ_part = dS K added into
  *   float32 by red.global.add (attn_bwd_fused_epi.cuh),
  * and at the end writes dK, dV (the epilogue).  The float32 dq target is
@@ -45,6 +47,37 @@ namespace {
 
 using namespace ra::bwd_fused;
 
+/* The branch rule of dilated attention (mask.cuh) on one tile, in shared
+ * memory: once the P/dS step has stored P and dS (64 x 128, 16-bit, rows
+ * 256 bytes apart, 16-byte chunk c of row r at chunk c ^ (r & 7)), every
+ * element whose P is exactly 1 -- a pair the exponent rule snapped (an
+ * unsnapped x < band gives P < 1 in a band row; hidden pairs hold 0) --
+ * takes P and dS times 2^-log2(c).  It runs between the phases, where only
+ * dK and dV are live: inside the step (D 128) the kernel has no registers
+ * left for it and spilled.  Head hg of the block's group; keys from k0. */
+template <typename T>
+__device__ void branch_rule_tile(const ra_attn_bwd_params &p, const ra::Branches &br,
+                                 int64_t n_kblocks, int hg, int64_t m0, int64_t k0,
+                                 unsigned char *sp, unsigned char *sds) {
+    const ra::KBlock blk = ra::k_block<kBlockN>(p, n_kblocks);
+    const int64_t h = br.head0 + br.head_stride * (blk.hk * blk.group + hg);
+#pragma unroll 1
+    for (int e = ra::tid_x(); e < kBlockM * kBlockN; e += kThreads) {
+        const int row = e / kBlockN, key = e % kBlockN;
+        const int off = row * 256 + (((key / 8) ^ (row & 7)) << 4) + (key % 8) * 2;
+        T *pp = reinterpret_cast<T *>(sp + off);
+        if (ra::to_acc(*pp) != 1.f) continue;
+        const float x = ra::shared_exponent<true, float>(
+            br, h, p.q_pos_offset + (m0 + row) * p.q_pos_stride,
+            p.k_pos_offset + (k0 + key) * p.k_pos_stride);
+        if (x == 0.f) continue;
+        const float f = exp2f(x);
+        T *dd = reinterpret_cast<T *>(sds + off);
+        *pp = ra::from_accf<T>(f);
+        *dd = ra::from_accf<T>(ra::to_acc(*dd) * f);
+    }
+}
+
 /* A (query head, query tile) pair of the block's walk. */
 struct Iter {
     int hg;        // query head within the group (the group's size: done)
@@ -54,7 +87,8 @@ struct Iter {
 
 template <typename T, int D, bool M>
 __global__ void __launch_bounds__(kThreads, 1)
-bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
+bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt,
+              const __grid_constant__ ra::Branches br) {
     typedef Layout<D, M> L;
     unsigned char *smem = ra::dynamic_smem();
     const ra::saddr_t sb = ra::saddr(smem);
@@ -349,6 +383,13 @@ bwd_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, DqTarget tgt) {
         // (144 -> 176); D 64: both m-tiles at once
         rows_step(std::integral_constant<int, D == 128 ? 1 : 2>());
         __syncthreads();  // P and dS visible
+        if constexpr (M) {
+            if (br.n != 0) {  // block-uniform: one branch of dilated attention
+                branch_rule_tile<T>(p, br, n_kblocks, cur.hg, m0, c.k0,
+                                    smem + L::kP, smem + L::kDS);
+                __syncthreads();  // the rule's P and dS visible
+            }
+        }
 
         // dQ part = dS K: rows 32 wm + 16 i, columns (D / 4) wn + 16 n2
         float dq[2][D / 32][4];
@@ -464,14 +505,15 @@ ra_status launch_fused(const ra_attn_bwd_params &p, cudaStream_t s, const DqTarg
     if (blocks == 0) return RA_OK;
     // grid: B * H_kv * ceil(S_k / 128) blocks of 256 threads;
     // k, v, dk, dv (B, S_k, H_kv, D), q, dout (B, S_q, H, D), dq target float32
-    RA_LAUNCH((bwd_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_kblocks, tgt);
+    RA_LAUNCH((bwd_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_kblocks, tgt,
+                                                                           ra::branches_of(p));
     RA_CUDA_CHECK_LAUNCH("bwd_tc_kernel");
     return RA_OK;
 }
 
 template <typename T>
 ra_status launch_fused_d(const ra_attn_bwd_params &p, cudaStream_t s, const DqTarget &tgt) {
-    const bool m = ra::mask_active(p.mask);
+    const bool m = ra::masked_variant(p);
     if (p.head_dim == 64)
         return m ? launch_fused<T, 64, true>(p, s, tgt) : launch_fused<T, 64, false>(p, s, tgt);
     return m ? launch_fused<T, 128, true>(p, s, tgt) : launch_fused<T, 128, false>(p, s, tgt);
@@ -496,7 +538,7 @@ ra_status ra_bwd_tc_fused(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran
     int dev = 0, optin = 0;
     RA_CUDA_CHECK(cudaGetDevice(&dev));
     RA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if ((size_t)optin < fused_smem(p.head_dim, ra::mask_active(p.mask))) return RA_OK;
+    if ((size_t)optin < fused_smem(p.head_dim, ra::masked_variant(p))) return RA_OK;
     const bool bf16 = p.dtype == RA_BFLOAT16;
     if (p.accumulate) {
         // the ring's steps: dq is float32 already, added into in place

@@ -33,7 +33,10 @@
  * block's tile loop (the query range of a key block, the key range of a
  * query block), tiles holding none of the block's document ids are
  * skipped, pairs are tested against both, and with a softcap c the scores
- * are c * tanh(s / c) and dS gains the factor 1 - tanh^2.
+ * are c * tanh(s / c) and dS gains the factor 1 - tanh^2.  With p.branches
+ * (one branch of dilated attention) a snapped pair that c branches share
+ * reads as exp(-ln c) = 1/c (the branch rule of mask.cuh, with the pair
+ * counts of a tile's pairs computed ahead of its score loop).
  *
  * Shapes: q, out, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D);
  * lse, delta (B, H, S_q) in A.
@@ -46,7 +49,7 @@ using namespace ra::bwd_simt;
 
 template <typename T, int DPL, bool M>
 __global__ void __launch_bounds__(kWarps * 32)
-dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
+dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks, const __grid_constant__ ra::Branches br) {
     typedef typename ra::Acc<T>::type A;
     unsigned char *smem_raw = ra::dynamic_smem();
     const int D = (int)p.head_dim;
@@ -155,6 +158,21 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
             const A band_i = ra::band_of(lse_i);
             const bool doc_test = docs && !same;
             const int32_t qid = doc_test && i0 + lane < i_end ? qids.at(i0 + lane) : 0;
+            // M with branches: the pair counts of the lane's query with the
+            // warp's keys, 5 bits each (a rolled loop, ahead of the unrolled
+            // one: one copy of the count code, few registers)
+            uint32_t counts = 0;
+            if constexpr (M) {
+                if (br.n != 0) {
+                    const int64_t hq = br.head0 + br.head_stride * h;
+#pragma unroll 1
+                    for (int r = 0; r < kRowsPerWarp; r++) {
+                        const int64_t kp =
+                            p.k_pos_offset + (k0 + warp * kRowsPerWarp + r) * p.k_pos_stride;
+                        counts |= (uint32_t)ra::pair_count(br, hq, qpos, kp) << (5 * r);
+                    }
+                }
+            }
             const int in = (int)(p.seqlen_q - i0 < kTile ? p.seqlen_q - i0 : kTile);
 #pragma unroll
             for (int r = 0; r < kRowsPerWarp; r++) {
@@ -181,7 +199,15 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                 } else {
                     vis = lse_i != ra::neg_inf<A>() && (!p.causal || kpos[r] <= qpos);
                 }
-                const A pr = vis ? ra::exp_acc(ra::bwd_exponent(s - lse_i, band_i)) : (A)0;
+                auto exponent = [&]() -> A {
+                    A x = ra::bwd_exponent(s - lse_i, band_i);
+                    if constexpr (M) {  // the branch rule: a snapped pair reads as -ln(c)
+                        if (counts != 0 && s - lse_i >= band_i)
+                            x = (A)br.neg_ln[(counts >> (5 * r)) & 31u];
+                    }
+                    return x;
+                };
+                const A pr = vis ? ra::exp_acc(exponent()) : (A)0;
                 A ds = pr * (dp - delta_i);
                 if constexpr (M) ds *= dcap;
                 for (int i = 0; i < in; i++) {
@@ -239,7 +265,8 @@ struct Launch {
             const int64_t n_kblocks = (p.seqlen_k + kBlockRows - 1) / kBlockRows;
             int64_t blocks = 0;
             RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
-            RA_LAUNCH((dkdv_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_kblocks);
+            RA_LAUNCH((dkdv_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_kblocks,
+                                                                             ra::branches_of(p));
             RA_CUDA_CHECK_LAUNCH("dkdv_simt_kernel");
         }
         return RA_OK;

@@ -14,7 +14,7 @@ using namespace ra::bwd_simt;
 
 template <typename T, int DPL, bool M>
 __global__ void __launch_bounds__(kWarps * 32)
-dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
+dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ ra::Branches br) {
     typedef typename ra::Acc<T>::type A;
     unsigned char *smem_raw = ra::dynamic_smem();
     const int D = (int)p.head_dim;
@@ -116,6 +116,20 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
         const bool kvalid = key < kend;
         const bool doc_test = docs && !same;
         const int32_t kid = doc_test && kvalid ? kids.at(key) : 0;
+        // M with branches: the pair counts of the warp's rows with the lane's
+        // key, 5 bits each (a rolled loop, ahead of the unrolled one)
+        uint32_t counts = 0;
+        if constexpr (M) {
+            if (br.n != 0) {
+                const int64_t hq = br.head0 + br.head_stride * h;
+#pragma unroll 1
+                for (int r = 0; r < kRowsPerWarp; r++) {
+                    const int64_t qp =
+                        p.q_pos_offset + (q0 + warp * kRowsPerWarp + r) * p.q_pos_stride;
+                    counts |= (uint32_t)ra::pair_count(br, hq, qp, kpos) << (5 * r);
+                }
+            }
+        }
         const int jn = (int)(kend - j0 < kTile ? kend - j0 : kTile);
 #pragma unroll
         for (int r = 0; r < kRowsPerWarp; r++) {
@@ -141,7 +155,15 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
             } else {
                 vis = kvalid && (!p.causal || kpos <= qpos[r]);
             }
-            const A pr = vis ? ra::exp_acc(ra::bwd_exponent(s - lse[r], band[r])) : (A)0;
+            auto exponent = [&]() -> A {
+                A x = ra::bwd_exponent(s - lse[r], band[r]);
+                if constexpr (M) {  // the branch rule: a snapped pair reads as -ln(c)
+                    if (counts != 0 && s - lse[r] >= band[r])
+                        x = (A)br.neg_ln[(counts >> (5 * r)) & 31u];
+                }
+                return x;
+            };
+            const A pr = vis ? ra::exp_acc(exponent()) : (A)0;
             A ds = pr * (dp - delta[r]);
             if constexpr (M) ds *= dcap;
             for (int j = 0; j < jn; j++) {
@@ -186,7 +208,8 @@ struct Launch {
             const int64_t n_qblocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
             int64_t blocks = 0;
             RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
-            RA_LAUNCH((dq_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_qblocks);
+            RA_LAUNCH((dq_simt_kernel<T, DPL, M>), (unsigned)blocks, kWarps * 32, smem, s)(p, n_qblocks,
+                                                                           ra::branches_of(p));
             RA_CUDA_CHECK_LAUNCH("dq_simt_kernel");
         }
         return RA_OK;

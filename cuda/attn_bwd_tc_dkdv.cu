@@ -38,6 +38,9 @@
  * fragment gives P^T and dS^T with the softcap's factor 1 - tanh^2 (the
  * score recomputed exactly as the forward capped it); elements of tiles not
  * known to be fully visible are tested against each key's span and id.
+ * With p.branches it also applies the branch rule of dilated attention to
+ * the pairs the exponent rule snapped, after the P/dS pass (mask.cuh
+ * branch_rule_fix).
  *
  * Launch: grid B * H_kv * ceil(S_k / 64) (1-D; the earliest keys, which see
  * the most causal queries, first), 128 threads, dynamic shared memory
@@ -69,7 +72,7 @@ constexpr size_t dkdv_smem_bytes() {
 
 template <typename T, int D, bool M>
 __global__ void __launch_bounds__(kThreads)
-dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
+dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks, const __grid_constant__ ra::Branches br) {
     constexpr int BM = Tile<D, M>::BM;
     constexpr int kMT = BM / 8;  // n-tiles of S^T, dP^T (queries)
     constexpr int kDT = D / 8;   // n-tiles of dK, dV
@@ -314,6 +317,29 @@ dkdv_tc_kernel(ra_attn_bwd_params p, int64_t n_kblocks) {
                     dp[i][2 + e] = pb * (dp[i][2 + e] - dl) * cb;
                 }
             }
+            if (br.n != 0) {
+                // the branch rule: element k = 4i + e is query m0 + 8i + 2t +
+                // (e & 1) of the tile's head, key a (e < 2) or b; a visible
+                // snapped pair has P = 1 exactly (an unsnapped x < band gives
+                // P < 1 in a band row), a hidden one P = 0
+                const int64_t h_it = hk * group + it / n_mtiles;
+                ra::branch_rule_fix<kMT * 4>(
+                    br, [&](int k) { return s[k / 4][k % 4] == 1.f; },
+                    [&](int k, int64_t *hq, int64_t *qp, int64_t *kp) {
+                        *hq = br.head0 + br.head_stride * h_it;
+                        *qp = p.q_pos_offset + (m0 + (k / 4) * 8 + 2 * t + (k & 1)) * p.q_pos_stride;
+                        *kp = (k % 4) < 2 ? kpos_a : kpos_b;
+                    },
+                    [&](int k, float f) {
+#pragma unroll
+                        for (int kk = 0; kk < kMT * 4; kk++) {
+                            if (kk == k) {
+                                s[kk / 4][kk % 4] *= f;
+                                dp[kk / 4][kk % 4] *= f;
+                            }
+                        }
+                    });
+            }
             add_dv();
         } else {
             // P^T = exp2(S^T * scale * log2e - lse2[query]); element (i, e) of
@@ -399,7 +425,8 @@ struct Launch {
         RA_CHECK(ra_grid_1d(n_kblocks * p.heads_kv * p.batch, 1, &blocks));
         // grid: B * H_kv * ceil(S_k / 64) blocks of 128 threads;
         // k, v, dk, dv (B, S_k, H_kv, D), q, dout (B, S_q, H, D)
-        RA_LAUNCH((dkdv_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_kblocks);
+        RA_LAUNCH((dkdv_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_kblocks,
+                                                                            ra::branches_of(p));
         RA_CUDA_CHECK_LAUNCH("dkdv_tc_kernel");
         return RA_OK;
     }

@@ -33,6 +33,9 @@
  * to be fully visible against each row's span and segment id, and with a
  * softcap c recomputes the capped score exactly as the forward did
  * (u = tanh(s * scale / c), score c * u) and multiplies dS by 1 - u^2.
+ * With p.branches it also applies the branch rule of dilated attention to
+ * the pairs the exponent rule snapped, after the P/dS pass (mask.cuh
+ * branch_rule_fix).
  *
  * Launch: grid B * H * ceil(S_q / 64) (1-D, heaviest causal blocks first),
  * 128 threads, dynamic shared memory (2 * 64 + 4 * 64) * D * 2 bytes
@@ -55,7 +58,7 @@ constexpr size_t dq_smem_bytes() {
 
 template <typename T, int D, bool M>
 __global__ void __launch_bounds__(kThreads)
-dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
+dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ ra::Branches br) {
     constexpr int kNT = kBlockN / 8;  // n-tiles of S, dP (keys)
     constexpr int kDT = D / 8;        // n-tiles of dQ
     unsigned char *smem_raw = ra::dynamic_smem();
@@ -239,6 +242,29 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks) {
                     dp[i][2 + e] = pb * (dp[i][2 + e] - delta_b) * cb;
                 }
             }
+            if (br.n != 0) {
+                // the branch rule (no softcap with branches): element k = 4i +
+                // e is row a (e < 2) or b, key k0 + 8i + 2t + (e & 1); snapped
+                // as the pass above decided, from the same score; a hidden
+                // pair's dS is 0 whatever it is scaled by
+                ra::branch_rule_fix<kNT * 4>(
+                    br,
+                    [&](int k) {
+                        const bool a = (k % 4) < 2;
+                        return s[k / 4][k % 4] * sl2 - (a ? lse2_a : lse2_b) >=
+                               (a ? band_a : band_b);
+                    },
+                    [&](int k, int64_t *hq, int64_t *qp, int64_t *kp) {
+                        *hq = br.head0 + br.head_stride * h;
+                        *qp = (k % 4) < 2 ? qpos_a : qpos_b;
+                        *kp = p.k_pos_offset + (k0 + (k / 4) * 8 + 2 * t + (k & 1)) * p.k_pos_stride;
+                    },
+                    [&](int k, float f) {
+#pragma unroll
+                        for (int kk = 0; kk < kNT * 4; kk++)
+                            if (kk == k) dp[kk / 4][kk % 4] *= f;
+                    });
+            }
         } else {
             const bool full = k0 + kBlockN <= kend &&
                 (!p.causal || p.k_pos_offset + (k0 + kBlockN - 1) * p.k_pos_stride <= qpos_first);
@@ -304,7 +330,8 @@ struct Launch {
         RA_CHECK(ra_grid_1d(n_qblocks * p.heads * p.batch, 1, &blocks));
         // grid: B * H * ceil(S_q / 64) blocks of 128 threads;
         // q, dout, dq (B, S_q, H, D), k, v (B, S_k, H_kv, D)
-        RA_LAUNCH((dq_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_qblocks);
+        RA_LAUNCH((dq_tc_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(p, n_qblocks,
+                                                                          ra::branches_of(p));
         RA_CUDA_CHECK_LAUNCH("dq_tc_kernel");
         return RA_OK;
     }

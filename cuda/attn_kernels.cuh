@@ -120,7 +120,8 @@ static inline ra_status ra_check_attn_geometry(const char *what, const P &p) {
 /* The generic kernels' instantiation for params p (fwd or bwd): element
  * type T from p.dtype, DPL, the head dims each lane holds, 1, 2, 4 or 8
  * for head_dim up to 32, 64, 128, 256, and M, the masked variant when
- * p.mask asks for it; calls L::run<T, DPL, M>(p, s).  The masked variant
+ * p.mask (or a backward's branch rule) asks for it; calls
+ * L::run<T, DPL, M>(p, s).  The masked variant
  * has fewer instantiations to compile: float32, float16 and bfloat16 share
  * T = Dyn<float> (the dtype read at run time as the rows are staged) and
  * head_dim <= 32 takes DPL 2.  `what` opens the message of an unsupported
@@ -155,7 +156,7 @@ static inline ra_status ra_simt_dispatch_m(const P &p, cudaStream_t s, const cha
 }
 template <typename L, typename P>
 static inline ra_status ra_simt_dispatch(const P &p, cudaStream_t s, const char *what) {
-    return ra::mask_active(p.mask) ? ra_simt_dispatch_m<L, true>(p, s, what)
+    return ra::masked_variant(p) ? ra_simt_dispatch_m<L, true>(p, s, what)
                                    : ra_simt_dispatch_m<L, false>(p, s, what);
 }
 
@@ -172,7 +173,7 @@ static inline ra_status ra_tc_dispatch_m(const P &p, cudaStream_t s) {
 }
 template <typename L, typename P>
 static inline ra_status ra_tc_dispatch(const P &p, cudaStream_t s) {
-    return ra::mask_active(p.mask) ? ra_tc_dispatch_m<L, true>(p, s)
+    return ra::masked_variant(p) ? ra_tc_dispatch_m<L, true>(p, s)
                                    : ra_tc_dispatch_m<L, false>(p, s);
 }
 

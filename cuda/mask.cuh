@@ -27,6 +27,9 @@
 #ifndef RA_CUDA_MASK_CUH
 #define RA_CUDA_MASK_CUH
 
+#include <math.h>
+#include <string.h>
+
 #include "common.cuh"
 
 namespace ra {
@@ -131,6 +134,123 @@ __device__ __forceinline__ A band_of(A lse) {
 template <typename A>
 __device__ __forceinline__ A bwd_exponent(A x, A band) {
     return x >= band ? (A)0 : x;
+}
+
+/* ---- the branch rule of dilated attention ---------------------------------- */
+
+/* What the backward kernels need of p.branches (a host pointer, never read
+ * on the device), copied into a by-value kernel argument: the branches'
+ * segment lengths and dilation rates (n = 0: plain attention, the rule is
+ * off) and the global query head of the kernel's head j, head0 +
+ * head_stride * j.  Only the masked variants (M) read it: the launchers
+ * pick them whenever branches is set (masked_variant). */
+struct Branches {
+    int n;
+    int64_t head0, head_stride;
+    int64_t w[RA_MAX_BRANCHES], r[RA_MAX_BRANCHES];
+    /* -log2(c) and -ln(c) of c = 0 .. RA_MAX_BRANCHES branches sharing a
+     * pair (0 for c <= 1), from the host's libm: no log code in the
+     * kernels, and bits the CPU's -(real)log2((double)c) has */
+    double neg_log2[RA_MAX_BRANCHES + 1], neg_ln[RA_MAX_BRANCHES + 1];
+};
+inline Branches branches_of(const ra_attn_bwd_params &p) {
+    Branches br;
+    memset(&br, 0, sizeof br);
+    if (p.branches != nullptr) {
+        br.n = p.branches->n_branches;
+        br.head0 = p.branch_head0;
+        br.head_stride = p.branch_head_stride;
+        for (int i = 0; i < br.n && i < RA_MAX_BRANCHES; i++) {
+            br.w[i] = p.branches->segment_lengths[i];
+            br.r[i] = p.branches->dilation_rates[i];
+        }
+        for (int c = 2; c <= RA_MAX_BRANCHES; c++) {
+            br.neg_log2[c] = -log2((double)c);
+            br.neg_ln[c] = -log((double)c);
+        }
+    }
+    return br;
+}
+/* whether a call runs the masked instantiation: a mask, or (backward) the
+ * branch rule */
+inline bool masked_variant(const ra_attn_fwd_params &p) { return mask_active(p.mask); }
+inline bool masked_variant(const ra_attn_bwd_params &p) {
+    return mask_active(p.mask) || p.branches != nullptr;
+}
+
+/* a / b truncated toward zero (C's int64 /) for b >= 1, without the
+ * out-of-line 64-bit division routine nvcc calls (a call in a kernel
+ * makes ptxas save live registers around it: the tensor-core kernels
+ * spilled): 32-bit division when both fit, else shift and subtract. */
+__device__ __forceinline__ int64_t div_pos(int64_t a, int64_t b) {
+    const uint64_t n = a < 0 ? 0 - (uint64_t)a : (uint64_t)a, d = (uint64_t)b;
+    uint64_t q;
+    if ((n >> 32) == 0 && (d >> 32) == 0) {
+        q = (uint32_t)n / (uint32_t)d;
+    } else {
+        uint64_t r = 0;
+        q = 0;
+#pragma unroll 1
+        for (int i = 63; i >= 0; i--) {
+            r = (r << 1) | ((n >> i) & 1u);
+            if (r >= d) {
+                r -= d;
+                q |= (uint64_t)1 << i;
+            }
+        }
+    }
+    return a < 0 ? -(int64_t)q : (int64_t)q;
+}
+__device__ __forceinline__ int64_t mod_pos(int64_t a, int64_t b) { return a - div_pos(a, b) * b; }
+
+/* How many branches select both global positions qp and kp for global
+ * query head h (csrc/attn/attn_cpu_kern.h ra_dilated_pair_count, the same
+ * int64 arithmetic). */
+__device__ __forceinline__ int pair_count(const Branches &br, int64_t h, int64_t qp, int64_t kp) {
+    int c = 0;
+#pragma unroll 1
+    for (int i = 0; i < br.n; i++) {
+        const int64_t w = br.w[i], r = br.r[i];
+        const int64_t s = div_pos(qp, w);
+        if (div_pos(kp, w) != s) continue;
+        const int64_t o = mod_pos(h, r);
+        c += mod_pos(qp - s * w, r) == o && mod_pos(kp - s * w, r) == o;
+    }
+    return c;
+}
+/* The exponent of a pair the exponent rule snaps (x >= band) when the
+ * scores are one branch of dilated attention: -log c of the c branches
+ * that share the pair (in log2 units when LOG2), so that P sums to 1 over
+ * them (csrc/attn/attn_cpu_tiles.h bwd_row); 0, the plain rule, for c <= 1.
+ * Inlined: a call (__noinline__) would make the tensor-core kernels save
+ * their live fragments around it (dq_tc at D 128 spilled 106 bytes). */
+template <bool LOG2, typename A>
+__device__ __forceinline__ A shared_exponent(const Branches &br, int64_t h, int64_t qp, int64_t kp) {
+    const int c = pair_count(br, h, qp, kp);
+    return (A)(LOG2 ? br.neg_log2[c] : br.neg_ln[c]);
+}
+/* The branch rule after the fact, for the tensor-core kernels (one inlined
+ * copy of it per kernel, behind a warp-uniform branch taken only with
+ * branches set: no work and no registers for the other calls).  A thread's
+ * fragment of N <= 32 elements: snapped(k) (k a constant) tells whether the
+ * exponent rule snapped element k, whose P was then exp2(0) = 1; pos(k, &h,
+ * &qp, &kp) gives its global query head and positions, scale(k, f)
+ * multiplies its P and dS by f = 2^-log2(c) (k varies: an unrolled select),
+ * which is P and dS as if x had been -log2(c) (P was 1, dS = P (...)). */
+template <int N, typename Snapped, typename Pos, typename Scale>
+__device__ __forceinline__ void branch_rule_fix(const Branches &br, Snapped &&snapped, Pos &&pos,
+                                                Scale &&scale) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < N; k++) m |= (uint32_t)snapped(k) << k;
+    while (m != 0) {
+        const int k = __ffs(m) - 1;
+        m &= m - 1;
+        int64_t h, qp, kp;
+        pos(k, &h, &qp, &kp);
+        const float e = shared_exponent<true, float>(br, h, qp, kp);
+        if (e != 0.f) scale(k, exp2f(e));
+    }
 }
 
 /* ---- documents ------------------------------------------------------------- */

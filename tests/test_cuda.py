@@ -607,17 +607,21 @@ def test_masked_ids_on_the_host_with_device_arrays_are_refused():
         ra.attention(q, k, v, softcap=0.0)
 
 
-def test_dilated_branches_are_refused_on_the_device():
-    """The private branch rows of the dilated ring have no CUDA kernel: the
-    CUDA backward says so instead of ignoring them."""
+def test_dilated_branches_run_on_the_device():
+    """The private branch rows of the dilated ring run on the CUDA backward
+    as on the CPU (tests/test_cuda_branches.py: the branch rule itself)."""
     from ringattn import _C
 
     backend = mask_backend("float32")
     rng = np.random.default_rng(6)
     q, k, v = make_qkv(rng, 1, 16, 16, 2, 2, 64, "float32", backend)
     out, lse = ra.attention(q, k, v, return_lse=True)
-    with pytest.raises(NotImplementedError, match="dilated branches"):
-        _C.attn_bwd(out, q, k, v, out, lse, branches=((8,), (2,)), branch_head=0)
+    kw = dict(branches=((8,), (2,)), branch_head=1, branch_head_stride=2)
+    got = _C.attn_bwd(out, q, k, v, out, lse, **kw)
+    host = [to_host(x).astype(np.float32) for x in (out, q, k, v, out, lse)]
+    want = _C.attn_bwd(*host, **kw)
+    for g, w in zip(got, want):
+        close(g, to_host(w), "float32")
 
 
 @pytest.mark.parametrize("S_q, S_k", [(0, 9), (9, 0), (0, 0)])

@@ -58,7 +58,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         "dout", "q", "k", "v", "out", "lse", "causal", "scale", "dq", "dk",
         "dv", "delta", "accumulate", "deterministic", "q_pos_offset",
         "q_pos_stride", "k_pos_offset", "k_pos_stride", "num_threads",
-        "check_only", "branches", "branch_head", "segment_ids",
+        "check_only", "branches", "branch_head", "branch_head_stride", "segment_ids",
         "kv_segment_ids", "window", "softcap", NULL};
     static char *kwlist_dil[] = {
         "dout", "q", "k", "v", "out", "lse", "segment_lengths",
@@ -69,7 +69,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
              *dqo = Py_None, *dko = Py_None, *dvo = Py_None,
              *deltao = Py_None, *qoff_o = Py_None, *segs = NULL,
              *rates = NULL, *branches_o = Py_None;
-    long long branch_head = 0;
+    long long branch_head = 0, branch_head_stride = 1;
     int causal = 0, accumulate = 0, deterministic = 0, num_threads = 0,
         check_only = 0;
     PyObject *qstride = NULL, *koff = NULL, *kstride = NULL, *threads_o = NULL;
@@ -92,16 +92,24 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         if (ra_parse_dilated(segs, rates, &cfg) < 0) return NULL;
     } else {
         if (!PyArg_ParseTupleAndKeywords(
-                args, kwds, "OOOOOO|$pOOOOOppOOOOOpOLOOOO:attn_bwd",
+                args, kwds, "OOOOOO|$pOOOOOppOOOOOpOLLOOOO:attn_bwd",
                 kwlist_dense, &douto, &qo, &ko, &vo, &outo, &lseo, &causal,
                 &scale_o, &dqo, &dko, &dvo, &deltao, &accumulate,
                 &deterministic, &qoff_o, &qstride, &koff, &kstride,
                 &threads_o, &check_only, &branches_o, &branch_head,
+                &branch_head_stride,
                 &mkw.segment_ids, &mkw.kv_segment_ids, &mkw.window,
                 &mkw.softcap))
             return NULL;
         /* branches=(segment_lengths, dilation_rates): the scores are one
-         * branch of dilated attention, query head 0 being branch_head */
+         * branch of dilated attention, query head j being the global head
+         * branch_head + branch_head_stride * j */
+        if (branch_head_stride < 1) {
+            PyErr_Format(PyExc_ValueError,
+                         "branch_head_stride: expected >= 1, got %lld",
+                         branch_head_stride);
+            return NULL;
+        }
         if (branches_o != Py_None) {
             if (!PyTuple_Check(branches_o) || PyTuple_GET_SIZE(branches_o) != 2) {
                 PyErr_SetString(PyExc_TypeError,
@@ -162,10 +170,11 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
         goto done;
     if (!dilated) {
         if (parse_masks(&mkw, &d, &t[10], &mask) < 0) goto done;
-        if (branches_o != Py_None && mask_is_set(&mask)) {
+        if (branches_o != Py_None &&
+            (mask.has_window || mask.softcap > 0)) {
             PyErr_SetString(PyExc_ValueError,
-                            "branches: dilated attention takes no "
-                            "segment_ids, window or softcap");
+                            "branches: dilated attention takes no window or "
+                            "softcap (segment_ids are fine)");
             goto done;
         }
     }
@@ -230,6 +239,7 @@ static PyObject *bwd_common(PyObject *args, PyObject *kwds, int dilated) {
     if (!dilated && branches_o != Py_None) {
         p.branches = &cfg;
         p.branch_head0 = branch_head;
+        p.branch_head_stride = branch_head_stride;
     }
     ra_status st = RA_OK;
     if (deltao == Py_None) {
@@ -439,11 +449,14 @@ PyMethodDef ra_attn_bwd_functions[] = {
      "dk=None, dv=None, delta=None, accumulate=False, deterministic=False, "
      "q_pos_offset=None, q_pos_stride=1, k_pos_offset=0, k_pos_stride=1, "
      "num_threads=0, check_only=False, branches=None, branch_head=0, "
-     "segment_ids=None, kv_segment_ids=None, window=None, softcap=None) -> "
+     "branch_head_stride=1, segment_ids=None, kv_segment_ids=None, "
+     "window=None, softcap=None) -> "
      "(dq, dk, dv), or None after the checks alone with check_only=True; "
      "the masks as attn_fwd takes them; "
      "branches=(segment_lengths, dilation_rates): the scores are one branch "
-     "of dilated attention whose query head 0 is branch_head"},
+     "of dilated attention whose query head j is the global head "
+     "branch_head + branch_head_stride * j (segment_ids may be given with "
+     "it, window and softcap not)"},
     {"dilated_bwd", (PyCFunction)(void (*)(void))mod_dilated_bwd,
      METH_VARARGS | METH_KEYWORDS,
      "dilated_bwd(dout, q, k, v, out, lse, segment_lengths, dilation_rates, "

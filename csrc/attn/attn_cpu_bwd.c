@@ -217,7 +217,8 @@ ra_status ra_cpu_attn_bwd(const ra_attn_bwd_params *p) {
                         bb.m = tm;
                         ra_cpu_tile_ids(&ids, b, Sq, Sk, 0, j0, &bb.m);
                         bb.branches = p->branches;
-                        bb.head = p->branch_head0 + g * group + hh;
+                        bb.head = p->branch_head0 +
+                                  p->branch_head_stride * (g * group + hh);
                         kn->bwd_kblock(&bb, my);
                     }
                     kn->store_rows(dkb, n, D, Dp, RA_LN2,   /* q was scaled */

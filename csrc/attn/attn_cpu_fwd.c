@@ -99,11 +99,7 @@ ra_status ra_cpu_check_bwd(const ra_attn_bwd_params *p) {
                         p->heads_kv, p->head_dim, p->q_pos_stride,
                         p->k_pos_stride));
     RA_CHECK(check_mask(&p->mask));
-    if (p->branches != NULL && ra_cpu_mask_is_set(&p->mask)) {
-        ra_set_error(RA_ERR_VALUE,
-                     "attention backward: a dilated branch takes no masks");
-        return RA_ERR_VALUE;
-    }
+    RA_CHECK(ra_check_branches(p));
     ra_dtype acc = ra_acc_dtype(p->dtype);
     if ((p->out_dtype != p->dtype && p->out_dtype != acc) ||
         (p->grad_dtype != p->dtype && p->grad_dtype != acc)) {

@@ -328,7 +328,7 @@ static size_t k_bwd_scratch(int64_t Dp) {
  * softcap2, so |L| <= softcap2 + log2(keys): the band only ever applies to
  * caps beyond 2^13 (float) and protects them as it does uncapped scores.
  * A dilated pair that c branches share reads as -log2 c: P sums to 1 over
- * them. */
+ * them (c <= 1, a pair no other branch selects: 0 as without branches). */
 RA_AI void bwd_row(const ra_bwd_blk *bb, real *prow, real *drow, real L,
                    real delta, int64_t i, int64_t NB, const int capped) {
     const real aL = L < 0 ? -L : L;
@@ -345,10 +345,12 @@ RA_AI void bwd_row(const ra_bwd_blk *bb, real *prow, real *drow, real L,
         x = (rv)((ri)x & ~snap);              /* 0 inside the band */
         if (bb->branches != NULL)
             for (int l = 0; l < VW; l++)
-                if (snap[l] && j + l < bb->nk)
-                    x[l] = -(real)log2((double)ra_dilated_pair_count(
+                if (snap[l] && j + l < bb->nk) {
+                    const int c = ra_dilated_pair_count(
                         bb->branches, bb->head, qp,
-                        bb->kpos0 + (j + l) * bb->kpos_st));
+                        bb->kpos0 + (j + l) * bb->kpos_st);
+                    x[l] = c > 1 ? -(real)log2((double)c) : 0;
+                }
         const rv pj = v_exp2(x);
         rv ds = pj * (v_ld(drow + j) - dl);
         if (capped) ds = ds * sech2;

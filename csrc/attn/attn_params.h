@@ -141,13 +141,14 @@ typedef struct ra_attn_bwd_params {
     int deterministic;         /* same bits for the same inputs on every run */
     int num_threads;
     /* the scores are one branch of dilated attention (the ring's exchanged
-     * rows): its configuration and the global index of query head 0, so
+     * rows, or the heads of one dilation offset): its configuration and the
+     * global query head of the call's head j, branch_head0 +
+     * branch_head_stride * j (stride >= 1; the fill functions set 1), so
      * that a pair several branches share gets its share of P; NULL for
-     * plain attention */
+     * plain attention.  Documents and causal may narrow the pairs further;
+     * windows and softcaps are not taken with it. */
     const struct ra_dilated_config *branches;
     int64_t branch_head0;
-    /* query head j of the call is global head branch_head0 +
-     * branch_head_stride * j (the fill functions set 1) */
     int64_t branch_head_stride;
 } ra_attn_bwd_params;
 
@@ -216,6 +217,13 @@ void ra_attn_fwd_fill(ra_attn_fwd_params *p, const ra_attn_call *c,
 void ra_attn_bwd_fill(ra_attn_bwd_params *p, const ra_attn_call *c,
                       const ra_view t[RA_BWD_NVIEWS], ra_dtype out_dtype,
                       ra_dtype grad_dtype, int deterministic);
+
+/* RA_OK if p->branches is NULL, or holds 1..RA_MAX_BRANCHES branches of
+ * segment length and dilation rate >= 1 with branch_head0 >= 0,
+ * branch_head_stride >= 1 (and the last head below 2^62) and p->mask sets
+ * no window or softcap (documents are fine); else RA_ERR_VALUE naming
+ * what is wrong.  Both backends check a backward call with it. */
+ra_status ra_check_branches(const struct ra_attn_bwd_params *p);
 
 /* num_threads of every entry point: 0 is the default (RINGATTN_NUM_THREADS,
  * else OpenMP's), 1..RA_MAX_THREADS that many; anything else is
