@@ -340,13 +340,24 @@ def test_an_array_written_in_place_and_dropped_is_not_reused_under_the_write(fw)
         np.testing.assert_array_equal(fw.to_host(got), want)
 
 
-def test_dilated_refuses_device_arrays_and_gives_them_back(fw):
+def test_dilated_reads_borrowed_arrays_and_gives_them_back(fw):
+    """Dilated attention on another library's arrays (its strided calls of
+    the dense kernels and their scratch): the answer of the CPU kernels on
+    the same values, and every borrowed array released once the stream
+    work is done."""
     ra._C.cuda_release_all()           # what earlier tests left
     rng = np.random.default_rng(8)
-    q, k, v = (fw.array(x) for x in qkv(rng, Hkv=2))
-    with pytest.raises(NotImplementedError, match="CUDA"):
-        ra.dilated_attention(q, k, v, [20], [1])
+    host = [rounded(x) for x in qkv(rng, Hkv=2)]
+    q, k, v = (fw.array(x) for x in host)
+    out, lse = ra.dilated_attention(q, k, v, [20, 8], [1, 2], causal=True,
+                                    return_lse=True)
+    want_out, want_lse = ra.dilated_attention(*host, [20, 8], [1, 2],
+                                              causal=True, return_lse=True)
     del q, k, v
+    got_out = ra.to_device(out, "cpu").numpy()
+    got_lse = ra.to_device(lse, "cpu").numpy()
+    np.testing.assert_allclose(got_out, want_out, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(got_lse, want_lse, rtol=0, atol=1e-4)
     ra._C.cuda_synchronize(0)
     assert ra._C.cuda_pending_releases() == 0
 
