@@ -53,12 +53,26 @@ using ra::bwd_fused::RowStats;
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-/* What a consumer thread knows of its two rows (keys a and a + 8). */
+/* What a consumer thread knows of its two rows (keys a and a + 8), as
+ * query indices (few 64-bit registers: at D 128 dK and dV hold 128): the
+ * first query that sees key a, key b (S_q: none, a key past S_k), and the
+ * first from which every key of the warpgroup is seen (S_q: never). */
 struct KeyRows {
-    int64_t key_a, key_b, kpos_a, kpos_b;
-    int64_t wg_kpos_last;   /* position of the warpgroup's last key */
-    bool wg_whole;          /* all 64 keys of the warpgroup exist */
+    int64_t qbeg_a, qbeg_b, full_from;
 };
+
+__device__ __forceinline__ int64_t first_query(const ra_attn_bwd_params &p, int64_t key) {
+    if (key >= p.seqlen_k) return p.seqlen_q;
+    return p.causal ? ra::causal_query_begin(key, p.q_pos_offset, p.q_pos_stride, p.k_pos_offset,
+                                             p.k_pos_stride, p.seqlen_q)
+                    : 0;
+}
+
+/* the first key of the thread's two rows */
+__device__ __forceinline__ int64_t key_a_of(const ra::KBlock &blk, int c) {
+    const int warp = (threadIdx.x / 32) % 4, g = (threadIdx.x % 32) / 4;
+    return blk.k0 + c * kKeysPerWg + 16 * warp + g;
+}
 
 /* S^T -> P^T and dP^T -> dS^T in place (the fused kernel's P/dS step on
  * the transposed tile: column `col` is query m0 + col, with its row's
@@ -66,9 +80,16 @@ struct KeyRows {
  * a NaN score stays NaN only where the pair is visible. */
 template <bool CHECK>
 __device__ __forceinline__ void p_ds(float (&s)[kBlockM / 2], float (&dp)[kBlockM / 2],
-                                     const ra_attn_bwd_params &p, const RowStats *rows,
-                                     const KeyRows &kr, int64_t m0, float sl2, float scale) {
+                                     const RowStats *rows, const KeyRows &kr, int64_t m0,
+                                     float sl2, float scale) {
     const int t = threadIdx.x % 4;
+    // the first column key a, key b sees (0..64)
+    int lo_a = 0, lo_b = 0;
+    if (CHECK) {
+        const int64_t a = kr.qbeg_a - m0, b = kr.qbeg_b - m0;
+        lo_a = a < 0 ? 0 : a > kBlockM ? kBlockM : (int)a;
+        lo_b = b < 0 ? 0 : b > kBlockM ? kBlockM : (int)b;
+    }
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; j++) {
 #pragma unroll
@@ -83,11 +104,8 @@ __device__ __forceinline__ void p_ds(float (&s)[kBlockM / 2], float (&dp)[kBlock
             float db = pb * fmaf(dp[4 * j + 2 + e], scale, -rs.dls);
             float xa = pa, xb = pb;
             if (CHECK) {
-                const int64_t qpos = p.q_pos_offset + (m0 + col) * p.q_pos_stride;
-                const bool va = kr.key_a < p.seqlen_k && (!p.causal || kr.kpos_a <= qpos);
-                const bool vb = kr.key_b < p.seqlen_k && (!p.causal || kr.kpos_b <= qpos);
-                if (!va) xa = da = 0.f;
-                if (!vb) xb = db = 0.f;
+                if (col < lo_a) xa = da = 0.f;
+                if (col < lo_b) xb = db = 0.f;
             }
             s[4 * j + e] = xa;
             s[4 * j + 2 + e] = xb;
@@ -149,12 +167,12 @@ __device__ __forceinline__ void add_dq(const DqTarget &tgt, int64_t b, int64_t h
 template <typename T, int D>
 __device__ __forceinline__ void store_grad(const ra_attn_bwd_params &p, void *grad, int64_t bs,
                                            int64_t ss, int64_t hs, int64_t b, int64_t hk,
-                                           const KeyRows &kr, const float (&x)[D / 2]) {
+                                           int64_t key_a, const float (&x)[D / 2]) {
     const int t = threadIdx.x % 4;
     const bool acc = p.accumulate != 0, f32 = p.grad_dtype == RA_FLOAT32;
 #pragma unroll
     for (int hh = 0; hh < 2; hh++) {
-        const int64_t key = hh ? kr.key_b : kr.key_a;
+        const int64_t key = key_a + 8 * hh;
         if (key >= p.seqlen_k) continue;
         const int64_t base = b * bs + key * ss + hk * hs + 2 * t;
 #pragma unroll
@@ -181,15 +199,12 @@ template <typename T, int D>
 __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
                         const ra::KBlock &blk, int c) {
     const ra_attn_bwd_params &p = a.p;
-    const int warp = (threadIdx.x / 32) % 4, g = (threadIdx.x % 32) / 4;
     KeyRows kr;
     const int64_t wk0 = blk.k0 + c * kKeysPerWg;
-    kr.key_a = wk0 + 16 * warp + g;
-    kr.key_b = kr.key_a + 8;
-    kr.kpos_a = p.k_pos_offset + kr.key_a * p.k_pos_stride;
-    kr.kpos_b = p.k_pos_offset + kr.key_b * p.k_pos_stride;
-    kr.wg_kpos_last = p.k_pos_offset + (wk0 + kKeysPerWg - 1) * p.k_pos_stride;
-    kr.wg_whole = wk0 + kKeysPerWg <= p.seqlen_k;
+    kr.qbeg_a = first_query(p, key_a_of(blk, c));
+    kr.qbeg_b = first_query(p, key_a_of(blk, c) + 8);
+    // the last key exists and is seen (then so is every earlier one)
+    kr.full_from = first_query(p, wk0 + kKeysPerWg - 1);
     const float scale = (float)p.scale, sl2 = scale * kLog2e;
 
     float dk[D / 2], dv[D / 2];
@@ -212,14 +227,13 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
         ra::sm90::fence_operand(sx);
         ra::sm90::fence_operand(dpx);
         // every pair of the tile visible: the warpgroup's keys all exist
-        // and (causal) the last is seen by the tile's first query
-        const bool full =
-            kr.wg_whole && (!p.causal || kr.wg_kpos_last <= p.q_pos_offset + m0 * p.q_pos_stride);
+        // and (causal) the last is seen by the tile's first query (rows
+        // past S_q have P = 0 from their statistics)
         const RowStats *rows = buf.stats + s * kBlockM;
-        if (full)
-            p_ds<false>(sx, dpx, p, rows, kr, m0, sl2, scale);
+        if (m0 >= kr.full_from && kr.full_from < p.seqlen_q)
+            p_ds<false>(sx, dpx, rows, kr, m0, sl2, scale);
         else
-            p_ds<true>(sx, dpx, p, rows, kr, m0, sl2, scale);
+            p_ds<true>(sx, dpx, rows, kr, m0, sl2, scale);
         uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
         pack_a<T>(pa, sx);
         pack_a<T>(dsa, dpx);
@@ -228,6 +242,13 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
         ra::sm90::fence_proxy_async();   // the generic writes of dS^T before wgmma reads them
         issue_dkdv<T, D>(dv, dk, pa, dsa, buf.dout(s), buf.q(s));
         ra::sm90::named_bar_sync(kDsBarrier0 + c, kWarpgroupThreads);   // dS^T of every warp
+        // dV, dK retired before dQ's accumulator is live: P^T and dS^T's
+        // registers free (at D 128 the three at once spilled)
+        ra::sm90::wgmma_wait<0>();
+        ra::sm90::fence_operand(dv);
+        ra::sm90::fence_operand(dk);
+        ra::sm90::fence_operand(pa);
+        ra::sm90::fence_operand(dsa);
 #pragma unroll
         for (int hf = 0; hf < D / 64; hf++) {
             float dq[32];
@@ -240,9 +261,9 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
         st.advance();
     }
     store_grad<T, D>(p, p.dk, p.dk_batch_stride, p.dk_seq_stride, p.dk_head_stride, blk.b, blk.hk,
-                     kr, dk);
+                     key_a_of(blk, c), dk);
     store_grad<T, D>(p, p.dv, p.dv_batch_stride, p.dv_seq_stride, p.dv_head_stride, blk.b, blk.hk,
-                     kr, dv);
+                     key_a_of(blk, c), dv);
 }
 
 template <typename T, int D>
