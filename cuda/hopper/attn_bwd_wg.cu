@@ -58,13 +58,13 @@ constexpr float kLog2e = 1.4426950408889634f;
  * first query that sees key a, key b (S_q: none, a key past S_k), and the
  * first from which every key of the warpgroup is seen (S_q: never). */
 struct KeyRows {
-    int64_t qbeg_a, qbeg_b, full_from;
+    int32_t qbeg_a, qbeg_b, full_from;   /* S_q < 2^31 (ra_bwd_wg_supported) */
 };
 
-__device__ __forceinline__ int64_t first_query(const ra_attn_bwd_params &p, int64_t key) {
-    if (key >= p.seqlen_k) return p.seqlen_q;
-    return p.causal ? ra::causal_query_begin(key, p.q_pos_offset, p.q_pos_stride, p.k_pos_offset,
-                                             p.k_pos_stride, p.seqlen_q)
+__device__ __forceinline__ int32_t first_query(const ra_attn_bwd_params &p, int64_t key) {
+    if (key >= p.seqlen_k) return (int32_t)p.seqlen_q;
+    return p.causal ? (int32_t)ra::causal_query_begin(key, p.q_pos_offset, p.q_pos_stride,
+                                                      p.k_pos_offset, p.k_pos_stride, p.seqlen_q)
                     : 0;
 }
 
@@ -78,20 +78,20 @@ __device__ __forceinline__ int64_t key_a_of(const ra::KBlock &blk, int c) {
  * the transposed tile: column `col` is query m0 + col, with its row's
  * statistics rows[col]); pairs a mask hides get 0 after the arithmetic, so
  * a NaN score stays NaN only where the pair is visible. */
-template <bool CHECK>
-__device__ __forceinline__ void p_ds(float (&s)[kBlockM / 2], float (&dp)[kBlockM / 2],
-                                     const RowStats *rows, const KeyRows &kr, int64_t m0,
+template <bool CHECK, int NQ>
+__device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
+                                     const RowStats *rows, const KeyRows &kr, int32_t m0,
                                      float sl2, float scale) {
     const int t = threadIdx.x % 4;
-    // the first column key a, key b sees (0..64)
+    // the first column key a, key b sees (0..NQ)
     int lo_a = 0, lo_b = 0;
     if (CHECK) {
-        const int64_t a = kr.qbeg_a - m0, b = kr.qbeg_b - m0;
-        lo_a = a < 0 ? 0 : a > kBlockM ? kBlockM : (int)a;
-        lo_b = b < 0 ? 0 : b > kBlockM ? kBlockM : (int)b;
+        const int32_t a = kr.qbeg_a - m0, b = kr.qbeg_b - m0;
+        lo_a = a < 0 ? 0 : a > NQ ? NQ : (int)a;
+        lo_b = b < 0 ? 0 : b > NQ ? NQ : (int)b;
     }
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; j++) {
+    for (int j = 0; j < NQ / 8; j++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int col = 8 * j + 2 * t + e;
@@ -115,12 +115,12 @@ __device__ __forceinline__ void p_ds(float (&s)[kBlockM / 2], float (&dp)[kBlock
     }
 }
 
-/* An accumulator (the S^T layout) as 16-bit A fragments: k-step kk covers
- * columns 16 kk .. 16 kk + 15 (n-tiles 2 kk, 2 kk + 1). */
-template <typename T>
-__device__ __forceinline__ void pack_a(uint32_t (&a)[kBlockM / 16][4], const float (&x)[kBlockM / 2]) {
+/* An accumulator of NQ columns (the S^T layout) as 16-bit A fragments:
+ * k-step kk covers columns 16 kk .. 16 kk + 15 (n-tiles 2 kk, 2 kk + 1). */
+template <typename T, int NQ>
+__device__ __forceinline__ void pack_a(uint32_t (*a)[4], const float (&x)[NQ / 2]) {
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; kk++) {
+    for (int kk = 0; kk < NQ / 16; kk++) {
         a[kk][0] = ra::pack2<T>(x[8 * kk], x[8 * kk + 1]);
         a[kk][1] = ra::pack2<T>(x[8 * kk + 2], x[8 * kk + 3]);
         a[kk][2] = ra::pack2<T>(x[8 * kk + 4], x[8 * kk + 5]);
@@ -199,6 +199,7 @@ template <typename T, int D>
 __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
                         const ra::KBlock &blk, int c) {
     const ra_attn_bwd_params &p = a.p;
+    constexpr int kSlice = D == 128 ? 32 : kBlockM;
     KeyRows kr;
     const int64_t wk0 = blk.k0 + c * kKeysPerWg;
     kr.qbeg_a = first_query(p, key_a_of(blk, c));
@@ -213,30 +214,37 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
 
     // warp-uniform in the compiler's eyes (the wgmma under the loop stay
     // asynchronous: fwd_mainloop.cuh)
-    const int64_t n_tiles = __shfl_sync(0xffffffffu, w.n_tiles, 0);
-    if (n_tiles > 0) ra::sm90::mbar_wait(buf.full_kv, 0);
+    const int32_t n_tiles = __shfl_sync(0xffffffffu, w.n_tiles, 0);
+    if (n_tiles > 0) ra::sm90::mbar_wait(buf.full_kv(), 0);
     Stage st{0, 0};
-    for (int64_t tt = 0; tt < n_tiles; tt++) {
+    for (int32_t tt = 0; tt < n_tiles; tt++) {
         const int s = st.index;
-        const int64_t m0 = w.m0(tt), h = blk.hk * blk.group + w.head(tt);
-        ra::sm90::mbar_wait(&buf.full[s], st.phase);
-        float sx[kBlockM / 2], dpx[kBlockM / 2];
-        issue_xyt<T, D>(sx, buf.k(), buf.q(s), c);
-        issue_xyt<T, D>(dpx, buf.v(), buf.dout(s), c);
-        ra::sm90::wgmma_wait<0>();
-        ra::sm90::fence_operand(sx);
-        ra::sm90::fence_operand(dpx);
+        const int32_t m0 = w.m0(tt);
+        const int64_t h = blk.hk * blk.group + w.head(tt);
+        ra::sm90::mbar_wait(buf.full(s), st.phase);
         // every pair of the tile visible: the warpgroup's keys all exist
         // and (causal) the last is seen by the tile's first query (rows
         // past S_q have P = 0 from their statistics)
-        const RowStats *rows = buf.stats + s * kBlockM;
-        if (m0 >= kr.full_from && kr.full_from < p.seqlen_q)
-            p_ds<false>(sx, dpx, rows, kr, m0, sl2, scale);
-        else
-            p_ds<true>(sx, dpx, rows, kr, m0, sl2, scale);
+        const bool full = m0 >= kr.full_from && kr.full_from < p.seqlen_q;
+        const RowStats *rows = buf.stats(s);
         uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
-        pack_a<T>(pa, sx);
-        pack_a<T>(dsa, dpx);
+        // S^T, dP^T and their P/dS step NQ queries at a time: at D 128 the
+        // whole 64 beside dK and dV spilled (kSlice)
+#pragma unroll
+        for (int sl = 0; sl < kBlockM / kSlice; sl++) {
+            float sx[kSlice / 2], dpx[kSlice / 2];
+            issue_xyt<T, D, kSlice>(sx, buf.k(), buf.q(s) + sl * kSlice * 128, c);
+            issue_xyt<T, D, kSlice>(dpx, buf.v(), buf.dout(s) + sl * kSlice * 128, c);
+            ra::sm90::wgmma_wait<0>();
+            ra::sm90::fence_operand(sx);
+            ra::sm90::fence_operand(dpx);
+            if (full)
+                p_ds<false, kSlice>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale);
+            else
+                p_ds<true, kSlice>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale);
+            pack_a<T, kSlice>(pa + sl * (kSlice / 16), sx);
+            pack_a<T, kSlice>(dsa + sl * (kSlice / 16), dpx);
+        }
         unsigned char *ds = buf.ds((int)(tt & 1), c);
         store_ds(ds, dsa);
         ra::sm90::fence_proxy_async();   // the generic writes of dS^T before wgmma reads them
@@ -257,7 +265,7 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
             ra::sm90::fence_operand(dq);
             add_dq(a.dq, blk.b, h, m0, p.seqlen_q, hf, dq);
         }
-        release(&buf.empty[s]);
+        release(buf.empty(s));
         st.advance();
     }
     store_grad<T, D>(p, p.dk, p.dk_batch_stride, p.dk_seq_stride, p.dk_head_stride, blk.b, blk.hk,
@@ -269,31 +277,38 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) bwd_wg_kernel(const __grid_constant__ BwdArgs a) {
 #if defined(RA_CUDA_EMULATED) || defined(RA_SM90_ASM)
-    const ra_attn_bwd_params &p = a.p;
     const Buffers<D> buf(ra::dynamic_smem());
-    const ra::KBlock blk = ra::k_block<kBlockN>(p, a.n_kblocks);
-    const ra::Range qr = ra::block_queries<kBlockN, false>(p, blk.k0);
-    Walk w;
-    w.i_begin = qr.begin;
-    w.n_m = qr.end > qr.begin ? (qr.end - qr.begin + kBlockM - 1) / kBlockM : 0;
-    w.n_tiles = w.n_m * blk.group;
+    // the block and its walk, computed by each role after its setmaxnreg
+    // (values live across it were spilled)
+    auto walk_of = [&](const ra::KBlock &blk) {
+        const ra::Range qr = ra::block_queries<kBlockN, false>(a.p, blk.k0);
+        Walk w;
+        w.i_begin = (int32_t)qr.begin;
+        w.n_m = (int32_t)(qr.end > qr.begin ? (qr.end - qr.begin + kBlockM - 1) / kBlockM : 0);
+        w.n_tiles = w.n_m * (int32_t)blk.group;
+        return w;
+    };
     const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x / kWarpgroupThreads), 0);
     if (threadIdx.x == 0) {
-        ra::sm90::mbar_init(buf.full_kv, 1);
+        ra::sm90::mbar_init(buf.full_kv(), 1);
         for (int s = 0; s < kStages; s++) {
-            ra::sm90::mbar_init(&buf.full[s], 1);
-            ra::sm90::mbar_init(&buf.empty[s], kConsumers * 4);
+            ra::sm90::mbar_init(buf.full(s), 1);
+            ra::sm90::mbar_init(buf.empty(s), kConsumers * 4);
         }
         ra::sm90::mbar_init_fence();
     }
     __syncthreads();
     if (wg == 0) {
         ra::sm90::setmaxnreg_dec<kProducerRegs>();
-        if (threadIdx.x < 32) produce<D>(a, buf, w, blk.b, blk.hk, blk.hk * blk.group, blk.k0);
+        if (threadIdx.x < 32) {
+            const ra::KBlock blk = ra::k_block<kBlockN>(a.p, a.n_kblocks);
+            produce<D>(a, buf, walk_of(blk), blk.b, blk.hk, blk.hk * blk.group, blk.k0);
+        }
         return;
     }
     ra::sm90::setmaxnreg_inc<kConsumerRegs>();
-    consume<T, D>(a, buf, w, blk, wg - 1);
+    const ra::KBlock blk = ra::k_block<kBlockN>(a.p, a.n_kblocks);
+    consume<T, D>(a, buf, walk_of(blk), blk, wg - 1);
 #else
     (void)a;
     __trap();   // built for another architecture: the dispatcher never launches it there
@@ -342,6 +357,8 @@ bool ra_bwd_wg_supported(const ra_attn_bwd_params &p) {
     // positive and below 2^40 bytes (a broadcast axis is left to mma.sync)
     const int64_t lim = (int64_t)1 << 31;
     if (p.batch >= lim || p.seqlen_q >= lim || p.seqlen_k >= lim || p.heads >= lim) return false;
+    // a block's walk (query tiles of the group's heads) counts in int32
+    if ((p.heads / p.heads_kv) * (p.seqlen_q / 64 + 1) >= lim) return false;
     const int64_t ext[12] = {p.batch, p.seqlen_q, p.heads, p.batch, p.seqlen_q, p.heads,
                              p.batch, p.seqlen_k, p.heads_kv, p.batch, p.seqlen_k, p.heads_kv};
     const int64_t str[12] = {p.q_batch_stride,    p.q_seq_stride,    p.q_head_stride,

@@ -55,20 +55,20 @@ __device__ void produce(const BwdArgs &a, const Buffers<D> &buf, const Walk &w, 
     if (leader) {
         sm90::tma_prefetch_map(&a.q_map);
         sm90::tma_prefetch_map(&a.do_map);
-        sm90::mbar_arrive_expect_tx(buf.full_kv, 2u * (uint32_t)Smem<D>::kKVBytes);
+        sm90::mbar_arrive_expect_tx(buf.full_kv(), 2u * (uint32_t)Smem<D>::kKVBytes);
 #pragma unroll
         for (int hf = 0; hf < Smem<D>::kHalves; hf++) {
-            sm90::tma_load_4d(buf.k() + hf * kKHalfBytes, &a.k_map, buf.full_kv, hf * 64,
+            sm90::tma_load_4d(buf.k() + hf * kKHalfBytes, &a.k_map, buf.full_kv(), hf * 64,
                               (int32_t)k0, (int32_t)hk, cb);
-            sm90::tma_load_4d(buf.v() + hf * kKHalfBytes, &a.v_map, buf.full_kv, hf * 64,
+            sm90::tma_load_4d(buf.v() + hf * kKHalfBytes, &a.v_map, buf.full_kv(), hf * 64,
                               (int32_t)k0, (int32_t)hk, cb);
         }
     }
     Stage st{0, 0};
-    for (int64_t t = 0; t < w.n_tiles; t++) {
+    for (int32_t t = 0; t < w.n_tiles; t++) {
         const int s = st.index;
         const int64_t h = h0 + w.head(t), m0 = w.m0(t);
-        sm90::mbar_wait(&buf.empty[s], st.phase ^ 1u);
+        sm90::mbar_wait(buf.empty(s), st.phase ^ 1u);
         const int64_t lo = b * p.lse_batch_stride + h * p.lse_head_stride;
         for (int r = lane; r < kBlockM; r += 32) {
             const int64_t row = m0 + r;
@@ -77,16 +77,16 @@ __device__ void produce(const BwdArgs &a, const Buffers<D> &buf, const Walk &w, 
                 rl.lse = ((const float *)p.lse)[lo + row * p.lse_seq_stride];
                 rl.delta = ((const float *)p.delta)[lo + row * p.lse_seq_stride];
             }
-            bwd_fused::row_stats_of(rl, scale, buf.stats + s * kBlockM + r);
+            bwd_fused::row_stats_of(rl, scale, buf.stats(s) + r);
         }
         __syncwarp();   // the lanes' statistics before the leader's arrive releases them
         if (leader) {
-            sm90::mbar_arrive_expect_tx(&buf.full[s], 2u * (uint32_t)Smem<D>::kQBytes);
+            sm90::mbar_arrive_expect_tx(buf.full(s), 2u * (uint32_t)Smem<D>::kQBytes);
 #pragma unroll
             for (int hf = 0; hf < Smem<D>::kHalves; hf++) {
-                sm90::tma_load_4d(buf.q(s) + hf * kQHalfBytes, &a.q_map, &buf.full[s], hf * 64,
+                sm90::tma_load_4d(buf.q(s) + hf * kQHalfBytes, &a.q_map, buf.full(s), hf * 64,
                                   (int32_t)m0, (int32_t)h, cb);
-                sm90::tma_load_4d(buf.dout(s) + hf * kQHalfBytes, &a.do_map, &buf.full[s],
+                sm90::tma_load_4d(buf.dout(s) + hf * kQHalfBytes, &a.do_map, buf.full(s),
                                   hf * 64, (int32_t)m0, (int32_t)h, cb);
             }
         }
@@ -99,10 +99,10 @@ __device__ void produce(const BwdArgs &a, const Buffers<D> &buf, const Walk &w, 
 /* Each batch opens with its own wgmma.fence in the same basic block as its
  * wgmma and fences its operand registers (fwd_mainloop.cuh says why). */
 
-/* acc (64 x 64) = X_c Y^T: X the 128-row tile x (K or V; rows 64 c..), Y
- * the 64-row tile y (Q or dout), both K-major over D. */
-template <typename T, int D>
-__device__ __forceinline__ void issue_xyt(float (&acc)[kBlockM / 2], const unsigned char *x,
+/* acc (64 x NQ) = X_c Y^T: X the 128-row tile x (K or V; rows 64 c..), Y
+ * NQ rows of a 64-row tile from y (Q or dout), both K-major over D. */
+template <typename T, int D, int NQ>
+__device__ __forceinline__ void issue_xyt(float (&acc)[NQ / 2], const unsigned char *x,
                                           const unsigned char *y, int c) {
     const unsigned char *xc = x + c * kKeysPerWg * 128;
     sm90::fence_operand(acc);
@@ -114,7 +114,7 @@ __device__ __forceinline__ void issue_xyt(float (&acc)[kBlockM / 2], const unsig
                                             sm90::SWIZZLE_128B);
         const uint64_t db = sm90::make_desc(y + (kk / 4) * kQHalfBytes + col, 16, kAtomBytes,
                                             sm90::SWIZZLE_128B);
-        sm90::wgmma_ss<kBlockM, T, 0, 0>(acc, da, db, kk > 0);
+        sm90::wgmma_ss<NQ, T, 0, 0>(acc, da, db, kk > 0);
     }
     sm90::wgmma_commit();
     sm90::fence_operand(acc);

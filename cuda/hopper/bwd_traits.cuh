@@ -44,8 +44,8 @@ constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;   /* 384 */
 
 /* setmaxnreg as the forward: 40 for the producer, 232 for the consumers
  * (128 x 40 + 256 x 232 = 64512 of 65536). */
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
 
 /* Named barrier of consumer warpgroup c's dS^T tile (128 threads): id
  * kDsBarrier0 + c (0 is __syncthreads). */
@@ -90,18 +90,20 @@ struct Smem {
 
 template <int D>
 struct Buffers {
-    unsigned char *base;
-    uint64_t *full_kv, *full, *empty;
-    bwd_fused::RowStats *stats;
+    unsigned char *base;   /* the rest is computed from it (few live registers) */
 
     __device__ __forceinline__ explicit Buffers(unsigned char *raw) {
         const uint32_t a = sm90::smem_u32(raw);
         base = raw + ((kAtomBytes - (a % kAtomBytes)) % kAtomBytes);
-        uint64_t *bars = reinterpret_cast<uint64_t *>(base + Smem<D>::kBars);
-        full_kv = bars;
-        full = bars + 1;
-        empty = full + kStages;
-        stats = reinterpret_cast<bwd_fused::RowStats *>(base + Smem<D>::kStats);
+    }
+    __device__ __forceinline__ uint64_t *bars() const {
+        return reinterpret_cast<uint64_t *>(base + Smem<D>::kBars);
+    }
+    __device__ __forceinline__ uint64_t *full_kv() const { return bars(); }
+    __device__ __forceinline__ uint64_t *full(int s) const { return bars() + 1 + s; }
+    __device__ __forceinline__ uint64_t *empty(int s) const { return bars() + 1 + kStages + s; }
+    __device__ __forceinline__ bwd_fused::RowStats *stats(int s) const {
+        return reinterpret_cast<bwd_fused::RowStats *>(base + Smem<D>::kStats) + s * kBlockM;
     }
     __device__ __forceinline__ unsigned char *k() const { return base + Smem<D>::kK; }
     __device__ __forceinline__ unsigned char *v() const { return base + Smem<D>::kV; }
@@ -142,9 +144,9 @@ struct BwdArgs {
  * each of the group's query heads; tile t is head t / n_m, rows from
  * i_begin + (t % n_m) kBlockM. */
 struct Walk {
-    int64_t i_begin, n_m, n_tiles;
-    __device__ __forceinline__ int64_t head(int64_t t) const { return t / n_m; }
-    __device__ __forceinline__ int64_t m0(int64_t t) const {
+    int32_t i_begin, n_m, n_tiles;   /* int32: ra_bwd_wg_supported */
+    __device__ __forceinline__ int32_t head(int32_t t) const { return t / n_m; }
+    __device__ __forceinline__ int32_t m0(int32_t t) const {
         return i_begin + (t % n_m) * kBlockM;
     }
 };
