@@ -30,9 +30,11 @@
  * sees key k0) into a two-stage ring.  Consumer warpgroup c owns keys
  * 64 c.. and per tile issues S^T = K_c Q^T and dP^T = V_c dout^T, turns S^T
  * into P^T while dP^T finishes, then dS^T, issues dV += P^T dout and
- * dK += dS^T Q with P^T, dS^T from registers, stages dS^T in shared memory
- * and issues dQ_c = dS K_c per 64-column half, whose float32 result it adds
- * into the dq target by red.global.add.  At the end dK and dV go out from
+ * dK += dS^T Q with P^T, dS^T from registers, stages dS^T in shared memory,
+ * and once both consumers have, issues dQ = dS K over the block's 128 keys
+ * for its half of D's columns, whose float32 result it adds into the dq
+ * target by red.global.add (one add per element and block, as the fused
+ * kernel's).  At the end dK and dV go out from
  * the accumulators.
  *
  * Launch: grid B * H_kv * ceil(S_k / 128), 384 threads, one block per SM
@@ -54,11 +56,11 @@ using ra::bwd_fused::RowStats;
 constexpr float kLog2e = 1.4426950408889634f;
 
 /* What a consumer thread knows of its two rows (keys a and a + 8), as
- * query indices (few 64-bit registers: at D 128 dK and dV hold 128): the
- * first query that sees key a, key b (S_q: none, a key past S_k), and the
- * first from which every key of the warpgroup is seen (S_q: never). */
+ * query indices (32-bit: at D 128 dK and dV hold 128 registers): the first
+ * query that sees key a, key b (S_q: none, a key past S_k).  Rows past S_q
+ * need no test: their statistics make P = 0. */
 struct KeyRows {
-    int32_t qbeg_a, qbeg_b, full_from;   /* S_q < 2^31 (ra_bwd_wg_supported) */
+    int32_t qbeg_a, qbeg_b;   /* S_q < 2^31 (ra_bwd_wg_supported) */
 };
 
 __device__ __forceinline__ int32_t first_query(const ra_attn_bwd_params &p, int64_t key) {
@@ -78,18 +80,16 @@ __device__ __forceinline__ int64_t key_a_of(const ra::KBlock &blk, int c) {
  * the transposed tile: column `col` is query m0 + col, with its row's
  * statistics rows[col]); pairs a mask hides get 0 after the arithmetic, so
  * a NaN score stays NaN only where the pair is visible. */
-template <bool CHECK, int NQ>
+template <int NQ>
 __device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
                                      const RowStats *rows, const KeyRows &kr, int32_t m0,
                                      float sl2, float scale) {
     const int t = threadIdx.x % 4;
-    // the first column key a, key b sees (0..NQ)
-    int lo_a = 0, lo_b = 0;
-    if (CHECK) {
-        const int32_t a = kr.qbeg_a - m0, b = kr.qbeg_b - m0;
-        lo_a = a < 0 ? 0 : a > NQ ? NQ : (int)a;
-        lo_b = b < 0 ? 0 : b > NQ ? NQ : (int)b;
-    }
+    // the first column key a, key b sees (0..NQ; 0 on tiles every row
+    // sees whole: one path, two compares per pair)
+    const int32_t a = kr.qbeg_a - m0, b = kr.qbeg_b - m0;
+    const int lo_a = a < 0 ? 0 : a > NQ ? NQ : (int)a;
+    const int lo_b = b < 0 ? 0 : b > NQ ? NQ : (int)b;
 #pragma unroll
     for (int j = 0; j < NQ / 8; j++) {
 #pragma unroll
@@ -103,10 +103,8 @@ __device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
             float da = pa * fmaf(dp[4 * j + e], scale, -rs.dls);
             float db = pb * fmaf(dp[4 * j + 2 + e], scale, -rs.dls);
             float xa = pa, xb = pb;
-            if (CHECK) {
-                if (col < lo_a) xa = da = 0.f;
-                if (col < lo_b) xb = db = 0.f;
-            }
+            if (col < lo_a) xa = da = 0.f;
+            if (col < lo_b) xb = db = 0.f;
             s[4 * j + e] = xa;
             s[4 * j + 2 + e] = xb;
             dp[4 * j + e] = da;
@@ -145,18 +143,19 @@ __device__ __forceinline__ void store_ds(unsigned char *ds, const uint32_t (&dsa
     }
 }
 
-/* dq (64 queries x columns 64 hf..) added into the target's rows of (b, h). */
+/* dq (64 queries x columns (D / 2) c..) added into the target's rows of (b, h). */
+template <int D>
 __device__ __forceinline__ void add_dq(const DqTarget &tgt, int64_t b, int64_t h, int64_t m0,
-                                       int64_t s_q, int hf, const float (&dq)[32]) {
+                                       int64_t s_q, int c, const float (&dq)[D / 4]) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float *bh = tgt.p + b * tgt.batch_stride + h * tgt.head_stride;
 #pragma unroll
     for (int hh = 0; hh < 2; hh++) {
         const int64_t row = m0 + 16 * warp + 8 * hh + g;
         if (row < s_q) {
-            float *dst = bh + row * tgt.seq_stride + 64 * hf + 2 * t;
+            float *dst = bh + row * tgt.seq_stride + (D / 2) * c + 2 * t;
 #pragma unroll
-            for (int j = 0; j < 8; j++)
+            for (int j = 0; j < D / 16; j++)
                 ra::red_add_f32x2(dst + 8 * j, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
         }
     }
@@ -201,11 +200,8 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
     const ra_attn_bwd_params &p = a.p;
     constexpr int kSlice = D == 128 ? 32 : kBlockM;
     KeyRows kr;
-    const int64_t wk0 = blk.k0 + c * kKeysPerWg;
     kr.qbeg_a = first_query(p, key_a_of(blk, c));
     kr.qbeg_b = first_query(p, key_a_of(blk, c) + 8);
-    // the last key exists and is seen (then so is every earlier one)
-    kr.full_from = first_query(p, wk0 + kKeysPerWg - 1);
     const float scale = (float)p.scale, sl2 = scale * kLog2e;
 
     float dk[D / 2], dv[D / 2];
@@ -222,10 +218,6 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
         const int32_t m0 = w.m0(tt);
         const int64_t h = blk.hk * blk.group + w.head(tt);
         ra::sm90::mbar_wait(buf.full(s), st.phase);
-        // every pair of the tile visible: the warpgroup's keys all exist
-        // and (causal) the last is seen by the tile's first query (rows
-        // past S_q have P = 0 from their statistics)
-        const bool full = m0 >= kr.full_from && kr.full_from < p.seqlen_q;
         const RowStats *rows = buf.stats(s);
         uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
         // S^T, dP^T and their P/dS step NQ queries at a time: at D 128 the
@@ -238,18 +230,15 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
             ra::sm90::wgmma_wait<0>();
             ra::sm90::fence_operand(sx);
             ra::sm90::fence_operand(dpx);
-            if (full)
-                p_ds<false, kSlice>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale);
-            else
-                p_ds<true, kSlice>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale);
+            p_ds<kSlice>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale);
             pack_a<T, kSlice>(pa + sl * (kSlice / 16), sx);
             pack_a<T, kSlice>(dsa + sl * (kSlice / 16), dpx);
         }
-        unsigned char *ds = buf.ds((int)(tt & 1), c);
-        store_ds(ds, dsa);
+        store_ds(buf.ds((int)(tt & 1), c), dsa);
         ra::sm90::fence_proxy_async();   // the generic writes of dS^T before wgmma reads them
         issue_dkdv<T, D>(dv, dk, pa, dsa, buf.dout(s), buf.q(s));
-        ra::sm90::named_bar_sync(kDsBarrier0 + c, kWarpgroupThreads);   // dS^T of every warp
+        // dS^T of every warp of both consumers
+        ra::sm90::named_bar_sync(kDsBarrier, kConsumers * kWarpgroupThreads);
         // dV, dK retired before dQ's accumulator is live: P^T and dS^T's
         // registers free (at D 128 the three at once spilled)
         ra::sm90::wgmma_wait<0>();
@@ -257,13 +246,12 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
         ra::sm90::fence_operand(dk);
         ra::sm90::fence_operand(pa);
         ra::sm90::fence_operand(dsa);
-#pragma unroll
-        for (int hf = 0; hf < D / 64; hf++) {
-            float dq[32];
-            issue_dq<T, D>(dq, ds, buf.k(), c, hf);
+        {
+            float dq[D / 4];
+            issue_dq<T, D>(dq, buf.ds((int)(tt & 1), 0), buf.k(), c);
             ra::sm90::wgmma_wait<0>();
             ra::sm90::fence_operand(dq);
-            add_dq(a.dq, blk.b, h, m0, p.seqlen_q, hf, dq);
+            add_dq<D>(a.dq, blk.b, h, m0, p.seqlen_q, c, dq);
         }
         release(buf.empty(s));
         st.advance();

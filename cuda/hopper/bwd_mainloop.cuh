@@ -25,9 +25,9 @@
  *   dV_c (64 x D) += P^T dout                  A: P^T from registers;
  *                                              B: dout, N-major
  *   dK_c (64 x D) += dS^T Q                    A: dS^T from registers
- *   dQ_c (64 queries x 64 columns, per 64-column half of D) = dS K_c
- *                                              A: dS^T as stored,
- *                                              M-major; B: K rows 64 c..,
+ *   dQ (64 queries x columns (D / 2) c..) = dS K over all 128 keys
+ *                                              A: both consumers' dS^T as
+ *                                              stored, M-major; B: K,
  *                                              N-major
  */
 #ifndef RA_HOPPER_BWD_MAINLOOP_CUH
@@ -152,22 +152,25 @@ __device__ __forceinline__ void issue_dkdv(float (&dv)[D / 2], float (&dk)[D / 2
     sm90::fence_operand(dsa);
 }
 
-/* dq (64 queries x 64 columns: half hf of D) = dS K_c: A = dS^T as stored
- * (rows are keys, the 64 queries along them: M-major; k-step kk = keys
- * 16 kk.. = 2 atoms), B = K rows 64 c + 16 kk.., columns 64 hf.. (N-major). */
+/* dq (64 queries x D / 2 columns: consumer c's half of D) = dS K over the
+ * block's 128 keys: A = dS^T as both consumers stored it (ds: consumer 0's
+ * tile, consumer 1's right after; rows are keys, the 64 queries along
+ * them: M-major; k-step kk = keys 16 kk.. = 2 atoms), B = K rows 16 kk..,
+ * columns (D / 2) c.. (N-major: at D 128 the half c, at D 64 the 64-byte
+ * column offset 64 c inside the swizzled rows). */
 template <typename T, int D>
-__device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char *ds,
-                                         const unsigned char *k, int c, int hf) {
-    const unsigned char *kc = k + hf * kKHalfBytes + c * kKeysPerWg * 128;
+__device__ __forceinline__ void issue_dq(float (&dq)[D / 4], const unsigned char *ds,
+                                         const unsigned char *k, int c) {
+    const unsigned char *kc = k + (D == 128 ? c * kKHalfBytes : c * 64);
     sm90::fence_operand(dq);
     sm90::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kKeysPerWg / 16; kk++) {
+    for (int kk = 0; kk < kBlockN / 16; kk++) {
         const uint64_t da = sm90::make_desc(ds + kk * 2 * kAtomBytes, kDsBytes, kAtomBytes,
                                             sm90::SWIZZLE_128B);
         const uint64_t db = sm90::make_desc(kc + kk * 2 * kAtomBytes, kKHalfBytes, kAtomBytes,
                                             sm90::SWIZZLE_128B);
-        sm90::wgmma_ss<64, T, 1, 1>(dq, da, db, kk > 0);
+        sm90::wgmma_ss<D / 2, T, 1, 1>(dq, da, db, kk > 0);
     }
     sm90::wgmma_commit();
     sm90::fence_operand(dq);

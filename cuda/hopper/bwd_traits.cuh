@@ -47,9 +47,9 @@ constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;   /* 384 */
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 
-/* Named barrier of consumer warpgroup c's dS^T tile (128 threads): id
- * kDsBarrier0 + c (0 is __syncthreads). */
-constexpr int kDsBarrier0 = 1;
+/* Named barrier of the consumers' dS^T tiles (both warpgroups, 256
+ * threads; 0 is __syncthreads): each consumer's dQ product reads both. */
+constexpr int kDsBarrier = 1;
 
 /* 128-byte rows swizzled as a bulk tensor copy with the 128-byte swizzle
  * writes them (16-byte chunk c of row r at chunk c ^ (r % 8)): a 64-column
@@ -66,7 +66,8 @@ constexpr int kAtomBytes = 1024;   /* 8 rows x 128 bytes: the swizzle's period (
  *   dS[2][c]        consumer c's dS^T (keys x queries, 16-bit), two
  *                   buffers (tile parity) so one barrier per tile orders
  *                   a warp's write of tile i + 2 after every warp's dQ
- *                   product of tile i
+ *                   product of tile i (dS[p][1] follows dS[p][0]: one
+ *                   128-key operand)
  *   stats[s]        kBlockM RowStats (lse log2 e, band, delta scale)
  *   barriers        full_kv; full[s] (Q, dout, stats landed); empty[s]
  *                   (every consumer warp is done with stage s) */
