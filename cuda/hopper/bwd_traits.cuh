@@ -42,8 +42,9 @@ constexpr int kStages = 2;
 constexpr int kWarpgroupThreads = 128;
 constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;   /* 384 */
 
-/* setmaxnreg as the forward: 40 for the producer, 232 for the consumers
- * (128 x 40 + 256 x 232 = 64512 of 65536). */
+/* setmaxnreg: 24 for the producer warpgroup (32-bit tile walk), 240 for
+ * the consumers, whose dK and dV take 128 (128 x 24 + 256 x 240 = 64512 of
+ * 65536). */
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 
