@@ -338,6 +338,15 @@ static void wgmma_family() {
     const WgCfg mn128 = {0, 32768, 16, 1024, 8192, 1024, 32, 2048, SWIZZLE_128B, SWIZZLE_128B,
                          2, 1};
     wgmma_run<128, ra::bf16_t, 0, 1, false>("A K 128B, B MN 128B", mn128);
+    /* the Hopper backward's dQ = dS K (hopper/bwd_mainloop.cuh issue_dq):
+     * A read M-major with 128B swizzle (64 m per row), and at D 64 a B
+     * whose start is 64 bytes into its swizzled rows */
+    const WgCfg mn128a = {0, 32768, 8192, 1024, 8192, 1024, 2048, 2048, SWIZZLE_128B,
+                          SWIZZLE_128B, 2, 1};
+    wgmma_run<64, ra::bf16_t, 1, 1, false>("A MN 128B, B MN 128B", mn128a);
+    const WgCfg mn128c = {0, 32768 + 64, 8192, 1024, 8192, 1024, 2048, 2048, SWIZZLE_128B,
+                          SWIZZLE_128B, 2, 1};
+    wgmma_run<32, ra::half_t, 1, 1, false>("A MN 128B, B MN 128B +64 bytes", mn128c);
 }
 
 /* ---- mbarriers, named barriers, setmaxnreg, elect, stmatrix ---------------------------- */
