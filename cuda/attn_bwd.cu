@@ -8,7 +8,11 @@
  *   tensor-core kernels (float16/bfloat16, head_dim 64 or 128, 16-byte
  *   aligned rows) or the generic kernels of attn_bwd_simt.cu and
  *   attn_bwd_simt_dq.cu (every dtype, head_dim 1..256).
- *   Tensor cores with p->deterministic = 0: the fused pass of
+ *   Tensor cores with p->deterministic = 0: where the device's family is
+ *   sm90a (attn_family.cu; RINGATTN_CUDA_KERNELS=sm80 forces mma.sync)
+ *   and ra_bwd_wg_supported (no masks or dilated branches, strides a
+ *   tensor map can describe), the wgmma/TMA pass of hopper/attn_bwd_wg.cu
+ *   (dq by float32 atomics); else, or when it cannot run, the fused pass of
  *   attn_bwd_fused.cu (dq added up by float32 atomics, so its last bits
  *   vary from run to run), unless the device lacks the shared memory or a
  *   dq scratch would be needed on a stream other than ringattn's compute
@@ -130,11 +134,25 @@ extern "C" ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream)
     if (!ra_force_generic() && tc_supported(*p)) {
         if (!p->deterministic) {
             bool ran = false;
+            ra_family family = RA_FAMILY_SM80;
+            RA_CHECK(ra_kernel_family(-1, &family));
+            if (family == RA_FAMILY_SM90A && ra_bwd_wg_supported(*p)) {
+                RA_CHECK(ra_bwd_wg(*p, s, &ran));
+                if (ran) {
+                    ra_count_bwd_kernel(0);
+                    return RA_OK;
+                }
+            }
             RA_CHECK(ra_bwd_tc_fused(*p, s, &ran));
-            if (ran) return RA_OK;
+            if (ran) {
+                ra_count_bwd_kernel(1);
+                return RA_OK;
+            }
         }
+        ra_count_bwd_kernel(1);
         RA_CHECK(ra_bwd_tc_dkdv(*p, s));
         return ra_bwd_tc_dq(*p, s);
     }
+    ra_count_bwd_kernel(2);
     return ra_bwd_simt(*p, s);
 }

@@ -530,21 +530,23 @@ ra_status launch_convert(const ra_attn_bwd_params &p, cudaStream_t s, const floa
     return RA_OK;
 }
 
+/* launch_fused_d as a DqRun */
+ra_status run_fused(const ra_attn_bwd_params &p, cudaStream_t s, const DqTarget &tgt, void *ctx) {
+    (void)ctx;
+    return p.dtype == RA_BFLOAT16 ? launch_fused_d<ra::bf16_t>(p, s, tgt)
+                                  : launch_fused_d<ra::half_t>(p, s, tgt);
+}
+
 }  // namespace
 
-ra_status ra_bwd_tc_fused(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
+ra_status ra::bwd_fused::with_dq_target(const ra_attn_bwd_params &p, cudaStream_t s, DqRun run,
+                                        void *ctx, bool *ran) {
     *ran = false;
-    // shared memory: a device that grants a block less runs the split kernels
-    int dev = 0, optin = 0;
-    RA_CUDA_CHECK(cudaGetDevice(&dev));
-    RA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if ((size_t)optin < fused_smem(p.head_dim, ra::masked_variant(p))) return RA_OK;
     const bool bf16 = p.dtype == RA_BFLOAT16;
     if (p.accumulate) {
         // the ring's steps: dq is float32 already, added into in place
         const DqTarget tgt{(float *)p.dq, p.dq_batch_stride, p.dq_seq_stride, p.dq_head_stride};
-        RA_CHECK(bf16 ? launch_fused_d<ra::bf16_t>(p, s, tgt)
-                      : launch_fused_d<ra::half_t>(p, s, tgt));
+        RA_CHECK(run(p, s, tgt, ctx));
         *ran = true;
         return RA_OK;
     }
@@ -552,6 +554,8 @@ ra_status ra_bwd_tc_fused(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran
     // the pool hands a freed block out again only to work queued after
     // this on ringattn's compute stream (csrc/core/cuda_rt.c), so another
     // stream (an XLA handler's) takes the split kernels instead
+    int dev = 0;
+    RA_CUDA_CHECK(cudaGetDevice(&dev));
     void *compute = nullptr;
     RA_CHECK(ra_cuda_compute_stream(dev, &compute));
     if ((cudaStream_t)compute != s) return RA_OK;
@@ -566,7 +570,7 @@ ra_status ra_bwd_tc_fused(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran
         st = ra_cuda_status((int)e, "cudaMemsetAsync", __FILE__, __LINE__);
         goto done;
     }
-    st = bf16 ? launch_fused_d<ra::bf16_t>(p, s, tgt) : launch_fused_d<ra::half_t>(p, s, tgt);
+    st = run(p, s, tgt, ctx);
     if (st == RA_OK && bytes > 0)
         st = bf16 ? launch_convert<ra::bf16_t>(p, s, (const float *)scratch)
                   : launch_convert<ra::half_t>(p, s, (const float *)scratch);
@@ -577,4 +581,14 @@ done:
     }
     *ran = st == RA_OK;
     return st;
+}
+
+ra_status ra_bwd_tc_fused(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
+    *ran = false;
+    // shared memory: a device that grants a block less runs the split kernels
+    int dev = 0, optin = 0;
+    RA_CUDA_CHECK(cudaGetDevice(&dev));
+    RA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if ((size_t)optin < fused_smem(p.head_dim, ra::masked_variant(p))) return RA_OK;
+    return ra::bwd_fused::with_dq_target(p, s, run_fused, nullptr, ran);
 }

@@ -74,6 +74,16 @@ struct DqTarget {
     int64_t batch_stride, seq_stride, head_stride;
 };
 
+/* Runs `run` with the float32 dq target of the call: dq itself when it
+ * accumulates, else a zeroed scratch from ringattn's caching pool, turned
+ * into dq by a conversion pass after `run` (only on ringattn's compute
+ * stream: elsewhere *ran stays false and nothing runs).  Shared by the
+ * fused kernel and the Hopper one (hopper/attn_bwd_wg.cu); attn_bwd_fused.cu */
+typedef ra_status (*DqRun)(const ra_attn_bwd_params &p, cudaStream_t s, const DqTarget &tgt,
+                           void *ctx);
+ra_status with_dq_target(const ra_attn_bwd_params &p, cudaStream_t s, DqRun run, void *ctx,
+                         bool *ran);
+
 /* What a block knows of itself that its loop reads once per tile: kept in
  * shared memory (written by thread 0 before the loop, read after the loop's
  * barriers) rather than in registers, where ptxas holds such loop

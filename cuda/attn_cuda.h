@@ -68,6 +68,8 @@ ra_status ra_cuda_kernel_family(int device, const char **name);
 int ra_cuda_built_sm90a(void);
 /* forward calls so far that ran the sm90a, sm80 and generic kernels */
 void ra_cuda_fwd_kernel_counts(unsigned long long out[3]);
+/* backward calls so far that ran the sm90a, sm80 and generic kernels */
+void ra_cuda_bwd_kernel_counts(unsigned long long out[3]);
 
 #ifdef __cplusplus
 }

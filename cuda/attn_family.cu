@@ -10,8 +10,9 @@
  *            for them (comparison, bisection)
  * RINGATTN_CUDA_KERNELS is read at every call ("auto" or unset: the best
  * family; "sm80"; anything else is an error naming the variable), so one
- * process can time both.  Also counts which forward kernel each call ran
- * (ra_cuda_fwd_kernel_counts), for the tests.
+ * process can time both.  Also counts which forward and backward kernel
+ * each call ran (ra_cuda_fwd_kernel_counts, ra_cuda_bwd_kernel_counts),
+ * for the tests.
  */
 #include <atomic>
 #include <string.h>
@@ -79,6 +80,12 @@ RA_HOST_ATOMICS void ra_count_fwd_kernel(int which) {
     if (which >= 0 && which < 3) g_fwd_counts[which].fetch_add(1, std::memory_order_relaxed);
 }
 
+static std::atomic<unsigned long long> g_bwd_counts[3];
+
+RA_HOST_ATOMICS void ra_count_bwd_kernel(int which) {
+    if (which >= 0 && which < 3) g_bwd_counts[which].fetch_add(1, std::memory_order_relaxed);
+}
+
 extern "C" ra_status ra_cuda_kernel_family(int device, const char **name) {
     ra_family f = RA_FAMILY_SM80;
     RA_CHECK(ra_kernel_family(device, &f));
@@ -90,4 +97,8 @@ extern "C" int ra_cuda_built_sm90a(void) { return kBuiltSm90a ? 1 : 0; }
 
 extern "C" RA_HOST_ATOMICS void ra_cuda_fwd_kernel_counts(unsigned long long out[3]) {
     for (int i = 0; i < 3; i++) out[i] = g_fwd_counts[i].load(std::memory_order_relaxed);
+}
+
+extern "C" RA_HOST_ATOMICS void ra_cuda_bwd_kernel_counts(unsigned long long out[3]) {
+    for (int i = 0; i < 3; i++) out[i] = g_bwd_counts[i].load(std::memory_order_relaxed);
 }

@@ -39,6 +39,8 @@ ra_status ra_fwd_wg(const ra_attn_fwd_params &p, cudaStream_t s, bool *ran);
 enum ra_family { RA_FAMILY_SM80, RA_FAMILY_SM90A };
 ra_status ra_kernel_family(int device, ra_family *family);
 void ra_count_fwd_kernel(int which);
+/* the same count for the backward (0 sm90a, 1 sm80, 2 generic) */
+void ra_count_bwd_kernel(int which);
 
 /* Tensor-core backward, float16/bfloat16, head_dim 64 or 128 (eligibility
  * in attn_bwd.cu).  deterministic: the dk/dv pass (attn_bwd_tc_dkdv.cu) and
@@ -50,6 +52,17 @@ void ra_count_fwd_kernel(int which);
 ra_status ra_bwd_tc_dkdv(const ra_attn_bwd_params &p, cudaStream_t s);
 ra_status ra_bwd_tc_dq(const ra_attn_bwd_params &p, cudaStream_t s);
 ra_status ra_bwd_tc_fused(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran);
+
+/* Hopper (sm_90a) backward on wgmma and bulk tensor copies (the fused
+ * kernel's contract, deterministic=False): float16/bfloat16, head_dim 64
+ * or 128, no masks or dilated branches, q/k/v/dout strides a tensor map can
+ * describe (ra_bwd_wg_supported, after attn_bwd.cu's tensor-core checks).
+ * *ran is false (nothing launched) when the driver could not make the
+ * tensor maps, the device grants too little shared memory, or a dq scratch
+ * would be needed on a stream other than ringattn's compute stream.
+ * cuda/hopper/attn_bwd_wg.cu */
+bool ra_bwd_wg_supported(const ra_attn_bwd_params &p);
+ra_status ra_bwd_wg(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran);
 
 /* Number of blocks for `units` work items of `per_block` each, or an error
  * when the grid would not fit a 1-D launch. */

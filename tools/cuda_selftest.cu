@@ -31,10 +31,15 @@
  *                 bfloat16, 1e18 in float64): finite and correct gradients,
  *                 also from an lse merged over two key chunks
  * Every backward runs both ways: deterministic = 0 (for float16/bfloat16
- * at D 64/128 the fused kernel of attn_bwd_fused.cu, dq added up by
- * float32 atomics over the key blocks; accumulated straight into a float32
- * dq, or through its scratch and conversion) and deterministic = 1 (the
- * split kernels, whose bits run_strided checks repeat).
+ * at D 64/128 the fused kernel of the device's family -- on sm90a the
+ * wgmma one of hopper/attn_bwd_wg.cu, with masks the mma.sync one of
+ * attn_bwd_fused.cu -- dq added up by float32 atomics over the key blocks;
+ * accumulated straight into a float32 dq, or through its scratch and
+ * conversion) and deterministic = 1 (the split kernels, whose bits
+ * run_strided checks repeat).  On a two-family device run_case checks the
+ * unmasked fused backward ran the sm90a kernel, and its sm80 cases run the
+ * mma.sync backward too in the quick grid and on two shapes of the full
+ * grid (g_bwd_families).
  *   run_broadcast k and v shared by the batch (batch stride 0): the
  *                 mma.sync forward, which the dispatcher keeps for layouts
  *                 a tensor map cannot describe
@@ -91,12 +96,13 @@ static std::vector<double> randn(std::mt19937_64 &rng, size_t n, double scale = 
 /* Which kernels a case runs: the dispatcher's choice (the fastest family
  * the device has), the generic ones forced (RINGATTN_CUDA_GENERIC=1), or
  * the mma.sync family forced (RINGATTN_CUDA_KERNELS=sm80) where the device
- * also has the sm90a family (g_two_families).  The backward has one
- * tensor-core family (mma.sync) so far: an Sm80 case runs the forward only
- * until g_bwd_families says otherwise. */
+ * also has the sm90a family (g_two_families).  An SM80 case runs the
+ * backward too only while g_bwd_families is set (the quick grid, a subset
+ * of the full one: the sm90a backward runs in every FAST case, and the
+ * mma.sync one also in every masked case). */
 enum Kern { FAST, GENERIC, SM80 };
 static bool g_two_families = false;
-static const bool g_bwd_families = false;
+static bool g_bwd_families = false;
 
 static const char *kern_label(Kern k) {
     return k == GENERIC ? " generic" : k == SM80 ? " sm80" : "";
@@ -247,9 +253,22 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
     // delta a little.  Both backward paths (the generic kernels have one;
     // an sm80 case of a device with two families runs the forward only).
     const double btol = tol * 2;
+    const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
     for (int det = kern == GENERIC ? 1 : 0; bwd && det < 2 && ok; det++) {
+        unsigned long long before[3], after[3];
+        ra_cuda_bwd_kernel_counts(before);
         pr.backward(det != 0);
         CK(cudaDeviceSynchronize());
+        ra_cuda_bwd_kernel_counts(after);
+        // the unmasked fused backward of a two-family device: the wgmma one
+        const int want = kern == GENERIC || !tc ? 2 : kern == FAST && g_two_families && !det ? 0 : 1;
+        if (after[want] != before[want] + 1) {
+            printf("    the backward ran %llu sm90a, %llu sm80, %llu generic kernels, expected "
+                   "kernel %d\n", after[0] - before[0], after[1] - before[1],
+                   after[2] - before[2], want);
+            ok = false;
+            break;
+        }
         ok = cmp(det ? "dq" : "dq(fused)", down(pr.gq, nq, t), pr.rdq, btol) &&
              cmp(det ? "dk" : "dk(fused)", down(pr.gk, pr.nk, t), pr.rdk, btol) &&
              cmp(det ? "dv" : "dv(fused)", down(pr.gv, pr.nk, t), pr.rdv, btol);
@@ -550,9 +569,26 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, Kern kern) {
     bool ok = cmp("out", down(pr.dout, nq, t), pr.ro, tol) &&
               cmp("lse", down(pr.dl, nl, acc), pr.rl, tol);
     // the fused backward, then the deterministic one (the generic kernels: one)
+    const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
+    // a mask in effect (mask.cuh mask_active): the fused mma.sync backward
+    const bool masked = c.docs != 0 || (c.window && (c.left >= 0 || c.right >= 0)) ||
+                        c.softcap > 0;
     for (int det = kern == GENERIC ? 1 : 0; bwd && det < 2 && ok; det++) {
+        unsigned long long before[3], after[3];
+        ra_cuda_bwd_kernel_counts(before);
         pr.backward(det != 0);
         CK(cudaDeviceSynchronize());
+        ra_cuda_bwd_kernel_counts(after);
+        // the unmasked fused backward of a two-family device: the wgmma one
+        const int want = kern == GENERIC || !tc ? 2
+                         : kern == FAST && g_two_families && !det && !masked ? 0 : 1;
+        if (after[want] != before[want] + 1) {
+            printf("    the backward ran %llu sm90a, %llu sm80, %llu generic kernels, expected "
+                   "kernel %d\n", after[0] - before[0], after[1] - before[1],
+                   after[2] - before[2], want);
+            ok = false;
+            break;
+        }
         ok = cmp(det ? "dq" : "dq(fused)", down(pr.gq, nq, t), pr.rdq, btol) &&
              cmp(det ? "dk" : "dk(fused)", down(pr.gk, nk, t), pr.rdk, btol) &&
              cmp(det ? "dv" : "dv(fused)", down(pr.gv, nk, t), pr.rdv, btol);
@@ -835,6 +871,7 @@ int main(int argc, char **argv) {
             const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
             if (quick) {
                 const int *s = quick_shape;
+                g_bwd_families = true;
                 grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, true,
                                                FAST); });
                 if (tc && g_two_families)
@@ -849,11 +886,15 @@ int main(int argc, char **argv) {
                     if (tc)
                         grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, c,
                                                        GENERIC); });
+                    // the mma.sync backward on two shapes (S_q != S_k both ways)
+                    g_bwd_families = &s == &shapes[3] || &s == &shapes[5];
                     if (tc && g_two_families)
                         grid.run([&] { return run_case(t, s[0], s[1], s[2], s[3], s[4], D, c,
                                                        SM80); });
+                    g_bwd_families = false;
                 }
         }
+    g_bwd_families = false;
     // odd sizes, GQA, S_q != S_k, empty query rows (causal with S_q > S_k),
     // keys no query sees, affine positions, padded strides, float32 grads
     // and accumulate

@@ -374,6 +374,25 @@ def compiled_bwd_rows(D, keys):
     return rows
 
 
+def built_bwd_wg_row(D, keys):
+    """The built Hopper backward (cuda/hopper/attn_bwd_wg.cu) priced from its
+    SASS counts, as fwd_wg is: predicted, not calibrated."""
+    counts = m.load_counts()
+    rec = counts.get(f"bwd_wg<bf16,{D},->")
+    if rec is None:
+        return []
+    cells = []
+    for k in keys:
+        B, H = shape(D, k[2])
+        t = m.predict("bwd", k[0], D, k[2], k[3], B, H, counts=counts, family="sm90a")["total"]
+        cells.append(f"{t * 1e3:.2f} / {measured_s(k, 4) / t:.2f} / {measured_s(k, 5) / t:.2f}")
+    per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"], 32 * rec["warps"])
+    _, bound = m.block_tile_cycles(rec["per_tile"], rec["cycles"], per_sm * rec["mma_warps"] / 4,
+                                   rec["tile_copy_bytes"] / rec["mma_warps"])
+    return [f"| bwd_wg (cuda/hopper/, SASS counts; not calibrated) | {rec['registers']} | "
+            f"{rec['dynamic_smem'] // 1024} | {per_sm} | {bound} | " + " | ".join(cells) + " |"]
+
+
 def table_designs(pas):
     out = []
     for D in (128, 64):
@@ -397,6 +416,7 @@ def table_designs(pas):
                        f"{rec['dynamic_smem'] // 1024} | 2 | smem, latency | "
                        + " | ".join(cells) + " |")
             out += compiled_bwd_rows(D, keys)
+            out += built_bwd_wg_row(D, keys)
         if pas == "fwd":   # the built Hopper kernel, from its SASS counts
             counts = m.load_counts()
             rec = counts.get(f"fwd_wg<bf16,{D},->")

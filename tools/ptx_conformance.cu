@@ -340,6 +340,20 @@ static void wgmma_family() {
     wgmma_run<128, ra::bf16_t, 0, 1, false>("A K 128B, B MN 128B", mn128);
 }
 
+/* The layouts of the Hopper backward's dQ = dS K (hopper/bwd_mainloop.cuh
+ * issue_dq): A read M-major with the 128B swizzle (64 m per row), and at
+ * D 64 a B whose start is 64 bytes into its swizzled rows.  Run after the
+ * other families, so that their inputs (one random stream) and digests
+ * stay as they were. */
+static void wgmma_bwd_family() {
+    const WgCfg mn128a = {0, 32768, 8192, 1024, 8192, 1024, 2048, 2048, SWIZZLE_128B,
+                          SWIZZLE_128B, 2, 1};
+    wgmma_run<64, ra::bf16_t, 1, 1, false>("A MN 128B, B MN 128B", mn128a);
+    const WgCfg mn128c = {0, 32768 + 64, 8192, 1024, 8192, 1024, 2048, 2048, SWIZZLE_128B,
+                          SWIZZLE_128B, 2, 1};
+    wgmma_run<32, ra::half_t, 1, 1, false>("A MN 128B, B MN 128B +64 bytes", mn128c);
+}
+
 /* ---- mbarriers, named barriers, setmaxnreg, elect, stmatrix ---------------------------- */
 
 /* an mbarrier wait with a deadline: a phase the device never completes (a
@@ -632,6 +646,7 @@ int main(int argc, char **argv) {
     wgmma_family();
     sync_family();
     tma_family();
+    wgmma_bwd_family();
     std::string all;
     printf("# tools/ptx_conformance.cu: FNV-1a 64 digests of each PTX instruction's outputs\n"
            "# on fixed inputs (one per instruction ringattn's emulated GPU models, and one over\n"

@@ -136,13 +136,20 @@ def _fwd_wg_smem(D, M):
     return (1 + 2 * 2) * 128 * D * 2 + 2 * 128 * 4 + 2 * 8 + 9 * 8 + 1024
 
 
+def _bwd_wg_smem(D, M):
+    # cuda/hopper/bwd_traits.cuh Smem<D>::kLaunchBytes: K, V (128 x D), 2
+    # stages of Q, dout (64 x D), 2 x 2 dS^T tiles (64 x 64), 2 x 64
+    # RowStats, 5 mbarriers, 1 KB to align
+    return 2 * 128 * D * 2 + 4 * 64 * D * 2 + 4 * 64 * 64 * 2 + 2 * 64 * 16 + 5 * 8 + 1024
+
+
 # dynamic shared memory per block, as the launchers compute it (fwd_tc/traits.cuh
 # smem_bytes, attn_bwd_tc_dkdv.cu dkdv_smem_bytes, attn_bwd_tc_dq.cu
 # dq_smem_bytes, attn_bwd_fused.cuh Layout::kBytes, hopper/fwd_traits.cuh
 # Smem); keep in step with them
 DYNAMIC_SMEM = {"fwd_tc_kernel": _fwd_tc_smem, "dkdv_tc_kernel": _dkdv_tc_smem,
                 "dq_tc_kernel": _dq_tc_smem, "bwd_tc_kernel": _bwd_tc_smem,
-                "fwd_wg_kernel": _fwd_wg_smem}
+                "fwd_wg_kernel": _fwd_wg_smem, "bwd_wg_kernel": _bwd_wg_smem}
 # what one iteration of each tensor-core kernel's inner loop covers: the
 # rows the block owns, the rows of the streamed tile, the block's warps and
 # (warp-specialised kernels) the warps that run that loop
@@ -155,7 +162,11 @@ TILES = {"fwd_tc_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "war
          "dkdv_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": _dkdv_tc_bm(D, M),
                                          "warps": 4},
          "dq_tc_kernel": lambda D, M: {"block_rows": 64, "tile_rows": 64, "warps": 4},
-         "bwd_tc_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "warps": 8}}
+         "bwd_tc_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "warps": 8},
+         "bwd_wg_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "warps": 12,
+                                        "mma_warps": 8,
+                                        # Q and dout of a tile, by bulk tensor copies
+                                        "tile_copy_bytes": 2 * 64 * D * 2}}
 
 # assumed latencies (cycles) of the variable-latency instructions on an
 # H100, for the single-warp schedule: shared-memory loads and ldmatrix
@@ -623,6 +634,8 @@ def short_name(mangled):
     if (len(args) == 3 and args[0] in ("bf16", "fp16") and isinstance(args[1], int)
             and isinstance(args[2], bool)):
         info.update(dtype=args[0], D=args[1], M=bool(args[2]))
+    elif len(args) == 2 and args[0] in ("bf16", "fp16") and isinstance(args[1], int):
+        info.update(dtype=args[0], D=args[1], M=False)   # a kernel without masks (bwd_wg)
     return name, info
 
 
@@ -835,7 +848,8 @@ def main(argv=None):
     ap.add_argument("--so", help="a built ringattn extension (its fatbin)")
     ap.add_argument("--compile", action="store_true", help="nvcc -cubin cuda/*.cu for --arch")
     ap.add_argument("--files",
-                    default="attn_fwd_tc,attn_bwd_tc_dkdv,attn_bwd_tc_dq,attn_bwd_fused,attn_fwd_wg",
+                    default="attn_fwd_tc,attn_bwd_tc_dkdv,attn_bwd_tc_dq,attn_bwd_fused,attn_fwd_wg,"
+                            "attn_bwd_wg",
                     help="with --compile: comma-separated cuda/ file stems (any folder "
                          "under cuda/), or 'all'")
     ap.add_argument("--arch", default="sm_90a")

@@ -283,6 +283,17 @@ static PyObject *mod_cuda_fwd_kernel_counts(PyObject *m, PyObject *unused) {
     return Py_BuildValue("{s:K,s:K,s:K}", "sm90a", n[0], "sm80", n[1], "generic", n[2]);
 }
 
+/* Backward calls so far per kernel: {"sm90a", "sm80", "generic"} (tests). */
+static PyObject *mod_cuda_bwd_kernel_counts(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    unsigned long long n[3] = {0, 0, 0};
+#ifdef RA_WITH_CUDA
+    ra_cuda_bwd_kernel_counts(n);
+#endif
+    return Py_BuildValue("{s:K,s:K,s:K}", "sm90a", n[0], "sm80", n[1], "generic", n[2]);
+}
+
 static PyMethodDef attn_functions[] = {
     {"attn_fwd", (PyCFunction)(void (*)(void))mod_attn_fwd,
      METH_VARARGS | METH_KEYWORDS,
@@ -307,6 +318,9 @@ static PyMethodDef attn_functions[] = {
      "the mma.sync ones); None without a usable GPU"},
     {"cuda_fwd_kernel_counts", mod_cuda_fwd_kernel_counts, METH_NOARGS,
      "cuda_fwd_kernel_counts() -> {'sm90a', 'sm80', 'generic'}: forward "
+     "calls so far that ran each kernel (for tests)"},
+    {"cuda_bwd_kernel_counts", mod_cuda_bwd_kernel_counts, METH_NOARGS,
+     "cuda_bwd_kernel_counts() -> {'sm90a', 'sm80', 'generic'}: backward "
      "calls so far that ran each kernel (for tests)"},
     {"cpu_simd_level", mod_simd_level, METH_NOARGS,
      "SIMD level the CPU kernels dispatched to"},

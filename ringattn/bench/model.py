@@ -212,11 +212,12 @@ def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False
     """Predicted seconds of ringattn's `pas` ("fwd" or "bwd") at (B, S, H,
     D), S_q = S_k, by kernel, plus "total": for "fwd" {"fwd_tc": s} (family
     "sm80", mma.sync) or {"fwd_wg": s} (family "sm90a", wgmma); for "bwd"
-    (the mma.sync family only) the path ``attention_backward`` takes,
-    {"delta": s, "bwd_tc": s, "dq_convert": s} (the fused kernel,
-    deterministic=False, the default) or {"delta": s, "dkdv_tc": s, "dq_tc":
-    s} (deterministic=True, or counts without the fused kernel).  None when
-    a kernel is not in `counts`."""
+    the path ``attention_backward`` takes, {"delta": s, "bwd_tc": s,
+    "dq_convert": s} (the fused mma.sync kernel, deterministic=False, the
+    default; with family "sm90a" and no masks {"delta", "bwd_wg",
+    "dq_convert"}, the wgmma one) or {"delta": s, "dkdv_tc": s, "dq_tc": s}
+    (deterministic=True, or counts without the fused kernel).  None when a
+    kernel is not in `counts`."""
     counts = load_counts() if counts is None else counts
     H_kv = H if H_kv is None else H_kv
     out = {}
@@ -231,14 +232,17 @@ def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False
         return out
     # delta = rowsum(dout * out): reads two (B, S, H, D) 16-bit arrays
     delta = 2.0 * B * S * H * D * 2 / DRAM_BYTES_PER_S + 4e-6
-    rf = None if deterministic else counts.get(_label("bwd_tc", dtype, D, masked))
+    fused = "bwd_wg" if family == "sm90a" and not masked else "bwd_tc"
+    rf = None if deterministic else counts.get(_label(fused, dtype, D, masked))
+    if rf is None and fused == "bwd_wg":
+        return None
     if rf is not None:
         # one block per (b, kv head, 128 keys) walking the group's query
         # tiles; dq: a float32 scratch zeroed (writes 4 bytes per element),
         # then converted (reads 4, writes 2)
         out["delta"] = delta
-        out["bwd_tc"] = kernel_seconds(rf, dkdv_blocks(B, H_kv, H // H_kv, S, causal,
-                                                       rf["block_rows"], rf["tile_rows"]))[0]
+        out[fused] = kernel_seconds(rf, dkdv_blocks(B, H_kv, H // H_kv, S, causal,
+                                                    rf["block_rows"], rf["tile_rows"]))[0]
         out["dq_convert"] = B * S * H * D * (4 + 4 + 2) / DRAM_BYTES_PER_S + 8e-6
         out["total"] = sum(out.values())
         return out

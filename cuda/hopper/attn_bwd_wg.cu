@@ -1,0 +1,393 @@
+/*
+ * attn_bwd_wg.cu -- the Hopper (sm_90a) attention backward for float16 and
+ * bfloat16 with head_dim 64 or 128 (deterministic=False): dq, dk and dv in
+ * one pass on warpgroup matrix multiplies (wgmma), bulk tensor copies
+ * (TMA) and warp specialisation.  Same contract as the fused mma.sync
+ * kernel (attn_bwd_fused.cu, whose header has the formulas): P from the
+ * forward's lse by the exponent rule of mask.cuh (bwd_exponent, band_of),
+ * dS = P (dP - delta) scale; dk, dv summed over the GQA group; causal,
+ * S_q != S_k, ring position offsets and strides; with p.accumulate the
+ * gradients (float32) are added into, dq in place, else dq goes through a
+ * zeroed float32 scratch and the fused kernel's conversion pass (both by
+ * bwd_fused::with_dq_target, so dq's last bits vary from run to run, as
+ * the fused kernel's do); rows whose lse is -inf contribute nothing; a NaN
+ * score makes the gradients it reaches NaN.
+ *
+ * Not here (the dispatcher, attn_bwd.cu, runs the fused mma.sync kernel
+ * for them): masks (documents, windows, softcap) and dilated branches;
+ * deterministic=True keeps the split mma.sync pair.
+ *
+ * Shapes: q, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D); lse,
+ * delta (B, H, S_q) float32.  q, dout, k, v are read through tensor maps
+ * made per call (ra_bwd_wg_supported: strides a map can describe); the
+ * dispatcher falls back to the fused kernel when the driver cannot make
+ * them.
+ *
+ * Algorithm (shapes and roles: bwd_traits.cuh; products: bwd_mainloop.cuh):
+ * a block of three warpgroups owns 128 keys of one (b, hk).  Warp 0 loads
+ * K, V once and streams the query tiles (64 rows) of every head of the
+ * group that can see the block's keys (causal: from the first query that
+ * sees key k0) into a two-stage ring.  Consumer warpgroup c owns keys
+ * 64 c.. and per tile, 32 queries at a time at D 128 (64 at D 64), issues
+ * S^T = K_c Q^T and dP^T = V_c dout^T, turns them into P^T and dS^T in
+ * registers (as 16-bit A fragments), then issues dV += P^T dout and
+ * dK += dS^T Q, stages dS^T in shared memory and, once both consumers
+ * have, issues dQ = dS K over the block's 128 keys for its half of D's
+ * columns, whose float32 result it adds into the dq target by
+ * red.global.add (one add per element and block, as the fused kernel's).
+ * At the end dK and dV go out from the accumulators (added into float32
+ * with p.accumulate, else stored as float32 or 16-bit).
+ *
+ * Launch: grid B * H_kv * ceil(S_k / 128), 384 threads, one block per SM
+ * (setmaxnreg 24 / 240), Smem<D>::kLaunchBytes of dynamic shared memory
+ * (163 KB at D 128, 99 KB at D 64).  ptxas (CUDA 13.0) reports 88 bytes of
+ * spill at D 128 (a few loop invariants: 12 local loads per tile), none at
+ * D 64 (tests/test_sass_report.py KNOWN_SPILLS).
+ */
+#include <string.h>
+
+#include "attn_kernels.cuh"
+#include "hopper/bwd_mainloop.cuh"
+#include "hopper/tensor_map.h"
+
+namespace {
+
+using namespace ra::wgb;
+using ra::bwd_fused::DqTarget;
+using ra::bwd_fused::RowStats;
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+/* What a consumer thread knows of its two rows (keys a and a + 8), as
+ * query indices (32-bit: at D 128 dK and dV hold 128 registers): the first
+ * query that sees key a, key b (S_q: none, a key past S_k).  Rows past S_q
+ * need no test: their statistics make P = 0. */
+struct KeyRows {
+    int32_t qbeg_a, qbeg_b;   /* S_q < 2^31 (ra_bwd_wg_supported) */
+};
+
+__device__ __forceinline__ int32_t first_query(const ra_attn_bwd_params &p, int64_t key) {
+    if (key >= p.seqlen_k) return (int32_t)p.seqlen_q;
+    return p.causal ? (int32_t)ra::causal_query_begin(key, p.q_pos_offset, p.q_pos_stride,
+                                                      p.k_pos_offset, p.k_pos_stride, p.seqlen_q)
+                    : 0;
+}
+
+/* the first key of the thread's two rows */
+__device__ __forceinline__ int64_t key_a_of(const ra::KBlock &blk, int c) {
+    const int warp = (threadIdx.x / 32) % 4, g = (threadIdx.x % 32) / 4;
+    return blk.k0 + c * kKeysPerWg + 16 * warp + g;
+}
+
+/* S^T -> P^T and dP^T -> dS^T in place (the fused kernel's P/dS step on
+ * the transposed tile: column `col` is query m0 + col, with its row's
+ * statistics rows[col]); pairs a mask hides get 0 after the arithmetic, so
+ * a NaN score stays NaN only where the pair is visible. */
+template <int NQ>
+__device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
+                                     const RowStats *rows, const KeyRows &kr, int32_t m0,
+                                     float sl2, float scale) {
+    const int t = threadIdx.x % 4;
+    // the first column key a, key b sees (0..NQ; 0 on tiles every row
+    // sees whole: one path, two compares per pair)
+    const int32_t a = kr.qbeg_a - m0, b = kr.qbeg_b - m0;
+    const int lo_a = a < 0 ? 0 : a > NQ ? NQ : (int)a;
+    const int lo_b = b < 0 ? 0 : b > NQ ? NQ : (int)b;
+#pragma unroll
+    for (int j = 0; j < NQ / 8; j++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int col = 8 * j + 2 * t + e;
+            const RowStats rs = rows[col];
+            const float pa =
+                ra::ex2_approx(ra::bwd_exponent(fmaf(s[4 * j + e], sl2, -rs.lse2), rs.band));
+            const float pb =
+                ra::ex2_approx(ra::bwd_exponent(fmaf(s[4 * j + 2 + e], sl2, -rs.lse2), rs.band));
+            float da = pa * fmaf(dp[4 * j + e], scale, -rs.dls);
+            float db = pb * fmaf(dp[4 * j + 2 + e], scale, -rs.dls);
+            float xa = pa, xb = pb;
+            if (col < lo_a) xa = da = 0.f;
+            if (col < lo_b) xb = db = 0.f;
+            s[4 * j + e] = xa;
+            s[4 * j + 2 + e] = xb;
+            dp[4 * j + e] = da;
+            dp[4 * j + 2 + e] = db;
+        }
+    }
+}
+
+/* An accumulator of NQ columns (the S^T layout) as 16-bit A fragments:
+ * k-step kk covers columns 16 kk .. 16 kk + 15 (n-tiles 2 kk, 2 kk + 1). */
+template <typename T, int NQ>
+__device__ __forceinline__ void pack_a(uint32_t (*a)[4], const float (&x)[NQ / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < NQ / 16; kk++) {
+        a[kk][0] = ra::pack2<T>(x[8 * kk], x[8 * kk + 1]);
+        a[kk][1] = ra::pack2<T>(x[8 * kk + 2], x[8 * kk + 3]);
+        a[kk][2] = ra::pack2<T>(x[8 * kk + 4], x[8 * kk + 5]);
+        a[kk][3] = ra::pack2<T>(x[8 * kk + 6], x[8 * kk + 7]);
+    }
+}
+
+/* dS^T (64 keys x 64 queries) into the warpgroup's tile: row r = key, 128
+ * bytes of queries, 16-byte chunk j of row r at chunk j ^ (r % 8) (r % 8
+ * is the lane's g: the rows 16 w + 8 h + g). */
+__device__ __forceinline__ void store_ds(unsigned char *ds, const uint32_t (&dsa)[kBlockM / 16][4]) {
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = 16 * warp + 8 * h + g;
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; j++) {
+            // n-tile j is k-step j / 2, registers 2 (j % 2) + h
+            const uint32_t v = dsa[j / 2][2 * (j % 2) + h];
+            *reinterpret_cast<uint32_t *>(ds + r * 128 + ((j ^ g) << 4) + 4 * t) = v;
+        }
+    }
+}
+
+/* dq (64 queries x columns (D / 2) c..) added into the target's rows of (b, h). */
+template <int D>
+__device__ __forceinline__ void add_dq(const DqTarget &tgt, int64_t b, int64_t h, int64_t m0,
+                                       int64_t s_q, int c, const float (&dq)[D / 4]) {
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float *bh = tgt.p + b * tgt.batch_stride + h * tgt.head_stride;
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int64_t row = m0 + 16 * warp + 8 * hh + g;
+        if (row < s_q) {
+            float *dst = bh + row * tgt.seq_stride + (D / 2) * c + 2 * t;
+#pragma unroll
+            for (int j = 0; j < D / 16; j++)
+                ra::red_add_f32x2(dst + 8 * j, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+        }
+    }
+}
+
+/* dK or dV (the accumulator of keys kr.key_a, kr.key_b) into its gradient
+ * (b, keys, hk): added into float32 (accumulate), stored as float32 or T. */
+template <typename T, int D>
+__device__ __forceinline__ void store_grad(const ra_attn_bwd_params &p, void *grad, int64_t bs,
+                                           int64_t ss, int64_t hs, int64_t b, int64_t hk,
+                                           int64_t key_a, const float (&x)[D / 2]) {
+    const int t = threadIdx.x % 4;
+    const bool acc = p.accumulate != 0, f32 = p.grad_dtype == RA_FLOAT32;
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int64_t key = key_a + 8 * hh;
+        if (key >= p.seqlen_k) continue;
+        const int64_t base = b * bs + key * ss + hk * hs + 2 * t;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++) {
+            const float x0 = x[4 * j + 2 * hh], x1 = x[4 * j + 2 * hh + 1];
+            if (acc || f32) {
+                float2 *d = reinterpret_cast<float2 *>((float *)grad + base + 8 * j);
+                float2 v = make_float2(x0, x1);
+                if (acc) {
+                    const float2 o = *d;
+                    v.x += o.x;
+                    v.y += o.y;
+                }
+                *d = v;
+            } else {
+                *reinterpret_cast<uint32_t *>((T *)grad + base + 8 * j) = ra::pack2<T>(x0, x1);
+            }
+        }
+    }
+}
+
+/* One consumer warpgroup (c = 0, 1) over the block's walk. */
+template <typename T, int D>
+__device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
+                        const ra::KBlock &blk, int c) {
+    const ra_attn_bwd_params &p = a.p;
+    constexpr int kSlice = D == 128 ? 32 : kBlockM;
+    KeyRows kr;
+    kr.qbeg_a = first_query(p, key_a_of(blk, c));
+    kr.qbeg_b = first_query(p, key_a_of(blk, c) + 8);
+    const float scale = (float)p.scale, sl2 = scale * kLog2e;
+
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.f;
+
+    // warp-uniform in the compiler's eyes (the wgmma under the loop stay
+    // asynchronous: fwd_mainloop.cuh)
+    const int32_t n_tiles = __shfl_sync(0xffffffffu, w.n_tiles, 0);
+    if (n_tiles > 0) ra::sm90::mbar_wait(buf.full_kv(), 0);
+    Stage st{0, 0};
+    for (int32_t tt = 0; tt < n_tiles; tt++) {
+        const int s = st.index;
+        const int32_t m0 = w.m0(tt);
+        const int64_t h = blk.hk * blk.group + w.head(tt);
+        ra::sm90::mbar_wait(buf.full(s), st.phase);
+        const RowStats *rows = buf.stats(s);
+        uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+        // S^T, dP^T and their P/dS step NQ queries at a time: at D 128 the
+        // whole 64 beside dK and dV spilled (kSlice)
+#pragma unroll
+        for (int sl = 0; sl < kBlockM / kSlice; sl++) {
+            float sx[kSlice / 2], dpx[kSlice / 2];
+            issue_xyt<T, D, kSlice>(sx, buf.k(), buf.q(s) + sl * kSlice * 128, c);
+            issue_xyt<T, D, kSlice>(dpx, buf.v(), buf.dout(s) + sl * kSlice * 128, c);
+            ra::sm90::wgmma_wait<0>();
+            ra::sm90::fence_operand(sx);
+            ra::sm90::fence_operand(dpx);
+            p_ds<kSlice>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale);
+            pack_a<T, kSlice>(pa + sl * (kSlice / 16), sx);
+            pack_a<T, kSlice>(dsa + sl * (kSlice / 16), dpx);
+        }
+        store_ds(buf.ds((int)(tt & 1), c), dsa);
+        ra::sm90::fence_proxy_async();   // the generic writes of dS^T before wgmma reads them
+        issue_dkdv<T, D>(dv, dk, pa, dsa, buf.dout(s), buf.q(s));
+        // dS^T of every warp of both consumers
+        ra::sm90::named_bar_sync(kDsBarrier, kConsumers * kWarpgroupThreads);
+        // dV, dK retired before dQ's accumulator is live: P^T and dS^T's
+        // registers free (at D 128 the three at once spilled)
+        ra::sm90::wgmma_wait<0>();
+        ra::sm90::fence_operand(dv);
+        ra::sm90::fence_operand(dk);
+        ra::sm90::fence_operand(pa);
+        ra::sm90::fence_operand(dsa);
+        {
+            float dq[D / 4];
+            issue_dq<T, D>(dq, buf.ds((int)(tt & 1), 0), buf.k(), c);
+            ra::sm90::wgmma_wait<0>();
+            ra::sm90::fence_operand(dq);
+            add_dq<D>(a.dq, blk.b, h, m0, p.seqlen_q, c, dq);
+        }
+        release(buf.empty(s));
+        st.advance();
+    }
+    store_grad<T, D>(p, p.dk, p.dk_batch_stride, p.dk_seq_stride, p.dk_head_stride, blk.b, blk.hk,
+                     key_a_of(blk, c), dk);
+    store_grad<T, D>(p, p.dv, p.dv_batch_stride, p.dv_seq_stride, p.dv_head_stride, blk.b, blk.hk,
+                     key_a_of(blk, c), dv);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1) bwd_wg_kernel(const __grid_constant__ BwdArgs a) {
+#if defined(RA_CUDA_EMULATED) || defined(RA_SM90_ASM)
+    const Buffers<D> buf(ra::dynamic_smem());
+    // the block and its walk, computed by each role after its setmaxnreg
+    // (values live across it were spilled)
+    auto walk_of = [&](const ra::KBlock &blk) {
+        const ra::Range qr = ra::block_queries<kBlockN, false>(a.p, blk.k0);
+        Walk w;
+        w.i_begin = (int32_t)qr.begin;
+        w.n_m = (int32_t)(qr.end > qr.begin ? (qr.end - qr.begin + kBlockM - 1) / kBlockM : 0);
+        w.n_tiles = w.n_m * (int32_t)blk.group;
+        return w;
+    };
+    const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x / kWarpgroupThreads), 0);
+    if (threadIdx.x == 0) {
+        ra::sm90::mbar_init(buf.full_kv(), 1);
+        for (int s = 0; s < kStages; s++) {
+            ra::sm90::mbar_init(buf.full(s), 1);
+            ra::sm90::mbar_init(buf.empty(s), kConsumers * 4);
+        }
+        ra::sm90::mbar_init_fence();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        ra::sm90::setmaxnreg_dec<kProducerRegs>();
+        if (threadIdx.x < 32) {
+            const ra::KBlock blk = ra::k_block<kBlockN>(a.p, a.n_kblocks);
+            produce<D>(a, buf, walk_of(blk), blk.b, blk.hk, blk.hk * blk.group, blk.k0);
+        }
+        return;
+    }
+    ra::sm90::setmaxnreg_inc<kConsumerRegs>();
+    const ra::KBlock blk = ra::k_block<kBlockN>(a.p, a.n_kblocks);
+    consume<T, D>(a, buf, walk_of(blk), blk, wg - 1);
+#else
+    (void)a;
+    __trap();   // built for another architecture: the dispatcher never launches it there
+#endif
+}
+
+/* The tensor map of a (B, S, H, D) 16-bit tensor (element strides batch,
+ * seq, head): 4-D, box 64 x `rows` rows, 128-byte swizzle.  0, or -1. */
+static int make_map(CUtensorMap *map, ra_dtype t, const void *x, int64_t batch, int64_t seq,
+                    int64_t heads, int64_t D, int64_t sb, int64_t ss, int64_t sh, uint32_t rows,
+                    char *err, size_t errlen) {
+    const uint64_t dims[4] = {(uint64_t)D, (uint64_t)seq, (uint64_t)heads, (uint64_t)batch};
+    // an axis of extent 1 is never stepped along: any legal stride does
+    const uint64_t strides[3] = {seq > 1 ? (uint64_t)ss * 2 : 16, heads > 1 ? (uint64_t)sh * 2 : 16,
+                                 batch > 1 ? (uint64_t)sb * 2 : 16};
+    const uint32_t box[4] = {64, rows, 1, 1};
+    return ra_tensor_map_tiled(map,
+                               t == RA_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                               4, x, dims, strides, box, NULL, CU_TENSOR_MAP_SWIZZLE_128B, err,
+                               errlen);
+}
+
+template <typename T, int D>
+ra_status launch(const ra_attn_bwd_params &p, cudaStream_t s, const DqTarget &tgt, void *ctx) {
+    BwdArgs &a = *static_cast<BwdArgs *>(ctx);
+    a.dq = tgt;
+    const size_t smem = (size_t)Smem<D>::kLaunchBytes;
+    RA_CHECK(ra_set_smem(bwd_wg_kernel<T, D>, smem));
+    int64_t blocks = 0;
+    RA_CHECK(ra_grid_1d(a.n_kblocks * p.heads_kv * p.batch, 1, &blocks));
+    if (blocks == 0) return RA_OK;
+    // grid: B * H_kv * ceil(S_k / 128) blocks of 384 threads
+    RA_LAUNCH((bwd_wg_kernel<T, D>), (unsigned)blocks, kThreads, smem, s)(a);
+    RA_CUDA_CHECK_LAUNCH("bwd_wg_kernel");
+    return RA_OK;
+}
+
+}  // namespace
+
+bool ra_bwd_wg_supported(const ra_attn_bwd_params &p) {
+    // the caller has checked the mma.sync kernels' needs (dtypes, head dims,
+    // 16-byte aligned rows); masks and dilated branches run on those
+    if (ra::mask_active(p.mask) || p.branches != nullptr) return false;
+    // tensor maps: int32 coordinates, strides of the axes longer than 1
+    // positive and below 2^40 bytes (a broadcast axis is left to mma.sync)
+    const int64_t lim = (int64_t)1 << 31;
+    if (p.batch >= lim || p.seqlen_q >= lim || p.seqlen_k >= lim || p.heads >= lim) return false;
+    // a block's walk (query tiles of the group's heads) counts in int32
+    if ((p.heads / p.heads_kv) * (p.seqlen_q / 64 + 1) >= lim) return false;
+    const int64_t ext[12] = {p.batch, p.seqlen_q, p.heads, p.batch, p.seqlen_q, p.heads,
+                             p.batch, p.seqlen_k, p.heads_kv, p.batch, p.seqlen_k, p.heads_kv};
+    const int64_t str[12] = {p.q_batch_stride,    p.q_seq_stride,    p.q_head_stride,
+                             p.dout_batch_stride, p.dout_seq_stride, p.dout_head_stride,
+                             p.k_batch_stride,    p.k_seq_stride,    p.k_head_stride,
+                             p.v_batch_stride,    p.v_seq_stride,    p.v_head_stride};
+    for (int i = 0; i < 12; i++)
+        if (ext[i] > 1 && (str[i] <= 0 || str[i] >= ((int64_t)1 << 39))) return false;
+    return true;
+}
+
+ra_status ra_bwd_wg(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
+    *ran = false;
+    const int64_t D = p.head_dim;
+    const size_t need = D == 64 ? (size_t)Smem<64>::kLaunchBytes : (size_t)Smem<128>::kLaunchBytes;
+    int dev = 0, optin = 0;
+    RA_CUDA_CHECK(cudaGetDevice(&dev));
+    RA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if ((size_t)optin < need) return RA_OK;
+    BwdArgs a;
+    memset(&a, 0, sizeof a);
+    a.p = p;
+    a.n_kblocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    char err[300];
+    if (make_map(&a.q_map, p.dtype, p.q, p.batch, p.seqlen_q, p.heads, D, p.q_batch_stride,
+                 p.q_seq_stride, p.q_head_stride, kBlockM, err, sizeof err) != 0 ||
+        make_map(&a.do_map, p.dtype, p.dout, p.batch, p.seqlen_q, p.heads, D,
+                 p.dout_batch_stride, p.dout_seq_stride, p.dout_head_stride, kBlockM, err,
+                 sizeof err) != 0 ||
+        make_map(&a.k_map, p.dtype, p.k, p.batch, p.seqlen_k, p.heads_kv, D, p.k_batch_stride,
+                 p.k_seq_stride, p.k_head_stride, kBlockN, err, sizeof err) != 0 ||
+        make_map(&a.v_map, p.dtype, p.v, p.batch, p.seqlen_k, p.heads_kv, D, p.v_batch_stride,
+                 p.v_seq_stride, p.v_head_stride, kBlockN, err, sizeof err) != 0)
+        return RA_OK;   // no tensor map: the caller runs the mma.sync kernel
+    ra::bwd_fused::DqRun run;
+    if (p.dtype == RA_FLOAT16)
+        run = D == 64 ? launch<ra::half_t, 64> : launch<ra::half_t, 128>;
+    else
+        run = D == 64 ? launch<ra::bf16_t, 64> : launch<ra::bf16_t, 128>;
+    return ra::bwd_fused::with_dq_target(p, s, run, &a, ran);
+}

@@ -1,0 +1,203 @@
+"""GPU tests of the Hopper (sm_90a) attention backward (cuda/hopper/
+attn_bwd_wg.cu: wgmma, bulk tensor copies, warp specialisation), which the
+dispatcher runs for float16/bfloat16 at head_dim 64 and 128 without masks
+or dilated branches, deterministic=False, where the device's family is
+"sm90a" (compute capability 9.0 with a build for sm_90a, and the emulated
+GPU, an sm_90 device).
+
+Each test checks which backward kernel ran (``_C.cuda_bwd_kernel_counts()``)
+and compares it with the float64 reference of ``ringattn.testing`` at
+tests/test_cuda.py's tolerance, and with the mma.sync family
+(``RINGATTN_CUDA_KERNELS=sm80``) on the same inputs: odd sizes (S not a
+multiple of the 64-row query tiles or 128-key blocks, S_q != S_k both
+ways), GQA, causal and not, the ring's accumulate with position offsets,
+rows that see no key, huge scores, a NaN input, and what falls back.
+"""
+import zlib
+
+import numpy as np
+import pytest
+
+ra = pytest.importorskip("ringattn")
+testing = pytest.importorskip("ringattn.testing")
+
+pytestmark = pytest.mark.gpu
+
+from gpu_arrays import (CUDA, EMULATED, backends_for, narrow, to_device, to_host,  # noqa: E402
+                        zeros)
+
+if not CUDA:
+    pytest.skip(f"no CUDA device: {ra.cuda_info()['reason']}", allow_module_level=True)
+
+if ra.cuda_info()["backward_kernels"] != "sm90a":
+    pytest.skip("the device does not run the sm90a family", allow_module_level=True)
+
+from test_cuda import TOL, close  # noqa: E402  (test_cuda.py's tolerance)
+
+
+def counts():
+    return ra._C.cuda_bwd_kernel_counts()
+
+
+def ran(before):
+    """The kernel of the one backward call since `before` (counts)."""
+    after = counts()
+    diff = {k: after[k] - before[k] for k in after}
+    assert sum(diff.values()) == 1, diff
+    return max(diff, key=diff.get)
+
+
+def make(rng, B, Sq, Sk, H, Hkv, D, dtype, q_scale=1.0):
+    backend = backends_for(dtype)[0]
+    q = to_device(rng.standard_normal((B, Sq, H, D)) * q_scale, dtype, backend)
+    k = to_device(rng.standard_normal((B, Sk, Hkv, D)), dtype, backend)
+    v = to_device(rng.standard_normal((B, Sk, Hkv, D)), dtype, backend)
+    dout = to_device(rng.standard_normal((B, Sq, H, D)), dtype, backend)
+    return q, k, v, dout
+
+
+def both(monkeypatch, *args, **kw):
+    """The backward on the Hopper kernel, then on the mma.sync family."""
+    monkeypatch.delenv("RINGATTN_CUDA_KERNELS", raising=False)
+    before = counts()
+    wg = ra.attention_backward(*args, **kw)
+    assert ran(before) == "sm90a"
+    monkeypatch.setenv("RINGATTN_CUDA_KERNELS", "sm80")
+    before = counts()
+    mma = ra.attention_backward(*args, **kw)
+    assert ran(before) == "sm80"
+    monkeypatch.delenv("RINGATTN_CUDA_KERNELS")
+    return wg, mma
+
+
+def test_cuda_info_names_the_backward_family(monkeypatch):
+    monkeypatch.delenv("RINGATTN_CUDA_KERNELS", raising=False)
+    assert ra.cuda_info()["backward_kernels"] == "sm90a"
+    monkeypatch.setenv("RINGATTN_CUDA_KERNELS", "sm80")
+    assert ra.cuda_info()["backward_kernels"] == "sm80"
+
+
+# (B, S_q, S_k, H, H_kv): several 128-key blocks and 64-row query tiles,
+# none a multiple; GQA and MQA; S_q != S_k both ways (bottom-right causal:
+# rows that see no key)
+SHAPES = [(1, 300, 333, 4, 2), (2, 65, 200, 3, 1), (1, 200, 65, 2, 2), (1, 77, 77, 2, 1)]
+GRID = [(dt, D, s, c) for dt in ("bfloat16", "float16") for D in (64, 128)
+        for s in range(len(SHAPES)) for c in (False, True)
+        if not EMULATED or (s + c + D // 64 + (dt == "float16")) % 2 == 0]
+
+
+@pytest.mark.parametrize("dtype,D,shape,causal", GRID)
+def test_backward_matches_reference_and_mma_sync(monkeypatch, dtype, D, shape, causal):
+    B, Sq, Sk, H, Hkv = SHAPES[shape]
+    rng = np.random.default_rng(zlib.crc32(repr(("wgb", dtype, D, shape, causal)).encode()))
+    q, k, v, dout = make(rng, B, Sq, Sk, H, Hkv, D, dtype)
+    out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
+    wg, mma = both(monkeypatch, dout, q, k, v, out, lse, causal=causal)
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          causal=causal, out=to_host(out))
+    for got, other, ref in zip(wg, mma, refs):
+        close(got, ref, dtype)
+        close(got, to_host(other).astype(np.float64), dtype)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_ring_steps_accumulate_with_offsets(D):
+    # the ring's calls: keys in chunks at their positions, gradients added
+    # into float32 dq, dk, dv (dq straight from the atomics); rows 0..49 of
+    # the first chunk's call see no key of it (causal, keys in their future)
+    dtype, B, Sq, Sk, H, Hkv = "float16", 1, 100, 333, 4, 2
+    rng = np.random.default_rng(D + 41)
+    q, k, v, dout = make(rng, B, Sq, Sk, H, Hkv, D, dtype)
+    qpos0 = Sk - Sq
+    qpos = np.arange(Sq) + qpos0
+    out, lse = ra._C.attn_fwd(q, k, v, causal=True, q_pos_offset=qpos0)
+    grads = [zeros(tuple(x.shape), "float32", like=q) for x in (q, k, v)]
+    for lo, hi in ((0, 130), (130, 150), (150, 333)):
+        before = counts()
+        ra._C.attn_bwd(dout, q, narrow(k, 1, lo, hi), narrow(v, 1, lo, hi), out, lse,
+                       causal=True, dq=grads[0], dk=narrow(grads[1], 1, lo, hi),
+                       dv=narrow(grads[2], 1, lo, hi), accumulate=True,
+                       q_pos_offset=qpos0, k_pos_offset=lo)
+        assert ran(before) == "sm90a"
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          causal=True, q_pos=qpos, k_pos=np.arange(Sk),
+                                          out=to_host(out))
+    for got, ref in zip(grads, refs):
+        close(got, ref, dtype)
+
+
+def test_rows_that_see_no_key_contribute_nothing(monkeypatch):
+    # keys at positions 40.. : causal queries 0..39 see none (lse -inf, out
+    # 0); their dq is 0 and they add nothing to dk, dv
+    dtype, D = "bfloat16", 64
+    rng = np.random.default_rng(43)
+    q, k, v, dout = make(rng, 1, 150, 140, 2, 1, D, dtype)
+    out, lse = ra._C.attn_fwd(q, k, v, causal=True, q_pos_offset=0, k_pos_offset=40)
+    assert np.all(to_host(lse)[:, :, :40] == -np.inf)
+    f32 = [zeros(tuple(x.shape), "float32", like=q) for x in (q, k, v)]
+    before = counts()
+    ra._C.attn_bwd(dout, q, k, v, out, lse, causal=True, dq=f32[0], dk=f32[1], dv=f32[2],
+                   q_pos_offset=0, k_pos_offset=40)
+    assert ran(before) == "sm90a"
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          causal=True, q_pos=np.arange(150),
+                                          k_pos=np.arange(140) + 40, out=to_host(out))
+    assert np.all(to_host(f32[0])[:, :40] == 0)
+    for got, ref in zip(f32, refs):
+        close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_huge_scores(D):
+    # q * 1e9 in bfloat16: the exponent rule's band gives the dominant key
+    # P = 1 (tests/test_cuda.py test_tensor_core_backward_is_right_at_1e9)
+    rng = np.random.default_rng(D + 47)
+    q, k, v, dout = make(rng, 1, 130, 150, 2, 2, D, "bfloat16", q_scale=1e9)
+    out, lse = ra.attention(q, k, v, return_lse=True)
+    before = counts()
+    dq, dk, dv = ra.attention_backward(dout, q, k, v, out, lse)
+    assert ran(before) == "sm90a"
+    qh, kh, vh = to_host(q), to_host(k), to_host(v)
+    rdq, rdk, rdv = testing.ref_attention_backward(to_host(dout), qh, kh, vh)
+    for g in (dq, dk, dv):
+        assert np.isfinite(to_host(g)).all(), "non-finite gradient"
+    close(dv, rdv, "bfloat16")
+    close(dq, rdq, "bfloat16")
+    err = np.abs(to_host(dk) - rdk).max()   # dk carries q's magnitude
+    assert err <= TOL["bfloat16"] * np.abs(qh).max(), err
+
+
+def test_a_nan_reaches_what_the_mma_sync_kernel_reaches(monkeypatch):
+    # a NaN in one query row: both families make the same gradients NaN
+    dtype, D = "float16", 64
+    rng = np.random.default_rng(53)
+    B, Sq, Sk, H, Hkv = 1, 70, 150, 2, 1
+    qh = rng.standard_normal((B, Sq, H, D))
+    qh[0, 33, 1, 5] = np.nan
+    q = to_device(qh, dtype, backends_for(dtype)[0])
+    _, k, v, dout = make(rng, B, Sq, Sk, H, Hkv, D, dtype)
+    out, lse = ra.attention(q, k, v, causal=True, return_lse=True)
+    wg, mma = both(monkeypatch, dout, q, k, v, out, lse, causal=True)
+    for a, b in zip(wg, mma):
+        a, b = to_host(a), to_host(b)
+        assert np.isnan(a).any()
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        fin = ~np.isnan(a)
+        assert np.abs(a[fin].astype(np.float64) - b[fin]).max() <= \
+            TOL[dtype] * max(1.0, np.abs(b[fin]).max())
+
+
+def test_what_falls_back_to_the_mma_sync_kernels():
+    dtype, D = "bfloat16", 64
+    rng = np.random.default_rng(59)
+    q, k, v, dout = make(rng, 1, 70, 90, 2, 1, D, dtype)
+    out, lse = ra.attention(q, k, v, causal=True, return_lse=True)
+    # deterministic=True: the split pair
+    before = counts()
+    ra.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    assert ran(before) == "sm80"
+    # masks: the fused mma.sync kernel
+    out, lse = ra.attention(q, k, v, causal=True, return_lse=True, window=(20, 3))
+    before = counts()
+    ra.attention_backward(dout, q, k, v, out, lse, causal=True, window=(20, 3))
+    assert ran(before) == "sm80"
