@@ -222,8 +222,45 @@ void ra_attn_bwd_fill(ra_attn_bwd_params *p, const ra_attn_call *c,
  * segment length and dilation rate >= 1 with branch_head0 >= 0,
  * branch_head_stride >= 1 (and the last head below 2^62) and p->mask sets
  * no window or softcap (documents are fine); else RA_ERR_VALUE naming
- * what is wrong.  Both backends check a backward call with it. */
-ra_status ra_check_branches(const struct ra_attn_bwd_params *p);
+ * what is wrong.  Both backends check a backward call with it (inline:
+ * cuda/ links no csrc/attn object, tools/cuda_selftest.cu included). */
+static inline ra_status ra_check_branches(const ra_attn_bwd_params *p) {
+    const ra_dilated_config *c = p->branches;
+    if (c == NULL) return RA_OK;
+    if (c->n_branches < 1 || c->n_branches > RA_MAX_BRANCHES) {
+        ra_set_error(RA_ERR_VALUE, "attention backward: branches: expected 1 "
+                     "to %d branches, got %d", RA_MAX_BRANCHES, c->n_branches);
+        return RA_ERR_VALUE;
+    }
+    for (int i = 0; i < c->n_branches; i++) {
+        if (c->segment_lengths[i] < 1 || c->dilation_rates[i] < 1) {
+            ra_set_error(RA_ERR_VALUE, "attention backward: branch %d: "
+                         "expected segment length and dilation rate >= 1, "
+                         "got %lld and %lld", i,
+                         (long long)c->segment_lengths[i],
+                         (long long)c->dilation_rates[i]);
+            return RA_ERR_VALUE;
+        }
+    }
+    const int64_t last = p->heads > 0 ? p->heads - 1 : 0;
+    const int64_t lim = (int64_t)1 << 62;
+    if (p->branch_head0 < 0 || p->branch_head_stride < 1 ||
+        p->branch_head0 >= lim ||
+        (last > 0 && p->branch_head_stride > (lim - p->branch_head0) / last)) {
+        ra_set_error(RA_ERR_VALUE, "attention backward: branch_head0 >= 0 and "
+                     "branch_head_stride >= 1 with the last head below 2^62 "
+                     "expected, got %lld and %lld for %lld heads",
+                     (long long)p->branch_head0,
+                     (long long)p->branch_head_stride, (long long)p->heads);
+        return RA_ERR_VALUE;
+    }
+    if (p->mask.has_window || p->mask.softcap > 0) {
+        ra_set_error(RA_ERR_VALUE, "attention backward: a dilated branch "
+                     "takes no window or softcap (documents only)");
+        return RA_ERR_VALUE;
+    }
+    return RA_OK;
+}
 
 /* num_threads of every entry point: 0 is the default (RINGATTN_NUM_THREADS,
  * else OpenMP's), 1..RA_MAX_THREADS that many; anything else is
