@@ -227,35 +227,6 @@ ra_status make_ids(const Call &c, cudaStream_t s, IdScratch *ids, ra_attn_mask *
     return RA_OK;
 }
 
-ra_status check_cfg(const ra_dilated_config *cfg, int64_t qps, int64_t kps,
-                    const ra_attn_mask &mask) {
-    if (mask.q_segment_ids != nullptr || mask.kv_segment_ids != nullptr ||
-        mask.has_window || mask.softcap != 0.0) {
-        ra_set_error(RA_ERR_UNSUPPORTED,
-                     "dilated attention: takes no segment ids, window or softcap");
-        return RA_ERR_UNSUPPORTED;
-    }
-    if (qps != 1 || kps != 1) {
-        ra_set_error(RA_ERR_VALUE, "dilated attention: position strides must be 1 (q %lld, k %lld)",
-                     (long long)qps, (long long)kps);
-        return RA_ERR_VALUE;
-    }
-    if (cfg == nullptr || cfg->n_branches < 1 || cfg->n_branches > RA_MAX_BRANCHES) {
-        ra_set_error(RA_ERR_VALUE, "dilated attention: need 1..%d branches", RA_MAX_BRANCHES);
-        return RA_ERR_VALUE;
-    }
-    for (int i = 0; i < cfg->n_branches; i++)
-        if (cfg->segment_lengths[i] < 1 || cfg->dilation_rates[i] < 1) {
-            ra_set_error(RA_ERR_VALUE,
-                         "dilated attention: branch %d has segment length %lld and rate %lld "
-                         "(both must be >= 1)",
-                         i, (long long)cfg->segment_lengths[i],
-                         (long long)cfg->dilation_rates[i]);
-            return RA_ERR_VALUE;
-        }
-    return RA_OK;
-}
-
 /* a pool scratch of (B, S, H, D) in `dt`, contiguous, zeroed; freed (behind
  * the stream) when it goes out of scope */
 struct Scratch4 {
@@ -321,7 +292,7 @@ ra_status check_stream(cudaStream_t s, const char *what) {
 
 extern "C" ra_status ra_cuda_dilated_fwd(const ra_attn_fwd_params *p,
                                          const ra_dilated_config *cfg, void *stream) {
-    RA_CHECK(check_cfg(cfg, p->q_pos_stride, p->k_pos_stride, p->mask));
+    RA_CHECK(ra_check_dilated(cfg, p->q_pos_stride, p->k_pos_stride, &p->mask));
     RA_CHECK(ra_check_attn_dtype("dilated attention", p->dtype));
     const ra_dtype acc = ra_acc_dtype(p->dtype);
     if (p->out_dtype != p->dtype && p->out_dtype != acc) {
@@ -401,7 +372,7 @@ extern "C" ra_status ra_cuda_dilated_fwd(const ra_attn_fwd_params *p,
 
 extern "C" ra_status ra_cuda_dilated_bwd(const ra_attn_bwd_params *p,
                                          const ra_dilated_config *cfg, void *stream) {
-    RA_CHECK(check_cfg(cfg, p->q_pos_stride, p->k_pos_stride, p->mask));
+    RA_CHECK(ra_check_dilated(cfg, p->q_pos_stride, p->k_pos_stride, &p->mask));
     RA_CHECK(ra_check_attn_dtype("dilated attention backward", p->dtype));
     const ra_dtype acc = ra_acc_dtype(p->dtype);
     if (p->accumulate && p->grad_dtype != acc) {

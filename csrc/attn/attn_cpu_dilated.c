@@ -63,38 +63,6 @@ static int64_t row_step(int64_t r, int64_t w, int64_t n) {
     return s;
 }
 
-static ra_status check_cfg(const ra_dilated_config *cfg, int64_t qps,
-                           int64_t kps, const ra_attn_mask *mask) {
-    if (ra_cpu_mask_is_set(mask)) {
-        ra_set_error(RA_ERR_UNSUPPORTED,
-                     "dilated attention: takes no segment ids, window or "
-                     "softcap");
-        return RA_ERR_UNSUPPORTED;
-    }
-    if (qps != 1 || kps != 1) {
-        ra_set_error(RA_ERR_VALUE,
-                     "dilated attention: position strides must be 1 (q %lld, k %lld)",
-                     (long long)qps, (long long)kps);
-        return RA_ERR_VALUE;
-    }
-    if (cfg == NULL || cfg->n_branches < 1 || cfg->n_branches > RA_MAX_BRANCHES) {
-        ra_set_error(RA_ERR_VALUE, "dilated attention: need 1..%d branches",
-                     RA_MAX_BRANCHES);
-        return RA_ERR_VALUE;
-    }
-    for (int i = 0; i < cfg->n_branches; i++) {
-        if (cfg->segment_lengths[i] < 1 || cfg->dilation_rates[i] < 1) {
-            ra_set_error(RA_ERR_VALUE,
-                         "dilated attention: branch %d has segment length %lld "
-                         "and rate %lld (both must be >= 1)",
-                         i, (long long)cfg->segment_lengths[i],
-                         (long long)cfg->dilation_rates[i]);
-            return RA_ERR_VALUE;
-        }
-    }
-    return RA_OK;
-}
-
 /* segments that hold rows of both local ranges: [*s_lo, *s_lo + count) */
 static int64_t seg_range(int64_t qlo, int64_t nq, int64_t klo, int64_t nk,
                          int64_t w, int64_t *s_lo) {
@@ -111,7 +79,7 @@ static int64_t seg_range(int64_t qlo, int64_t nq, int64_t klo, int64_t nk,
 ra_status ra_cpu_dilated_fwd(const ra_attn_fwd_params *p,
                              const ra_dilated_config *cfg) {
     RA_CHECK(ra_cpu_check_fwd(p));
-    RA_CHECK(check_cfg(cfg, p->q_pos_stride, p->k_pos_stride, &p->mask));
+    RA_CHECK(ra_check_dilated(cfg, p->q_pos_stride, p->k_pos_stride, &p->mask));
     const int64_t B = p->batch, Sq = p->seqlen_q, Sk = p->seqlen_k;
     const int64_t H = p->heads, Hkv = p->heads_kv, D = p->head_dim;
     if (B == 0 || Sq == 0 || H == 0) return RA_OK;
@@ -260,7 +228,7 @@ typedef struct grad_target {
 ra_status ra_cpu_dilated_bwd(const ra_attn_bwd_params *p,
                              const ra_dilated_config *cfg) {
     RA_CHECK(ra_cpu_check_bwd(p));
-    RA_CHECK(check_cfg(cfg, p->q_pos_stride, p->k_pos_stride, &p->mask));
+    RA_CHECK(ra_check_dilated(cfg, p->q_pos_stride, p->k_pos_stride, &p->mask));
     const int64_t B = p->batch, Sq = p->seqlen_q, Sk = p->seqlen_k;
     const int64_t H = p->heads, Hkv = p->heads_kv, D = p->head_dim;
     if (B == 0 || H == 0) return RA_OK;

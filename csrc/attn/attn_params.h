@@ -262,6 +262,42 @@ static inline ra_status ra_check_branches(const ra_attn_bwd_params *p) {
     return RA_OK;
 }
 
+/* A dilated attention call (ra_cpu_dilated_*, ra_cuda_dilated_*): no
+ * masks, position strides 1, 1..RA_MAX_BRANCHES branches of segment
+ * length and rate >= 1; else the named error.  Inline: cuda/ links no
+ * csrc/attn object. */
+static inline ra_status ra_check_dilated(const ra_dilated_config *cfg, int64_t qps,
+                                         int64_t kps, const ra_attn_mask *m) {
+    if (m->q_segment_ids != NULL || m->kv_segment_ids != NULL || m->has_window ||
+        m->softcap != 0.0) {
+        ra_set_error(RA_ERR_UNSUPPORTED,
+                     "dilated attention: takes no segment ids, window or softcap");
+        return RA_ERR_UNSUPPORTED;
+    }
+    if (qps != 1 || kps != 1) {
+        ra_set_error(RA_ERR_VALUE,
+                     "dilated attention: position strides must be 1 (q %lld, k %lld)",
+                     (long long)qps, (long long)kps);
+        return RA_ERR_VALUE;
+    }
+    if (cfg == NULL || cfg->n_branches < 1 || cfg->n_branches > RA_MAX_BRANCHES) {
+        ra_set_error(RA_ERR_VALUE, "dilated attention: need 1..%d branches",
+                     RA_MAX_BRANCHES);
+        return RA_ERR_VALUE;
+    }
+    for (int i = 0; i < cfg->n_branches; i++) {
+        if (cfg->segment_lengths[i] < 1 || cfg->dilation_rates[i] < 1) {
+            ra_set_error(RA_ERR_VALUE,
+                         "dilated attention: branch %d has segment length %lld "
+                         "and rate %lld (both must be >= 1)",
+                         i, (long long)cfg->segment_lengths[i],
+                         (long long)cfg->dilation_rates[i]);
+            return RA_ERR_VALUE;
+        }
+    }
+    return RA_OK;
+}
+
 /* num_threads of every entry point: 0 is the default (RINGATTN_NUM_THREADS,
  * else OpenMP's), 1..RA_MAX_THREADS that many; anything else is
  * RA_ERR_VALUE naming num_threads. */
