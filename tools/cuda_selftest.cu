@@ -227,6 +227,22 @@ struct Problem {
     }
 };
 
+/* Run the problem's backward and check that kernel family `want` ran it
+ * (ra_cuda_bwd_kernel_counts: 0 sm90a, 1 sm80, 2 generic); false, with
+ * what ran, otherwise. */
+static bool backward_ran(Problem &pr, bool det, int want) {
+    unsigned long long before[3], after[3];
+    ra_cuda_bwd_kernel_counts(before);
+    pr.backward(det);
+    CK(cudaDeviceSynchronize());
+    ra_cuda_bwd_kernel_counts(after);
+    if (after[want] == before[want] + 1) return true;
+    printf("    the backward ran %llu sm90a, %llu sm80, %llu generic kernels, expected "
+           "kernel %d\n", after[0] - before[0], after[1] - before[1], after[2] - before[2],
+           want);
+    return false;
+}
+
 static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bool causal,
                      Kern kern) {
     const bool bwd = kern != SM80 || g_bwd_families;
@@ -255,17 +271,9 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
     const double btol = tol * 2;
     const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
     for (int det = kern == GENERIC ? 1 : 0; bwd && det < 2 && ok; det++) {
-        unsigned long long before[3], after[3];
-        ra_cuda_bwd_kernel_counts(before);
-        pr.backward(det != 0);
-        CK(cudaDeviceSynchronize());
-        ra_cuda_bwd_kernel_counts(after);
         // the unmasked fused backward of a two-family device: the wgmma one
         const int want = kern == GENERIC || !tc ? 2 : kern == FAST && g_two_families && !det ? 0 : 1;
-        if (after[want] != before[want] + 1) {
-            printf("    the backward ran %llu sm90a, %llu sm80, %llu generic kernels, expected "
-                   "kernel %d\n", after[0] - before[0], after[1] - before[1],
-                   after[2] - before[2], want);
+        if (!backward_ran(pr, det != 0, want)) {
             ok = false;
             break;
         }
@@ -574,18 +582,10 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, Kern kern) {
     const bool masked = c.docs != 0 || (c.window && (c.left >= 0 || c.right >= 0)) ||
                         c.softcap > 0;
     for (int det = kern == GENERIC ? 1 : 0; bwd && det < 2 && ok; det++) {
-        unsigned long long before[3], after[3];
-        ra_cuda_bwd_kernel_counts(before);
-        pr.backward(det != 0);
-        CK(cudaDeviceSynchronize());
-        ra_cuda_bwd_kernel_counts(after);
         // the unmasked fused backward of a two-family device: the wgmma one
         const int want = kern == GENERIC || !tc ? 2
                          : kern == FAST && g_two_families && !det && !masked ? 0 : 1;
-        if (after[want] != before[want] + 1) {
-            printf("    the backward ran %llu sm90a, %llu sm80, %llu generic kernels, expected "
-                   "kernel %d\n", after[0] - before[0], after[1] - before[1],
-                   after[2] - before[2], want);
+        if (!backward_ran(pr, det != 0, want)) {
             ok = false;
             break;
         }
