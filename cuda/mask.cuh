@@ -391,6 +391,72 @@ struct DocTiles {
     }
 };
 
+/* ---- the document tile walk of one warp ----------------------------------- */
+
+/* DocTiles for a single warp (the Hopper kernels' producer warp): the tiles of R rows
+ * (tile t = rows [base + t R, base + t R + R), clipped to n) holding an id
+ * in [lo, hi], tested 32 at a time into two warp-uniform words in
+ * registers, with no block barrier (the consumers do not take part). */
+template <int R>
+struct WarpDocTiles {
+    SegIds ids;
+    int64_t base, n;
+    int32_t lo, hi;
+    int64_t chunk0;      /* first tile of the tested chunk; -1: none yet */
+    uint32_t meet, same;
+
+    __device__ __forceinline__ void init(SegIds own, int64_t r0, int64_t r_end, SegIds other,
+                                         int64_t base_, int64_t n_) {
+        id_range(own, r0, r_end, &lo, &hi);
+        ids = other;
+        base = base_;
+        n = n_;
+        chunk0 = -1;
+        meet = same = 0;
+    }
+
+    __device__ void test_chunk(int64_t t0, int64_t t_end) {
+        const int lane = threadIdx.x % 32;
+        meet = same = 0;
+        for (int k = 0; k < 32; k++) {
+            const int64_t t = t0 + k;
+            bool any = false, all = true;
+            if (t < t_end) {
+#pragma unroll
+                for (int rr = 0; rr < R; rr += 32) {
+                    const int64_t row = base + t * R + rr + lane;
+                    if (row < n) {
+                        const int32_t x = ids.at(row);
+                        any |= lo <= x && x <= hi;
+                        all &= x == lo;
+                    }
+                }
+            }
+            any = __any_sync(0xffffffffu, any);
+            all = __all_sync(0xffffffffu, all);
+            meet |= (uint32_t)any << k;
+            same |= (uint32_t)(any && all && lo == hi) << k;
+        }
+        chunk0 = t0;
+    }
+
+    /* the first tile at or after t holding an id of the block (t_end: none) */
+    __device__ Hit next(int64_t t, int64_t t_end) {
+        while (t < t_end) {
+            if (chunk0 < 0 || t < chunk0 || t >= chunk0 + 32) test_chunk(t, t_end);
+            const uint32_t m = meet & (0xffffffffu << (int)(t - chunk0));
+            if (m) {
+                const int bit = __ffs(m) - 1;
+                const int64_t tile = chunk0 + bit;
+                if (tile >= t_end) return Hit{t_end, false};
+                return Hit{tile, ((same >> bit) & 1u) != 0};
+            }
+            t = chunk0 + 32;
+        }
+        return Hit{t_end, false};
+    }
+};
+
 }  // namespace ra
 
 #endif /* RA_CUDA_MASK_CUH */

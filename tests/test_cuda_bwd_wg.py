@@ -1,9 +1,10 @@
 """GPU tests of the Hopper (sm_90a) attention backward (cuda/hopper/
 attn_bwd_wg.cu: wgmma, bulk tensor copies, warp specialisation), which the
-dispatcher runs for float16/bfloat16 at head_dim 64 and 128 without masks
-or dilated branches, deterministic=False, where the device's family is
-"sm90a" (compute capability 9.0 with a build for sm_90a, and the emulated
-GPU, an sm_90 device).
+dispatcher runs for float16/bfloat16 at head_dim 64 and 128, with or
+without masks (documents, windows, soft-capping), without dilated
+branches, deterministic=False, where the device's family is "sm90a"
+(compute capability 9.0 with a build for sm_90a, and the emulated GPU, an
+sm_90 device).
 
 Each test checks which backward kernel ran (``_C.cuda_bwd_kernel_counts()``)
 and compares it with the float64 reference of ``ringattn.testing`` at
@@ -11,7 +12,10 @@ tests/test_cuda.py's tolerance, and with the mma.sync family
 (``RINGATTN_CUDA_KERNELS=sm80``) on the same inputs: odd sizes (S not a
 multiple of the 64-row query tiles or 128-key blocks, S_q != S_k both
 ways), GQA, causal and not, the ring's accumulate with position offsets,
-rows that see no key, huge scores, a NaN input, and what falls back.
+rows that see no key, huge scores, a NaN input, the masks (every mask case
+of tests/test_masks.py, long documents whose query tiles are skipped or
+need no id test, blocks no query sees, the ring's masked steps) and what
+falls back.
 """
 import zlib
 
@@ -196,8 +200,157 @@ def test_what_falls_back_to_the_mma_sync_kernels():
     before = counts()
     ra.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
     assert ran(before) == "sm80"
-    # masks: the fused mma.sync kernel
+    # masks with deterministic=True too
     out, lse = ra.attention(q, k, v, causal=True, return_lse=True, window=(20, 3))
     before = counts()
-    ra.attention_backward(dout, q, k, v, out, lse, causal=True, window=(20, 3))
+    ra.attention_backward(dout, q, k, v, out, lse, causal=True, window=(20, 3),
+                          deterministic=True)
     assert ran(before) == "sm80"
+    # dilated branches (the branch rule): the fused mma.sync kernel
+    out, lse = ra._C.attn_fwd(q, k, v, causal=True)
+    dq, dk, dv = (zeros(tuple(x.shape), "float32", like=q) for x in (q, k, v))
+    before = counts()
+    ra._C.attn_bwd(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv,
+                   branches=([16], [2]))
+    assert ran(before) == "sm80"
+
+
+# ---- masks: documents, windows, soft-capping ------------------------------
+
+from test_cuda import MASK_CASES, mask_case, on_device  # noqa: E402
+
+# (B, S_q, S_k, H, H_kv): GQA, S_q != S_k both ways, several 128-key blocks
+MASK_SHAPES = [(2, 150, 203, 4, 2), (1, 203, 150, 2, 1)]
+MASK_GRID = [(dt, D, case, c) for dt in ("bfloat16", "float16") for D in (64, 128)
+             for case in MASK_CASES for c in (False, True)
+             if not EMULATED
+             or (MASK_CASES.index(case) + 3 * c + D // 64 + 2 * (dt == "float16")) % 4 == 0]
+
+
+def masked_inputs(rng, dtype, D, shape, host):
+    B, Sq, Sk, H, Hkv = shape
+    q, k, v, dout = make(rng, B, Sq, Sk, H, Hkv, D, dtype,
+                         q_scale=3.0 if "softcap" in host else 1.0)
+    return q, k, v, dout, on_device(host, backends_for(dtype)[0])
+
+
+def check_masked(monkeypatch, dtype, D, shape, host, causal, rng):
+    """The masked backward on the Hopper kernel and on the mma.sync one,
+    each against the float64 reference and the two against each other."""
+    q, k, v, dout, masks = masked_inputs(rng, dtype, D, shape, host)
+    out, lse = ra.attention(q, k, v, causal=causal, return_lse=True, **masks)
+    wg, mma = both(monkeypatch, dout, q, k, v, out, lse, causal=causal, **masks)
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          causal=causal, out=to_host(out), **host)
+    for got, other, ref in zip(wg, mma, refs):
+        close(got, ref, dtype)
+        close(got, to_host(other).astype(np.float64), dtype)
+
+
+@pytest.mark.parametrize("dtype,D,case,causal", MASK_GRID)
+def test_masked_backward_matches_reference_and_mma_sync(monkeypatch, dtype, D, case, causal):
+    rng = np.random.default_rng(zlib.crc32(repr(("wgbm", dtype, D, case, causal)).encode()))
+    shape = MASK_SHAPES[MASK_CASES.index(case) % 2]
+    host = mask_case(case, rng, *shape[:3])
+    check_masked(monkeypatch, dtype, D, shape, host, causal, rng)
+
+
+def doc_ids(lengths):
+    return np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)[None, :]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_documents_skip_tiles_and_the_id_test(monkeypatch, D, causal):
+    # documents longer than a 64-row query tile and a 128-key block: blocks
+    # of one id (tiles of that id need no id test), tiles of no id of a
+    # block (skipped), and short documents between them
+    lengths = [150, 3, 200, 1, 70, 9]
+    ids = doc_ids(lengths)
+    rng = np.random.default_rng(D + 61 + causal)
+    check_masked(monkeypatch, "float16", D, (1, ids.shape[1], ids.shape[1], 2, 1),
+                 {"segment_ids": ids}, causal, rng)
+
+
+def test_documents_and_window_and_softcap_at_once(monkeypatch):
+    lengths = [97, 130, 5, 101]
+    ids = doc_ids(lengths)
+    rng = np.random.default_rng(67)
+    check_masked(monkeypatch, "bfloat16", 128, (1, ids.shape[1], ids.shape[1], 4, 2),
+                 {"segment_ids": ids, "window": (70, 11), "softcap": 6.0}, True, rng)
+
+
+@pytest.mark.parametrize("host,unseen", [
+    ({"window": (0, 0)}, slice(0, 256)),
+    ({"segment_ids": np.zeros((1, 70), np.int32),
+      "kv_segment_ids": (np.arange(333) >= 100).astype(np.int32)[None, :]}, slice(128, 333))],
+    ids=["window", "docs"])
+def test_blocks_no_query_sees_end_at_once(monkeypatch, host, unseen):
+    # 70 queries, 333 keys: under the window (0, 0) the queries sit at
+    # positions 263.. (bottom-right) and see only their own key, so the
+    # blocks of keys 0..255 see no query; with the documents keys 100.. are
+    # another document, so the blocks of keys 128.. see none.  Those blocks
+    # load nothing and their dk, dv are 0.
+    rng = np.random.default_rng(71)
+    q, k, v, dout, masks = masked_inputs(rng, "float16", 64, (1, 70, 333, 2, 2), host)
+    out, lse = ra.attention(q, k, v, return_lse=True, **masks)
+    wg, mma = both(monkeypatch, dout, q, k, v, out, lse, **masks)
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          out=to_host(out), **host)
+    for g in wg[1:]:
+        g = to_host(g)
+        assert np.all(g[:, unseen] == 0) and np.abs(g).max() > 0
+    for got, other, ref in zip(wg, mma, refs):
+        close(got, ref, "float16")
+        close(got, to_host(other).astype(np.float64), "float16")
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_masked_ring_steps_accumulate_with_offsets(D):
+    # the ring's calls with documents and a window: keys in chunks at their
+    # positions (their ids the chunk's), gradients added into float32
+    dtype, B, Sq, Sk, H, Hkv = "bfloat16", 1, 100, 333, 4, 2
+    rng = np.random.default_rng(D + 73)
+    q, k, v, dout = make(rng, B, Sq, Sk, H, Hkv, D, dtype)
+    backend = backends_for(dtype)[0]
+    kv_ids = doc_ids([120, 90, 123])
+    q_ids = kv_ids[:, Sk - Sq:]
+    qpos0 = Sk - Sq
+    window = (150, 0)
+    dev = on_device({"segment_ids": q_ids, "kv_segment_ids": kv_ids}, backend)
+    out, lse = ra._C.attn_fwd(q, k, v, causal=True, q_pos_offset=qpos0, window=window,
+                              segment_ids=dev["segment_ids"],
+                              kv_segment_ids=dev["kv_segment_ids"])
+    grads = [zeros(tuple(x.shape), "float32", like=q) for x in (q, k, v)]
+    for lo, hi in ((0, 130), (130, 150), (150, 333)):
+        kv_chunk = on_device({"kv_segment_ids": kv_ids[:, lo:hi]}, backend)["kv_segment_ids"]
+        before = counts()
+        ra._C.attn_bwd(dout, q, narrow(k, 1, lo, hi), narrow(v, 1, lo, hi), out, lse,
+                       causal=True, dq=grads[0], dk=narrow(grads[1], 1, lo, hi),
+                       dv=narrow(grads[2], 1, lo, hi), accumulate=True,
+                       q_pos_offset=qpos0, k_pos_offset=lo, window=window,
+                       segment_ids=dev["segment_ids"], kv_segment_ids=kv_chunk)
+        assert ran(before) == "sm90a"
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          causal=True, q_pos=np.arange(Sq) + qpos0,
+                                          k_pos=np.arange(Sk), out=to_host(out),
+                                          segment_ids=q_ids, kv_segment_ids=kv_ids,
+                                          window=window)
+    for got, ref in zip(grads, refs):
+        close(got, ref, dtype)
+
+
+def test_softcap_with_large_scores(monkeypatch):
+    # q * 30 under softcap 5: most scores sit on the cap, where 1 - u^2 is
+    # small and rounds; the Hopper kernel's dS uses the forward's very tanh
+    rng = np.random.default_rng(79)
+    shape = (1, 130, 150, 2, 2)
+    q, k, v, dout = make(rng, *shape, 128, "bfloat16", q_scale=30.0)
+    out, lse = ra.attention(q, k, v, causal=True, return_lse=True, softcap=5.0)
+    wg, mma = both(monkeypatch, dout, q, k, v, out, lse, causal=True, softcap=5.0)
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          causal=True, out=to_host(out), softcap=5.0)
+    for got, other, ref in zip(wg, mma, refs):
+        assert np.isfinite(to_host(got)).all()
+        close(got, to_host(other).astype(np.float64), "bfloat16")
+    close(wg[2], refs[2], "bfloat16")

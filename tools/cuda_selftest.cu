@@ -32,14 +32,15 @@
  *                 also from an lse merged over two key chunks
  * Every backward runs both ways: deterministic = 0 (for float16/bfloat16
  * at D 64/128 the fused kernel of the device's family -- on sm90a the
- * wgmma one of hopper/attn_bwd_wg.cu, with masks the mma.sync one of
- * attn_bwd_fused.cu -- dq added up by float32 atomics over the key blocks;
+ * wgmma one of hopper/attn_bwd_wg.cu, masks included, else the mma.sync
+ * one of attn_bwd_fused.cu -- dq added up by float32 atomics over the key blocks;
  * accumulated straight into a float32 dq, or through its scratch and
  * conversion) and deterministic = 1 (the split kernels, whose bits
- * run_strided checks repeat).  On a two-family device run_case checks the
- * unmasked fused backward ran the sm90a kernel, and its sm80 cases run the
- * mma.sync backward too in the quick grid and on two shapes of the full
- * grid (g_bwd_families).
+ * run_strided checks repeat).  On a two-family device run_case and
+ * run_masked check the fused backward ran the sm90a kernel, and their sm80
+ * cases run the mma.sync backward too: run_case's in the quick grid and on
+ * two shapes of the full grid, run_masked's in both grids
+ * (g_bwd_families).
  *   run_broadcast k and v shared by the batch (batch stride 0): the
  *                 mma.sync forward, which the dispatcher keeps for layouts
  *                 a tensor map cannot describe
@@ -98,8 +99,8 @@ static std::vector<double> randn(std::mt19937_64 &rng, size_t n, double scale = 
  * the mma.sync family forced (RINGATTN_CUDA_KERNELS=sm80) where the device
  * also has the sm90a family (g_two_families).  An SM80 case runs the
  * backward too only while g_bwd_families is set (the quick grid, a subset
- * of the full one: the sm90a backward runs in every FAST case, and the
- * mma.sync one also in every masked case). */
+ * of the full one, and every masked SM80 case: the sm90a backward runs in
+ * every FAST case). */
 enum Kern { FAST, GENERIC, SM80 };
 static bool g_two_families = false;
 static bool g_bwd_families = false;
@@ -271,7 +272,7 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
     const double btol = tol * 2;
     const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
     for (int det = kern == GENERIC ? 1 : 0; bwd && det < 2 && ok; det++) {
-        // the unmasked fused backward of a two-family device: the wgmma one
+        // the fused backward of a two-family device: the wgmma one
         const int want = kern == GENERIC || !tc ? 2 : kern == FAST && g_two_families && !det ? 0 : 1;
         if (!backward_ran(pr, det != 0, want)) {
             ok = false;
@@ -578,13 +579,9 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, Kern kern) {
               cmp("lse", down(pr.dl, nl, acc), pr.rl, tol);
     // the fused backward, then the deterministic one (the generic kernels: one)
     const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
-    // a mask in effect (mask.cuh mask_active): the fused mma.sync backward
-    const bool masked = c.docs != 0 || (c.window && (c.left >= 0 || c.right >= 0)) ||
-                        c.softcap > 0;
     for (int det = kern == GENERIC ? 1 : 0; bwd && det < 2 && ok; det++) {
-        // the unmasked fused backward of a two-family device: the wgmma one
-        const int want = kern == GENERIC || !tc ? 2
-                         : kern == FAST && g_two_families && !det && !masked ? 0 : 1;
+        // the fused backward of a two-family device, masked or not: the wgmma one
+        const int want = kern == GENERIC || !tc ? 2 : kern == FAST && g_two_families && !det ? 0 : 1;
         if (!backward_ran(pr, det != 0, want)) {
             ok = false;
             break;
@@ -969,8 +966,10 @@ int main(int argc, char **argv) {
                 // tensor-core ones
                 if (tc || D == 8 || D == 59 || D == 96 || D == 256)
                     grid.run([&] { return run_masked(t, D, quick_mask, FAST); });
+                g_bwd_families = true;   // the masked mma.sync backward too
                 if (tc && g_two_families)
                     grid.run([&] { return run_masked(t, D, quick_mask, SM80); });
+                g_bwd_families = false;
                 if (t == RA_BFLOAT16 && (D == 59 || D == 64))  // the long walks
                     for (int ci = n_mask_cases - 2; ci < n_mask_cases; ci++)
                         grid.run([&] { return run_masked(t, D, mask_cases[ci], FAST); });
@@ -988,8 +987,10 @@ int main(int argc, char **argv) {
                 grid.run([&] { return run_masked(t, D, mask_cases[ci], FAST); });
                 if (tc && ci % 3 == 0)
                     grid.run([&] { return run_masked(t, D, mask_cases[ci], GENERIC); });
+                g_bwd_families = true;   // the masked mma.sync backward too
                 if (tc && g_two_families && ci % 3 == 1)
                     grid.run([&] { return run_masked(t, D, mask_cases[ci], SM80); });
+                g_bwd_families = false;
             }
         }
     }

@@ -139,8 +139,9 @@ def _fwd_wg_smem(D, M):
 def _bwd_wg_smem(D, M):
     # cuda/hopper/bwd_traits.cuh Smem<D>::kLaunchBytes: K, V (128 x D), 2
     # stages of Q, dout (64 x D), 2 x 2 dS^T tiles (64 x 64), 2 x 64
-    # RowStats, 5 mbarriers, 1 KB to align
-    return 2 * 128 * D * 2 + 4 * 64 * D * 2 + 4 * 64 * 64 * 2 + 2 * 64 * 16 + 5 * 8 + 1024
+    # RowStats, 2 TileMetas, 5 mbarriers, 1 KB to align
+    return (2 * 128 * D * 2 + 4 * 64 * D * 2 + 4 * 64 * 64 * 2 + 2 * 64 * 16 + 2 * 16 + 5 * 8
+            + 1024)
 
 
 # dynamic shared memory per block, as the launchers compute it (fwd_tc/traits.cuh
@@ -635,7 +636,7 @@ def short_name(mangled):
             and isinstance(args[2], bool)):
         info.update(dtype=args[0], D=args[1], M=bool(args[2]))
     elif len(args) == 2 and args[0] in ("bf16", "fp16") and isinstance(args[1], int):
-        info.update(dtype=args[0], D=args[1], M=False)   # a kernel without masks (bwd_wg)
+        info.update(dtype=args[0], D=args[1], M=False)   # a kernel without a mask argument
     return name, info
 
 

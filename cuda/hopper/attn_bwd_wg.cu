@@ -11,11 +11,17 @@
  * zeroed float32 scratch and the fused kernel's conversion pass (both by
  * bwd_fused::with_dq_target, so dq's last bits vary from run to run, as
  * the fused kernel's do); rows whose lse is -inf contribute nothing; a NaN
- * score makes the gradients it reaches NaN.
+ * score makes the gradients it reaches NaN.  Documents, windows and
+ * soft-capping in a second instantiation (M), as the fused kernel applies
+ * them: the window bounds the block's query range, a key's visible
+ * queries are one span (causal and the window), with documents only the
+ * query tiles holding an id of the block's keys are loaded and a tile all
+ * of the block's one id skips the id test; a softcap caps the score by
+ * the forward's tanh and multiplies dS by 1 - tanh^2.
  *
  * Not here (the dispatcher, attn_bwd.cu, runs the fused mma.sync kernel
- * for them): masks (documents, windows, softcap) and dilated branches;
- * deterministic=True keeps the split mma.sync pair.
+ * for them): dilated branches (the branch rule); deterministic=True keeps
+ * the split mma.sync pair.
  *
  * Shapes: q, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D); lse,
  * delta (B, H, S_q) float32.  q, dout, k, v are read through tensor maps
@@ -38,11 +44,18 @@
  * At the end dK and dV go out from the accumulators (added into float32
  * with p.accumulate, else stored as float32 or 16-bit).
  *
+ * The masked variant's producer walks tile by tile (every head of the
+ * group on a tile, then the next tile) and names each stage's tile in a
+ * TileMeta; a stage with m0 = -1 ends the block (bwd_mainloop.cuh
+ * produce_masked).
+ *
  * Launch: grid B * H_kv * ceil(S_k / 128), 384 threads, one block per SM
- * (setmaxnreg 24 / 240), Smem<D>::kLaunchBytes of dynamic shared memory
- * (163 KB at D 128, 99 KB at D 64).  ptxas (CUDA 13.0) reports 88 bytes of
- * spill at D 128 (a few loop invariants: 12 local loads per tile), none at
- * D 64 (tests/test_sass_report.py KNOWN_SPILLS).
+ * (setmaxnreg 24 / 240; masked 40 / 232: the document walk's state in the
+ * producer spilled at 24), Smem<D>::kLaunchBytes of dynamic shared memory
+ * (163 KB at D 128, 99 KB at D 64).  ptxas (CUDA 13.0) reports spills at
+ * D 128 (a few loop invariants of the consumers: 72 bytes, about 12 local
+ * loads per tile; masked 40 bytes stored, 56 loaded), none at D 64
+ * (tests/test_sass_report.py KNOWN_SPILLS).
  */
 #include <string.h>
 
@@ -59,11 +72,14 @@ using ra::bwd_fused::RowStats;
 constexpr float kLog2e = 1.4426950408889634f;
 
 /* What a consumer thread knows of its two rows (keys a and a + 8), as
- * query indices (32-bit: at D 128 dK and dV hold 128 registers): the first
- * query that sees key a, key b (S_q: none, a key past S_k).  Rows past S_q
- * need no test: their statistics make P = 0. */
+ * query indices (32-bit: at D 128 dK and dV hold 128 registers): the
+ * queries that see key a, key b are [qbeg, qend) (past S_k: none; without
+ * masks qend is S_q, not read).  Rows past S_q need no test: their
+ * statistics make P = 0.  With documents the keys' ids. */
 struct KeyRows {
     int32_t qbeg_a, qbeg_b;   /* S_q < 2^31 (ra_bwd_wg_supported) */
+    int32_t qend_a, qend_b;
+    int32_t kid_a, kid_b;
 };
 
 __device__ __forceinline__ int32_t first_query(const ra_attn_bwd_params &p, int64_t key) {
@@ -73,43 +89,92 @@ __device__ __forceinline__ int32_t first_query(const ra_attn_bwd_params &p, int6
                     : 0;
 }
 
+/* The masked variant's rows: causal and the window as the span of query
+ * positions that see the key (mask.cuh queries_seeing), and the key's id. */
+__device__ __forceinline__ void masked_rows(const ra_attn_bwd_params &p, int64_t b, int64_t key,
+                                            int32_t *qbeg, int32_t *qend, int32_t *kid) {
+    *qbeg = *qend = *kid = 0;
+    if (key >= p.seqlen_k) return;
+    const ra::Span sp = ra::queries_seeing(p, p.k_pos_offset + key * p.k_pos_stride);
+    *qbeg = (int32_t)ra::count_below_sat(sp.lo, p.q_pos_offset, p.q_pos_stride, p.seqlen_q);
+    *qend = (int32_t)ra::count_upto_sat(sp.hi, p.q_pos_offset, p.q_pos_stride, p.seqlen_q);
+    if (ra::mask_docs(p.mask)) *kid = ra::kv_seg_ids(p.mask, b).at(key);
+}
+
 /* the first key of the thread's two rows */
 __device__ __forceinline__ int64_t key_a_of(const ra::KBlock &blk, int c) {
     const int warp = (threadIdx.x / 32) % 4, g = (threadIdx.x % 32) / 4;
     return blk.k0 + c * kKeysPerWg + 16 * warp + g;
 }
 
+/* What the masked variant's P/dS step needs besides the rows: the
+ * softcap's factors (s -> tanh(s cap_in) cap_out, log2 units; cap_in 0:
+ * none) and whether the tile's ids need comparing. */
+struct TileMask {
+    float cap_in, cap_out;
+    bool doc_test;
+};
+
 /* S^T -> P^T and dP^T -> dS^T in place (the fused kernel's P/dS step on
  * the transposed tile: column `col` is query m0 + col, with its row's
  * statistics rows[col]); pairs a mask hides get 0 after the arithmetic, so
- * a NaN score stays NaN only where the pair is visible. */
-template <int NQ>
+ * a NaN score stays NaN only where the pair is visible.  M: the visible
+ * columns of key a are [qbeg_a, qend_a) (and, with tm.doc_test, those of
+ * its id); with a softcap the exponent is of the capped score and dS
+ * gains 1 - u^2 of the same u = tanh (mask.cuh). */
+template <int NQ, bool M>
 __device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
                                      const RowStats *rows, const KeyRows &kr, int32_t m0,
-                                     float sl2, float scale) {
+                                     float sl2, float scale, const TileMask &tm) {
     const int t = threadIdx.x % 4;
     // the first column key a, key b sees (0..NQ; 0 on tiles every row
     // sees whole: one path, two compares per pair)
     const int32_t a = kr.qbeg_a - m0, b = kr.qbeg_b - m0;
     const int lo_a = a < 0 ? 0 : a > NQ ? NQ : (int)a;
     const int lo_b = b < 0 ? 0 : b > NQ ? NQ : (int)b;
+    int hi_a = NQ, hi_b = NQ;
+    if constexpr (M) {
+        const int32_t ea = kr.qend_a - m0, eb = kr.qend_b - m0;
+        hi_a = ea < 0 ? 0 : ea > NQ ? NQ : (int)ea;
+        hi_b = eb < 0 ? 0 : eb > NQ ? NQ : (int)eb;
+    }
+    const bool capped = M && tm.cap_in != 0.f;
 #pragma unroll
     for (int j = 0; j < NQ / 8; j++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int col = 8 * j + 2 * t + e;
             const RowStats rs = rows[col];
-            const float pa =
-                ra::ex2_approx(ra::bwd_exponent(fmaf(s[4 * j + e], sl2, -rs.lse2), rs.band));
-            const float pb =
-                ra::ex2_approx(ra::bwd_exponent(fmaf(s[4 * j + 2 + e], sl2, -rs.lse2), rs.band));
+            float xa, xb, fa = 1.f, fb = 1.f;
+            if (capped) {
+                const float ua = ra::tanh_acc(s[4 * j + e] * tm.cap_in);
+                const float ub = ra::tanh_acc(s[4 * j + 2 + e] * tm.cap_in);
+                xa = fmaf(ua, tm.cap_out, -rs.lse2);
+                xb = fmaf(ub, tm.cap_out, -rs.lse2);
+                fa = 1.f - ua * ua;
+                fb = 1.f - ub * ub;
+            } else {
+                xa = fmaf(s[4 * j + e], sl2, -rs.lse2);
+                xb = fmaf(s[4 * j + 2 + e], sl2, -rs.lse2);
+            }
+            const float pa = ra::ex2_approx(ra::bwd_exponent(xa, rs.band));
+            const float pb = ra::ex2_approx(ra::bwd_exponent(xb, rs.band));
             float da = pa * fmaf(dp[4 * j + e], scale, -rs.dls);
             float db = pb * fmaf(dp[4 * j + 2 + e], scale, -rs.dls);
-            float xa = pa, xb = pb;
-            if (col < lo_a) xa = da = 0.f;
-            if (col < lo_b) xb = db = 0.f;
-            s[4 * j + e] = xa;
-            s[4 * j + 2 + e] = xb;
+            if (M) {
+                da *= fa;
+                db *= fb;
+            }
+            float oa = pa, ob = pb;
+            bool hide_a = col < lo_a, hide_b = col < lo_b;
+            if constexpr (M) {
+                hide_a = hide_a || col >= hi_a || (tm.doc_test && rs.qid != kr.kid_a);
+                hide_b = hide_b || col >= hi_b || (tm.doc_test && rs.qid != kr.kid_b);
+            }
+            if (hide_a) oa = da = 0.f;
+            if (hide_b) ob = db = 0.f;
+            s[4 * j + e] = oa;
+            s[4 * j + 2 + e] = ob;
             dp[4 * j + e] = da;
             dp[4 * j + 2 + e] = db;
         }
@@ -196,83 +261,124 @@ __device__ __forceinline__ void store_grad(const ra_attn_bwd_params &p, void *gr
     }
 }
 
-/* One consumer warpgroup (c = 0, 1) over the block's walk. */
-template <typename T, int D>
+/* One tile of consumer warpgroup c: stage st's Q, dout and statistics
+ * (rows m0.., query head h), the tile's parity (dS buffer) tt & 1. */
+template <typename T, int D, bool M>
+__device__ __forceinline__ void consume_tile(const BwdArgs &a, const Buffers<D> &buf,
+                                             const Stage &st, int32_t tt, int32_t m0, int64_t h,
+                                             int64_t b, const KeyRows &kr, const TileMask &tm,
+                                             int c, float (&dk)[D / 2], float (&dv)[D / 2]) {
+    const ra_attn_bwd_params &p = a.p;
+    constexpr int kSlice = D == 128 ? 32 : kBlockM;
+    const float scale = (float)p.scale, sl2 = scale * kLog2e;
+    const int s = st.index;
+    const RowStats *rows = buf.stats(s);
+    uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+    // S^T, dP^T and their P/dS step NQ queries at a time: at D 128 the
+    // whole 64 beside dK and dV spilled (kSlice)
+#pragma unroll
+    for (int sl = 0; sl < kBlockM / kSlice; sl++) {
+        float sx[kSlice / 2], dpx[kSlice / 2];
+        issue_xyt<T, D, kSlice>(sx, buf.k(), buf.q(s) + sl * kSlice * 128, c);
+        issue_xyt<T, D, kSlice>(dpx, buf.v(), buf.dout(s) + sl * kSlice * 128, c);
+        ra::sm90::wgmma_wait<0>();
+        ra::sm90::fence_operand(sx);
+        ra::sm90::fence_operand(dpx);
+        p_ds<kSlice, M>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale, tm);
+        pack_a<T, kSlice>(pa + sl * (kSlice / 16), sx);
+        pack_a<T, kSlice>(dsa + sl * (kSlice / 16), dpx);
+    }
+    store_ds(buf.ds((int)(tt & 1), c), dsa);
+    ra::sm90::fence_proxy_async();   // the generic writes of dS^T before wgmma reads them
+    issue_dkdv<T, D>(dv, dk, pa, dsa, buf.dout(s), buf.q(s));
+    // dS^T of every warp of both consumers
+    ra::sm90::named_bar_sync(kDsBarrier, kConsumers * kWarpgroupThreads);
+    // dV, dK retired before dQ's accumulator is live: P^T and dS^T's
+    // registers free (at D 128 the three at once spilled)
+    ra::sm90::wgmma_wait<0>();
+    ra::sm90::fence_operand(dv);
+    ra::sm90::fence_operand(dk);
+    ra::sm90::fence_operand(pa);
+    ra::sm90::fence_operand(dsa);
+    {
+        float dq[D / 4];
+        issue_dq<T, D>(dq, buf.ds((int)(tt & 1), 0), buf.k(), c);
+        ra::sm90::wgmma_wait<0>();
+        ra::sm90::fence_operand(dq);
+        add_dq<D>(a.dq, b, h, m0, p.seqlen_q, c, dq);
+    }
+    release(buf.empty(s));
+}
+
+/* One consumer warpgroup (c = 0, 1) over the block's walk: without masks
+ * the walk computed here as the producer computes it; with them (M) the
+ * tiles the producer's stages name (TileMeta), until the one that ends. */
+template <typename T, int D, bool M>
 __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
                         const ra::KBlock &blk, int c) {
     const ra_attn_bwd_params &p = a.p;
-    constexpr int kSlice = D == 128 ? 32 : kBlockM;
-    KeyRows kr;
-    kr.qbeg_a = first_query(p, key_a_of(blk, c));
-    kr.qbeg_b = first_query(p, key_a_of(blk, c) + 8);
-    const float scale = (float)p.scale, sl2 = scale * kLog2e;
+    const int64_t key_a = key_a_of(blk, c);
+    KeyRows kr{};
+    TileMask tm{0.f, 0.f, false};
+    if constexpr (M) {
+        masked_rows(p, blk.b, key_a, &kr.qbeg_a, &kr.qend_a, &kr.kid_a);
+        masked_rows(p, blk.b, key_a + 8, &kr.qbeg_b, &kr.qend_b, &kr.kid_b);
+        if (p.mask.softcap > 0) {
+            tm.cap_in = (float)(p.scale / p.mask.softcap);
+            tm.cap_out = (float)(p.mask.softcap * (double)kLog2e);
+        }
+    } else {
+        kr.qbeg_a = first_query(p, key_a);
+        kr.qbeg_b = first_query(p, key_a + 8);
+    }
 
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.f;
 
-    // warp-uniform in the compiler's eyes (the wgmma under the loop stay
-    // asynchronous: fwd_mainloop.cuh)
-    const int32_t n_tiles = __shfl_sync(0xffffffffu, w.n_tiles, 0);
-    if (n_tiles > 0) ra::sm90::mbar_wait(buf.full_kv(), 0);
     Stage st{0, 0};
-    for (int32_t tt = 0; tt < n_tiles; tt++) {
-        const int s = st.index;
-        const int32_t m0 = w.m0(tt);
-        const int64_t h = blk.hk * blk.group + w.head(tt);
-        ra::sm90::mbar_wait(buf.full(s), st.phase);
-        const RowStats *rows = buf.stats(s);
-        uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
-        // S^T, dP^T and their P/dS step NQ queries at a time: at D 128 the
-        // whole 64 beside dK and dV spilled (kSlice)
-#pragma unroll
-        for (int sl = 0; sl < kBlockM / kSlice; sl++) {
-            float sx[kSlice / 2], dpx[kSlice / 2];
-            issue_xyt<T, D, kSlice>(sx, buf.k(), buf.q(s) + sl * kSlice * 128, c);
-            issue_xyt<T, D, kSlice>(dpx, buf.v(), buf.dout(s) + sl * kSlice * 128, c);
-            ra::sm90::wgmma_wait<0>();
-            ra::sm90::fence_operand(sx);
-            ra::sm90::fence_operand(dpx);
-            p_ds<kSlice>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale);
-            pack_a<T, kSlice>(pa + sl * (kSlice / 16), sx);
-            pack_a<T, kSlice>(dsa + sl * (kSlice / 16), dpx);
+    if constexpr (M) {
+        const bool docs = ra::mask_docs(p.mask);
+        for (int32_t tt = 0;; tt++) {
+            ra::sm90::mbar_wait(buf.full(st.index), st.phase);
+            // warp-uniform in the compiler's eyes (lane 0's): the wgmma under
+            // the branches stay asynchronous (fwd_mainloop.cuh)
+            const TileMeta m = *buf.meta(st.index);
+            const int32_t m0 = __shfl_sync(0xffffffffu, m.m0, 0);
+            if (m0 < 0) break;
+            const int32_t hh = __shfl_sync(0xffffffffu, m.head, 0);
+            tm.doc_test = docs && __shfl_sync(0xffffffffu, m.same, 0) == 0;
+            if (tt == 0) ra::sm90::mbar_wait(buf.full_kv(), 0);
+            consume_tile<T, D, M>(a, buf, st, tt, m0, blk.hk * blk.group + hh, blk.b, kr, tm, c,
+                                  dk, dv);
+            st.advance();
         }
-        store_ds(buf.ds((int)(tt & 1), c), dsa);
-        ra::sm90::fence_proxy_async();   // the generic writes of dS^T before wgmma reads them
-        issue_dkdv<T, D>(dv, dk, pa, dsa, buf.dout(s), buf.q(s));
-        // dS^T of every warp of both consumers
-        ra::sm90::named_bar_sync(kDsBarrier, kConsumers * kWarpgroupThreads);
-        // dV, dK retired before dQ's accumulator is live: P^T and dS^T's
-        // registers free (at D 128 the three at once spilled)
-        ra::sm90::wgmma_wait<0>();
-        ra::sm90::fence_operand(dv);
-        ra::sm90::fence_operand(dk);
-        ra::sm90::fence_operand(pa);
-        ra::sm90::fence_operand(dsa);
-        {
-            float dq[D / 4];
-            issue_dq<T, D>(dq, buf.ds((int)(tt & 1), 0), buf.k(), c);
-            ra::sm90::wgmma_wait<0>();
-            ra::sm90::fence_operand(dq);
-            add_dq<D>(a.dq, blk.b, h, m0, p.seqlen_q, c, dq);
+    } else {
+        // warp-uniform in the compiler's eyes (the wgmma under the loop stay
+        // asynchronous: fwd_mainloop.cuh)
+        const int32_t n_tiles = __shfl_sync(0xffffffffu, w.n_tiles, 0);
+        if (n_tiles > 0) ra::sm90::mbar_wait(buf.full_kv(), 0);
+        for (int32_t tt = 0; tt < n_tiles; tt++) {
+            ra::sm90::mbar_wait(buf.full(st.index), st.phase);
+            consume_tile<T, D, M>(a, buf, st, tt, w.m0(tt), blk.hk * blk.group + w.head(tt),
+                                  blk.b, kr, tm, c, dk, dv);
+            st.advance();
         }
-        release(buf.empty(s));
-        st.advance();
     }
     store_grad<T, D>(p, p.dk, p.dk_batch_stride, p.dk_seq_stride, p.dk_head_stride, blk.b, blk.hk,
-                     key_a_of(blk, c), dk);
+                     key_a, dk);
     store_grad<T, D>(p, p.dv, p.dv_batch_stride, p.dv_seq_stride, p.dv_head_stride, blk.b, blk.hk,
-                     key_a_of(blk, c), dv);
+                     key_a, dv);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool M>
 __global__ void __launch_bounds__(kThreads, 1) bwd_wg_kernel(const __grid_constant__ BwdArgs a) {
 #if defined(RA_CUDA_EMULATED) || defined(RA_SM90_ASM)
     const Buffers<D> buf(ra::dynamic_smem());
     // the block and its walk, computed by each role after its setmaxnreg
     // (values live across it were spilled)
     auto walk_of = [&](const ra::KBlock &blk) {
-        const ra::Range qr = ra::block_queries<kBlockN, false>(a.p, blk.k0);
+        const ra::Range qr = ra::block_queries<kBlockN, M>(a.p, blk.k0);
         Walk w;
         w.i_begin = (int32_t)qr.begin;
         w.n_m = (int32_t)(qr.end > qr.begin ? (qr.end - qr.begin + kBlockM - 1) / kBlockM : 0);
@@ -290,16 +396,19 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wg_kernel(const __grid_consta
     }
     __syncthreads();
     if (wg == 0) {
-        ra::sm90::setmaxnreg_dec<kProducerRegs>();
+        ra::sm90::setmaxnreg_dec<M ? kMaskedProducerRegs : kProducerRegs>();
         if (threadIdx.x < 32) {
             const ra::KBlock blk = ra::k_block<kBlockN>(a.p, a.n_kblocks);
-            produce<D>(a, buf, walk_of(blk), blk.b, blk.hk, blk.hk * blk.group, blk.k0);
+            if constexpr (M)
+                produce_masked<D>(a, buf, walk_of(blk), blk.b, blk.hk, blk.group, blk.k0);
+            else
+                produce<D>(a, buf, walk_of(blk), blk.b, blk.hk, blk.hk * blk.group, blk.k0);
         }
         return;
     }
-    ra::sm90::setmaxnreg_inc<kConsumerRegs>();
+    ra::sm90::setmaxnreg_inc<M ? kMaskedConsumerRegs : kConsumerRegs>();
     const ra::KBlock blk = ra::k_block<kBlockN>(a.p, a.n_kblocks);
-    consume<T, D>(a, buf, walk_of(blk), blk, wg - 1);
+    consume<T, D, M>(a, buf, walk_of(blk), blk, wg - 1);
 #else
     (void)a;
     __trap();   // built for another architecture: the dispatcher never launches it there
@@ -323,27 +432,34 @@ static int make_map(CUtensorMap *map, ra_dtype t, const void *x, int64_t batch, 
                                errlen);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool M>
 ra_status launch(const ra_attn_bwd_params &p, cudaStream_t s, const DqTarget &tgt, void *ctx) {
     BwdArgs &a = *static_cast<BwdArgs *>(ctx);
     a.dq = tgt;
     const size_t smem = (size_t)Smem<D>::kLaunchBytes;
-    RA_CHECK(ra_set_smem(bwd_wg_kernel<T, D>, smem));
+    RA_CHECK(ra_set_smem(bwd_wg_kernel<T, D, M>, smem));
     int64_t blocks = 0;
     RA_CHECK(ra_grid_1d(a.n_kblocks * p.heads_kv * p.batch, 1, &blocks));
     if (blocks == 0) return RA_OK;
     // grid: B * H_kv * ceil(S_k / 128) blocks of 384 threads
-    RA_LAUNCH((bwd_wg_kernel<T, D>), (unsigned)blocks, kThreads, smem, s)(a);
+    RA_LAUNCH((bwd_wg_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(a);
     RA_CUDA_CHECK_LAUNCH("bwd_wg_kernel");
     return RA_OK;
+}
+
+/* the launcher of (dtype, D, M) */
+template <bool M>
+ra::bwd_fused::DqRun pick(ra_dtype t, int64_t D) {
+    if (t == RA_FLOAT16) return D == 64 ? launch<ra::half_t, 64, M> : launch<ra::half_t, 128, M>;
+    return D == 64 ? launch<ra::bf16_t, 64, M> : launch<ra::bf16_t, 128, M>;
 }
 
 }  // namespace
 
 bool ra_bwd_wg_supported(const ra_attn_bwd_params &p) {
     // the caller has checked the mma.sync kernels' needs (dtypes, head dims,
-    // 16-byte aligned rows); masks and dilated branches run on those
-    if (ra::mask_active(p.mask) || p.branches != nullptr) return false;
+    // 16-byte aligned rows); dilated branches (the branch rule) run on those
+    if (p.branches != nullptr) return false;
     // tensor maps: int32 coordinates, strides of the axes longer than 1
     // positive and below 2^40 bytes (a broadcast axis is left to mma.sync)
     const int64_t lim = (int64_t)1 << 31;
@@ -385,9 +501,9 @@ ra_status ra_bwd_wg(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
                  p.v_seq_stride, p.v_head_stride, kBlockN, err, sizeof err) != 0)
         return RA_OK;   // no tensor map: the caller runs the mma.sync kernel
     ra::bwd_fused::DqRun run;
-    if (p.dtype == RA_FLOAT16)
-        run = D == 64 ? launch<ra::half_t, 64> : launch<ra::half_t, 128>;
+    if (ra::mask_active(p.mask))
+        run = pick<true>(p.dtype, D);
     else
-        run = D == 64 ? launch<ra::bf16_t, 64> : launch<ra::bf16_t, 128>;
+        run = pick<false>(p.dtype, D);
     return ra::bwd_fused::with_dq_target(p, s, run, &a, ran);
 }

@@ -94,6 +94,100 @@ __device__ void produce(const BwdArgs &a, const Buffers<D> &buf, const Walk &w, 
     }
 }
 
+/* The masked variant's producer (documents, windows, softcap): the block's
+ * query range [w.i_begin, ..) is the window's (block_queries with M), and
+ * with documents only the 64-row tiles holding an id of the block's keys
+ * are loaded (WarpDocTiles).  The walk is tile by tile, every head of the
+ * group on a tile before the next (the document test once per tile); each
+ * stage carries its TileMeta, and a stage whose meta has m0 = -1 (a plain
+ * arrive, no copies) ends the block.  K and V are loaded only once a tile
+ * is found: a block that no query sees ends at once. */
+template <int D>
+__device__ void produce_masked(const BwdArgs &a, const Buffers<D> &buf, const Walk &w, int64_t b,
+                               int64_t hk, int64_t group, int64_t k0) {
+    const ra_attn_bwd_params &p = a.p;
+    const int lane = threadIdx.x % 32;
+    const bool leader = sm90::elect_one();
+    const float scale = (float)p.scale;
+    const int32_t cb = (int32_t)b;
+    const bool docs = mask_docs(p.mask);
+    const int64_t i_end = (int64_t)w.i_begin + (int64_t)w.n_m * kBlockM < p.seqlen_q
+                              ? (int64_t)w.i_begin + (int64_t)w.n_m * kBlockM
+                              : p.seqlen_q;
+    WarpDocTiles<kBlockM> tiles;
+    SegIds qids{};
+    if (docs) {
+        const int64_t k_end = k0 + kBlockN < p.seqlen_k ? k0 + kBlockN : p.seqlen_k;
+        qids = q_seg_ids(p.mask, b);
+        tiles.init(kv_seg_ids(p.mask, b), k0, k_end, qids, w.i_begin, i_end);
+    }
+    Stage st{0, 0};
+    bool kv_loaded = false;
+    for (int32_t t = 0;;) {
+        Hit hit{t, false};
+        if (docs) hit = tiles.next(t, w.n_m);
+        if (hit.tile >= w.n_m) break;
+        const int32_t m0 = w.i_begin + (int32_t)hit.tile * kBlockM;
+        if (leader && !kv_loaded) {
+            sm90::tma_prefetch_map(&a.q_map);
+            sm90::tma_prefetch_map(&a.do_map);
+            sm90::mbar_arrive_expect_tx(buf.full_kv(), 2u * (uint32_t)Smem<D>::kKVBytes);
+#pragma unroll
+            for (int hf = 0; hf < Smem<D>::kHalves; hf++) {
+                sm90::tma_load_4d(buf.k() + hf * kKHalfBytes, &a.k_map, buf.full_kv(), hf * 64,
+                                  (int32_t)k0, (int32_t)hk, cb);
+                sm90::tma_load_4d(buf.v() + hf * kKHalfBytes, &a.v_map, buf.full_kv(), hf * 64,
+                                  (int32_t)k0, (int32_t)hk, cb);
+            }
+        }
+        kv_loaded = true;
+        // the tile's rows' ids, the same for every head
+        int32_t id0 = 0, id1 = 0;
+        if (docs) {
+            if (m0 + lane < p.seqlen_q) id0 = qids.at(m0 + lane);
+            if (m0 + 32 + lane < p.seqlen_q) id1 = qids.at(m0 + 32 + lane);
+        }
+        for (int32_t hh = 0; hh < (int32_t)group; hh++) {
+            const int s = st.index;
+            const int64_t h = hk * group + hh;
+            sm90::mbar_wait(buf.empty(s), st.phase ^ 1u);
+            const int64_t lo = b * p.lse_batch_stride + h * p.lse_head_stride;
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int r = lane + 32 * half;
+                const int64_t row = (int64_t)m0 + r;
+                bwd_fused::RowLoad rl{-CUDART_INF_F, 0.f, half ? id1 : id0};
+                if (row < p.seqlen_q) {
+                    rl.lse = ((const float *)p.lse)[lo + row * p.lse_seq_stride];
+                    rl.delta = ((const float *)p.delta)[lo + row * p.lse_seq_stride];
+                }
+                bwd_fused::row_stats_of(rl, scale, buf.stats(s) + r);
+            }
+            if (leader) *buf.meta(s) = TileMeta{m0, hh, hit.same ? 1 : 0, 0};
+            __syncwarp();   // the lanes' statistics before the leader's arrive releases them
+            if (leader) {
+                sm90::mbar_arrive_expect_tx(buf.full(s), 2u * (uint32_t)Smem<D>::kQBytes);
+#pragma unroll
+                for (int hf = 0; hf < Smem<D>::kHalves; hf++) {
+                    sm90::tma_load_4d(buf.q(s) + hf * kQHalfBytes, &a.q_map, buf.full(s),
+                                      hf * 64, m0, (int32_t)h, cb);
+                    sm90::tma_load_4d(buf.dout(s) + hf * kQHalfBytes, &a.do_map, buf.full(s),
+                                      hf * 64, m0, (int32_t)h, cb);
+                }
+            }
+            st.advance();
+        }
+        t = (int32_t)hit.tile + 1;
+    }
+    // the end of the block: a stage with m0 = -1 and no copies
+    const int s = st.index;
+    sm90::mbar_wait(buf.empty(s), st.phase ^ 1u);
+    if (leader) {
+        *buf.meta(s) = TileMeta{-1, 0, 0, 0};
+        sm90::mbar_arrive(buf.full(s));
+    }
+}
+
 /* ---- the consumers' products ------------------------------------------------------ */
 
 /* Each batch opens with its own wgmma.fence in the same basic block as its

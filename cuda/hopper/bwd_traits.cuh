@@ -44,9 +44,12 @@ constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;   /* 384 */
 
 /* setmaxnreg: 24 for the producer warpgroup (32-bit tile walk), 240 for
  * the consumers, whose dK and dV take 128 (128 x 24 + 256 x 240 = 64512 of
- * 65536). */
+ * 65536).  The masked variant: 40 and 232 (the document walk
+ * of its producer spilled at 24). */
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
+constexpr int kMaskedProducerRegs = 40;
+constexpr int kMaskedConsumerRegs = 232;
 
 /* Named barrier of the consumers' dS^T tiles (both warpgroups, 256
  * threads; 0 is __syncthreads): each consumer's dQ product reads both. */
@@ -69,7 +72,10 @@ constexpr int kAtomBytes = 1024;   /* 8 rows x 128 bytes: the swizzle's period (
  *                   a warp's write of tile i + 2 after every warp's dQ
  *                   product of tile i (dS[p][1] follows dS[p][0]: one
  *                   128-key operand)
- *   stats[s]        kBlockM RowStats (lse log2 e, band, delta scale)
+ *   stats[s]        kBlockM RowStats (lse log2 e, band, delta scale;
+ *                   with documents the row's id)
+ *   meta[s]         the masked variant's record of the stage's tile
+ *                   (TileMeta: the producer's walk decides it)
  *   barriers        full_kv; full[s] (Q, dout, stats landed); empty[s]
  *                   (every consumer warp is done with stage s) */
 template <int D>
@@ -84,10 +90,19 @@ struct Smem {
     static constexpr int kDO = kQ + kStages * kQBytes;
     static constexpr int kDS = kDO + kStages * kQBytes;
     static constexpr int kStats = kDS + 2 * kConsumers * kDsBytes;
-    static constexpr int kBars = kStats + kStages * kBlockM * (int)sizeof(bwd_fused::RowStats);
+    static constexpr int kMeta = kStats + kStages * kBlockM * (int)sizeof(bwd_fused::RowStats);
+    static constexpr int kBars = kMeta + kStages * 16;
     static constexpr int kNumBars = 1 + 2 * kStages;
     static constexpr int kBytes = kBars + kNumBars * 8;
     static constexpr int kLaunchBytes = kBytes + kAtomBytes;
+};
+
+/* The masked variant's record of the tile in a stage: its first query row
+ * (-1: the block has no more tiles), the query head within the GQA group,
+ * and whether every id of its rows equals the block's one id (documents:
+ * then no pair of the tile needs the id test). */
+struct TileMeta {
+    int32_t m0, head, same, unused;
 };
 
 template <int D>
@@ -106,6 +121,9 @@ struct Buffers {
     __device__ __forceinline__ uint64_t *empty(int s) const { return bars() + 1 + kStages + s; }
     __device__ __forceinline__ bwd_fused::RowStats *stats(int s) const {
         return reinterpret_cast<bwd_fused::RowStats *>(base + Smem<D>::kStats) + s * kBlockM;
+    }
+    __device__ __forceinline__ TileMeta *meta(int s) const {
+        return reinterpret_cast<TileMeta *>(base + Smem<D>::kMeta) + s;
     }
     __device__ __forceinline__ unsigned char *k() const { return base + Smem<D>::kK; }
     __device__ __forceinline__ unsigned char *v() const { return base + Smem<D>::kV; }

@@ -214,8 +214,8 @@ def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False
     "sm80", mma.sync) or {"fwd_wg": s} (family "sm90a", wgmma); for "bwd"
     the path ``attention_backward`` takes, {"delta": s, "bwd_tc": s,
     "dq_convert": s} (the fused mma.sync kernel, deterministic=False, the
-    default; with family "sm90a" and no masks {"delta", "bwd_wg",
-    "dq_convert"}, the wgmma one) or {"delta": s, "dkdv_tc": s, "dq_tc": s}
+    default; with family "sm90a" {"delta", "bwd_wg", "dq_convert"}, the
+    wgmma one, masked or not) or {"delta": s, "dkdv_tc": s, "dq_tc": s}
     (deterministic=True, or counts without the fused kernel).  None when a
     kernel is not in `counts`."""
     counts = load_counts() if counts is None else counts
@@ -232,7 +232,7 @@ def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False
         return out
     # delta = rowsum(dout * out): reads two (B, S, H, D) 16-bit arrays
     delta = 2.0 * B * S * H * D * 2 / DRAM_BYTES_PER_S + 4e-6
-    fused = "bwd_wg" if family == "sm90a" and not masked else "bwd_tc"
+    fused = "bwd_wg" if family == "sm90a" else "bwd_tc"
     rf = None if deterministic else counts.get(_label(fused, dtype, D, masked))
     if rf is None and fused == "bwd_wg":
         return None
