@@ -10,8 +10,8 @@
  *   attn_bwd_simt_dq.cu (every dtype, head_dim 1..256).
  *   Tensor cores with p->deterministic = 0: where the device's family is
  *   sm90a (attn_family.cu; RINGATTN_CUDA_KERNELS=sm80 forces mma.sync)
- *   and ra_bwd_wg_supported (no dilated branches, strides a tensor map can
- *   describe; masks included), the wgmma/TMA pass of hopper/attn_bwd_wg.cu
+ *   and ra_bwd_wg_supported (strides a tensor map can describe; masks and
+ *   dilated branches included), the wgmma/TMA pass of hopper/attn_bwd_wg.cu
  *   (dq by float32 atomics); else, or when it cannot run, the fused pass of
  *   attn_bwd_fused.cu (dq added up by float32 atomics, so its last bits
  *   vary from run to run), unless the device lacks the shared memory or a

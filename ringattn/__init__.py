@@ -106,8 +106,8 @@ def cuda_info():
     bfloat16 attention of head_dim 64 and 128 runs on device 0: "sm90a"
     (wgmma and TMA: compute capability 9.0 and a build for sm_90a) or
     "sm80" (mma.sync; ``RINGATTN_CUDA_KERNELS=sm80`` forces it); None
-    without a usable GPU.  On "sm90a" the backward with dilated branches,
-    and with deterministic=True, still runs the mma.sync kernels.
+    without a usable GPU.  On "sm90a" the backward with
+    deterministic=True still runs the mma.sync kernels.
     """
     available, reason = _C.cuda_available()
     emulated = bool(_C.cuda_emulated())

@@ -142,7 +142,8 @@ def run_branch(dtype, D, causal, w, r, o, device, deterministic, seed=0):
     return [to_host(g) for g in got], ref, terms
 
 
-# (dtype, D, deterministic): the fused tensor-core pass, the split
+# (dtype, D, deterministic): the fused tensor-core pass (of the device's
+# family: test_branch_rule_on_each_fused_kernel runs each), the split
 # tensor-core pair, the generic kernels
 FAMILIES = [("float16", 64, False), ("bfloat16", 64, True), ("float32", 24, True)]
 
@@ -176,6 +177,43 @@ def test_branch_rule_matches_cpu_and_reference(dtype, D, det, causal, o):
     bad = check(cpu, ref, terms, dtype)
     assert not bad, "CPU vs float64:\n" + "\n".join(bad)
     bad = check(got, cpu, terms, dtype, slack)
+    assert not bad, "CUDA vs CPU:\n" + "\n".join(bad)
+
+
+def bwd_counts():
+    return _C.cuda_bwd_kernel_counts()
+
+
+# the fused (deterministic=False) 16-bit backward of each tensor-core family
+# the device has: "sm90a" (the wgmma kernel, the default on the Hopper
+# family) and "sm80" (the fused mma.sync kernel, forced there)
+FUSED = (["sm90a", "sm80"] if CUDA and ra.cuda_info()["backward_kernels"] == "sm90a"
+         else ["sm80"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device (real or emulated)")
+@pytest.mark.parametrize("kernel", FUSED)
+@pytest.mark.parametrize("dtype,D", [("bfloat16", 128), ("float16", 64)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_branch_rule_on_each_fused_kernel(monkeypatch, kernel, dtype, D, causal):
+    """The rule in each family's fused backward (the kernel that ran
+    checked), against the float64 reference and the CPU; offset 1 (strided
+    heads from 1)."""
+    if kernel == ra.cuda_info()["backward_kernels"]:
+        monkeypatch.delenv("RINGATTN_CUDA_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("RINGATTN_CUDA_KERNELS", kernel)
+    w, r, o = SEGS[1], RATES[1], 1
+    before = bwd_counts()
+    got, ref, terms = run_branch(dtype, D, causal, w, r, o, True, False, seed=D + causal)
+    after = bwd_counts()
+    assert after[kernel] == before[kernel] + 1, (before, after)
+    monkeypatch.delenv("RINGATTN_CUDA_KERNELS", raising=False)
+    cpu, _, _ = run_branch(dtype, D, causal, w, r, o, False, False, seed=D + causal)
+    bad = check(got, ref, terms, dtype, 2)
+    assert not bad, "CUDA vs float64:\n" + "\n".join(bad)
+    bad = check(got, cpu, terms, dtype, 2)
     assert not bad, "CUDA vs CPU:\n" + "\n".join(bad)
 
 

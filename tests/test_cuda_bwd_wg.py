@@ -1,8 +1,8 @@
 """GPU tests of the Hopper (sm_90a) attention backward (cuda/hopper/
 attn_bwd_wg.cu: wgmma, bulk tensor copies, warp specialisation), which the
 dispatcher runs for float16/bfloat16 at head_dim 64 and 128, with or
-without masks (documents, windows, soft-capping), without dilated
-branches, deterministic=False, where the device's family is "sm90a"
+without masks (documents, windows, soft-capping) and dilated attention's
+branches (tests/test_cuda_branches.py), deterministic=False, where the device's family is "sm90a"
 (compute capability 9.0 with a build for sm_90a, and the emulated GPU, an
 sm_90 device).
 
@@ -205,13 +205,6 @@ def test_what_falls_back_to_the_mma_sync_kernels():
     before = counts()
     ra.attention_backward(dout, q, k, v, out, lse, causal=True, window=(20, 3),
                           deterministic=True)
-    assert ran(before) == "sm80"
-    # dilated branches (the branch rule): the fused mma.sync kernel
-    out, lse = ra._C.attn_fwd(q, k, v, causal=True)
-    dq, dk, dv = (zeros(tuple(x.shape), "float32", like=q) for x in (q, k, v))
-    before = counts()
-    ra._C.attn_bwd(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv,
-                   branches=([16], [2]))
     assert ran(before) == "sm80"
 
 

@@ -556,6 +556,47 @@ def table_forward_masks():
     return "\n".join(out)
 
 
+def masked_bwd_blocks(B, H, S, keys, rows, window=None, docs=1):
+    """Tile counts of the masked backward's blocks (one per `keys` keys,
+    query tiles of `rows`), causal: a sliding window of `window` keys to
+    the left (the block's queries end at its last key plus the window), or
+    `docs` equal packed documents (the queries up to the document's end;
+    keys per block divide the length)."""
+    per = []
+    n = S // docs
+    for kb in range(-(-S // keys)):
+        k0 = kb * keys
+        end = min(S, k0 + keys + window) if window is not None else (k0 // n + 1) * n
+        per.append(-(-(end - k0) // rows))
+    return per * (B * H)
+
+
+def table_backward_masks():
+    """Window (S/4 to the left) and 8 packed documents against plain
+    causal, backward, at the forward masks' shape: each fused kernel's
+    masked (M) counts on the visited tiles, its plain ones on causal
+    (PREDICTED; the delta and dq conversion passes, the same in every
+    case, left out)."""
+    dt, D, S = MASKS_SHAPE
+    B, H = 16384 // S, 2048 // D
+    counts = m.load_counts(BUILT_COUNTS)
+    out = ["| kernel | causal ms | window ms (/ causal) | docs ms (/ causal) |",
+           "|---|---:|---:|---:|"]
+    for name in ("bwd_tc", "bwd_wg"):
+        plain = counts.get(m._label(name, dt, D))
+        masked = counts.get(m._label(name, dt, D, True))
+        if plain is None or masked is None:
+            continue
+        k, r = masked["block_rows"], masked["tile_rows"]
+        causal = m.kernel_seconds(plain, m.dkdv_blocks(B, H, 1, S, True, plain["block_rows"],
+                                                       plain["tile_rows"]))[0]
+        window = m.kernel_seconds(masked, masked_bwd_blocks(B, H, S, k, r, window=S // 4))[0]
+        docs = m.kernel_seconds(masked, masked_bwd_blocks(B, H, S, k, r, docs=8))[0]
+        out.append(f"| {name} | {causal * 1e3:.2f} | {window * 1e3:.2f} ({window / causal:.2f}) "
+                   f"| {docs * 1e3:.2f} ({docs / causal:.2f}) |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true")
@@ -577,6 +618,8 @@ def main(argv=None):
     print(table_forward_built())
     print("\n## the built forward: masks against causal\n")
     print(table_forward_masks())
+    print("\n## the built backward: masks against causal\n")
+    print(table_backward_masks())
     return 0
 
 

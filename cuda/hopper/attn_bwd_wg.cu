@@ -17,11 +17,11 @@
  * queries are one span (causal and the window), with documents only the
  * query tiles holding an id of the block's keys are loaded and a tile all
  * of the block's one id skips the id test; a softcap caps the score by
- * the forward's tanh and multiplies dS by 1 - tanh^2.
+ * the forward's tanh and multiplies dS by 1 - tanh^2.  With p.branches (a
+ * branch of dilated attention) the masked instantiation also applies the
+ * branch rule (mask.cuh) to its P^T and dS^T fragments (branch_rule).
  *
- * Not here (the dispatcher, attn_bwd.cu, runs the fused mma.sync kernel
- * for them): dilated branches (the branch rule); deterministic=True keeps
- * the split mma.sync pair.
+ * Not here: deterministic=True keeps the split mma.sync pair (attn_bwd.cu).
  *
  * Shapes: q, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D); lse,
  * delta (B, H, S_q) float32.  q, dout, k, v are read through tensor maps
@@ -54,7 +54,7 @@
  * producer spilled at 24), Smem<D>::kLaunchBytes of dynamic shared memory
  * (163 KB at D 128, 99 KB at D 64).  ptxas (CUDA 13.0) reports spills at
  * D 128 (a few loop invariants of the consumers: 72 bytes, about 12 local
- * loads per tile; masked 40 bytes stored, 56 loaded), none at D 64
+ * loads per tile; masked 24 bytes stored, 32 loaded, 1 load per tile), none at D 64
  * (tests/test_sass_report.py KNOWN_SPILLS).
  */
 #include <string.h>
@@ -80,6 +80,7 @@ struct KeyRows {
     int32_t qbeg_a, qbeg_b;   /* S_q < 2^31 (ra_bwd_wg_supported) */
     int32_t qend_a, qend_b;
     int32_t kid_a, kid_b;
+    int32_t key_a;            /* M: key a's index (the branch rule) */
 };
 
 __device__ __forceinline__ int32_t first_query(const ra_attn_bwd_params &p, int64_t key) {
@@ -194,6 +195,58 @@ __device__ __forceinline__ void pack_a(uint32_t (*a)[4], const float (&x)[NQ / 2
     }
 }
 
+/* The 16-bit half e (0: low) of a packed pair, and the pair with it set. */
+template <typename T>
+__device__ __forceinline__ float half_of(uint32_t v, int e) {
+    const uint16_t b = (uint16_t)(e ? v >> 16 : v & 0xffffu);
+    T x;
+    memcpy(&x, &b, 2);
+    return ra::to_acc(x);
+}
+template <typename T>
+__device__ __forceinline__ uint32_t with_half(uint32_t v, int e, float f) {
+    const T x = ra::from_accf<T>(f);
+    uint16_t b;
+    memcpy(&b, &x, 2);
+    return e ? (v & 0xffffu) | ((uint32_t)b << 16) : (v & 0xffff0000u) | b;
+}
+
+/* The branch rule of dilated attention (mask.cuh branch_rule_fix) on the
+ * tile's P^T and dS^T fragments, as the fused kernel applies it to its
+ * 16-bit tiles: an element whose P is exactly 1 (a pair the exponent rule
+ * snapped: an unsnapped exponent in a band row is below -2^-6, a hidden
+ * pair holds 0) that c of the branches select takes P and dS times 1/c.
+ * Element k = 8 kk + 2 r + e is half e of register r of k-step kk: key a
+ * (r even) or a + 8, query m0 + 16 kk + 8 (r / 2) + 2 t + e; h the call's
+ * query head.  After the slices, where S^T and dP^T are dead (inside the
+ * step it made the D 128 loop spill more). */
+template <typename T>
+__device__ __forceinline__ void branch_rule(const BwdArgs &a, uint32_t (&pa)[kBlockM / 16][4],
+                                            uint32_t (&dsa)[kBlockM / 16][4], const KeyRows &kr,
+                                            int32_t m0, int64_t h) {
+    const ra_attn_bwd_params &p = a.p;
+    const int t = threadIdx.x % 4;
+    ra::branch_rule_fix<kBlockM / 2>(
+        a.br, [&](int k) { return half_of<T>(pa[k / 8][(k / 2) % 4], k % 2) == 1.f; },
+        [&](int k, int64_t *hq, int64_t *qp, int64_t *kp) {
+            const int kk = k / 8, r = (k / 2) % 4;
+            *hq = a.br.head0 + a.br.head_stride * h;
+            *qp = p.q_pos_offset +
+                  ((int64_t)m0 + 16 * kk + 8 * (r / 2) + 2 * t + (k & 1)) * p.q_pos_stride;
+            *kp = p.k_pos_offset + ((int64_t)kr.key_a + 8 * (r % 2)) * p.k_pos_stride;
+        },
+        [&](int k, float f) {
+#pragma unroll
+            for (int i = 0; i < kBlockM / 2; i++) {
+                if (i == k) {
+                    uint32_t &pv = pa[i / 8][(i / 2) % 4], &dv = dsa[i / 8][(i / 2) % 4];
+                    pv = with_half<T>(pv, i % 2, half_of<T>(pv, i % 2) * f);
+                    dv = with_half<T>(dv, i % 2, half_of<T>(dv, i % 2) * f);
+                }
+            }
+        });
+}
+
 /* dS^T (64 keys x 64 queries) into the warpgroup's tile: row r = key, 128
  * bytes of queries, 16-byte chunk j of row r at chunk j ^ (r % 8) (r % 8
  * is the lane's g: the rows 16 w + 8 h + g). */
@@ -288,6 +341,10 @@ __device__ __forceinline__ void consume_tile(const BwdArgs &a, const Buffers<D> 
         pack_a<T, kSlice>(pa + sl * (kSlice / 16), sx);
         pack_a<T, kSlice>(dsa + sl * (kSlice / 16), dpx);
     }
+    if constexpr (M) {
+        if (a.br.n != 0)   // uniform: one branch of dilated attention
+            branch_rule<T>(a, pa, dsa, kr, m0, h);
+    }
     store_ds(buf.ds((int)(tt & 1), c), dsa);
     ra::sm90::fence_proxy_async();   // the generic writes of dS^T before wgmma reads them
     issue_dkdv<T, D>(dv, dk, pa, dsa, buf.dout(s), buf.q(s));
@@ -323,6 +380,7 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
     if constexpr (M) {
         masked_rows(p, blk.b, key_a, &kr.qbeg_a, &kr.qend_a, &kr.kid_a);
         masked_rows(p, blk.b, key_a + 8, &kr.qbeg_b, &kr.qend_b, &kr.kid_b);
+        kr.key_a = (int32_t)key_a;
         if (p.mask.softcap > 0) {
             tm.cap_in = (float)(p.scale / p.mask.softcap);
             tm.cap_out = (float)(p.mask.softcap * (double)kLog2e);
@@ -458,12 +516,13 @@ ra::bwd_fused::DqRun pick(ra_dtype t, int64_t D) {
 
 bool ra_bwd_wg_supported(const ra_attn_bwd_params &p) {
     // the caller has checked the mma.sync kernels' needs (dtypes, head dims,
-    // 16-byte aligned rows); dilated branches (the branch rule) run on those
-    if (p.branches != nullptr) return false;
+    // 16-byte aligned rows)
     // tensor maps: int32 coordinates, strides of the axes longer than 1
     // positive and below 2^40 bytes (a broadcast axis is left to mma.sync)
     const int64_t lim = (int64_t)1 << 31;
-    if (p.batch >= lim || p.seqlen_q >= lim || p.seqlen_k >= lim || p.heads >= lim) return false;
+    // (a block's key indices, past S_k by up to 127, too)
+    if (p.batch >= lim || p.seqlen_q >= lim || p.seqlen_k >= lim - kBlockN || p.heads >= lim)
+        return false;
     // a block's walk (query tiles of the group's heads) counts in int32
     if ((p.heads / p.heads_kv) * (p.seqlen_q / 64 + 1) >= lim) return false;
     const int64_t ext[12] = {p.batch, p.seqlen_q, p.heads, p.batch, p.seqlen_q, p.heads,
@@ -489,6 +548,7 @@ ra_status ra_bwd_wg(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
     memset(&a, 0, sizeof a);
     a.p = p;
     a.n_kblocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    a.br = ra::branches_of(p);
     char err[300];
     if (make_map(&a.q_map, p.dtype, p.q, p.batch, p.seqlen_q, p.heads, D, p.q_batch_stride,
                  p.q_seq_stride, p.q_head_stride, kBlockM, err, sizeof err) != 0 ||
@@ -501,7 +561,7 @@ ra_status ra_bwd_wg(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
                  p.v_seq_stride, p.v_head_stride, kBlockN, err, sizeof err) != 0)
         return RA_OK;   // no tensor map: the caller runs the mma.sync kernel
     ra::bwd_fused::DqRun run;
-    if (ra::mask_active(p.mask))
+    if (ra::masked_variant(p))
         run = pick<true>(p.dtype, D);
     else
         run = pick<false>(p.dtype, D);

@@ -152,12 +152,14 @@ struct Stage {
 
 /* The kernel's argument: the backward's params, the tensor maps of q,
  * dout (box 64 x 64 rows) and k, v (box 64 x 128 rows), each (B, S, H, D)
- * as a 4-D map (D, S, H, B), 128-byte swizzle; the float32 dq target. */
+ * as a 4-D map (D, S, H, B), 128-byte swizzle; the float32 dq target; the
+ * branch rule's branches (mask.cuh; n = 0 without p.branches). */
 struct BwdArgs {
     CUtensorMap q_map, do_map, k_map, v_map;
     ra_attn_bwd_params p;
     bwd_fused::DqTarget dq;
     int64_t n_kblocks;
+    Branches br;
 };
 
 /* The block's walk: query tiles [i_begin, i_end) in steps of kBlockM for
