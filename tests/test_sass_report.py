@@ -3,8 +3,9 @@ checked in here (no CUDA tool needed), and the rule it keeps on the
 installed build: no tensor-core kernel touches local memory (no spill, no
 stack frame, no local array).  The rule needs a real CUDA build of ringattn
 (the README's test command makes one where nvcc is found) and cuobjdump
-(the toolkit's, or the `nvidia-cuda-cuobjdump` wheel the test extra
-installs); it is skipped without either.  A kernel listed in KNOWN_SPILLS
+and the nvdisasm its -sass runs (the toolkit's, or the
+`nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels the test extra
+installs); it is skipped without them.  A kernel listed in KNOWN_SPILLS
 is a strict expected failure (bwd_wg at head_dim 128 today, masked or
 not; dkdv_tc at head_dim 128, which spilled with 255 registers, streams
 16-row query tiles since), so the day it stops spilling it fails as XPASS
@@ -255,9 +256,8 @@ TC_KERNELS = [f"{fam}<{t},{d},{m}>" for fam in ("bwd_tc", "dkdv_tc", "dq_tc", "f
               for t in ("bf16", "fp16") for d in (128, 64) for m in ("-", "M")]
 # the wgmma/TMA kernels (cuda/hopper/): real code on sm_90a only; the other
 # architectures' cubins hold stubs of them (a trap, no tensor-core loop)
-WG_KERNELS = [f"fwd_wg<{t},{d},{m}>" for t in ("bf16", "fp16") for d in (128, 64)
-              for m in ("-", "M")] + [f"bwd_wg<{t},{d},->" for t in ("bf16", "fp16")
-                                      for d in (128, 64)]
+WG_KERNELS = [f"{fam}<{t},{d},{m}>" for fam in ("fwd_wg", "bwd_wg") for t in ("bf16", "fp16")
+              for d in (128, 64) for m in ("-", "M")]
 
 
 def kernels_of(arch):
@@ -285,6 +285,8 @@ def build_reports():
     cuobjdump = sr.find_tool("cuobjdump")
     if cuobjdump is None:
         pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    if sr.find_tool("nvdisasm") is None:
+        pytest.skip("no nvdisasm, which cuobjdump -sass runs (pip install nvidia-cuda-nvdisasm)")
     so = sr.installed_extension()[0]
     reports = {}
     for arch in ARCHS:

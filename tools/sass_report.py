@@ -17,9 +17,10 @@ Usage:
   FILE, --counts FILE (the compact form ringattn/bench/model.py reads: after a
   kernel change, `--so ... --counts ringattn/bench/kernel_counts.json`).
 
-Tools: cuobjdump (the CUDA toolkit's, or the `nvidia-cuda-cuobjdump` wheel's:
-`pip install nvidia-cuda-cuobjdump`; RINGATTN_CUOBJDUMP names one), and nvcc
-for --compile.  Nothing runs on a GPU.
+Tools: cuobjdump and the nvdisasm its -sass runs (the CUDA toolkit's, or
+the wheels': `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`;
+RINGATTN_CUOBJDUMP and RINGATTN_NVDISASM name them), and nvcc for
+--compile.  Nothing runs on a GPU.
 
 What each column is:
 - regs: registers per thread (cuobjdump -res-usage REG).
@@ -675,8 +676,19 @@ def installed_extension():
     return core.__file__, ringattn.cuda_info()
 
 
+def _tool_env():
+    """The environment of cuobjdump: its -sass runs nvdisasm, which it looks
+    for on PATH or NVDISASM_PATH (the pip wheels put it in a folder of their
+    own, not on PATH): the folder of the nvdisasm find_tool finds."""
+    env = dict(os.environ)
+    nvdisasm = find_tool("nvdisasm")
+    if nvdisasm is not None and "NVDISASM_PATH" not in env:
+        env["NVDISASM_PATH"] = os.path.dirname(nvdisasm)
+    return env
+
+
 def _run(cmd):
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_tool_env())
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[:500]}")
     return r.stdout + r.stderr
@@ -767,7 +779,8 @@ def uses_local_memory(row):
 # every other kernel is reported and held to "no local memory" by
 # tests/test_sass_report.py, so a new family is checked until it is named here
 SIMT_FAMILIES = ("fwd_simt_kernel", "dkdv_simt_kernel", "dq_simt_kernel", "delta_kernel",
-                 "merge_kernel", "fill_state_kernel", "copy_kernel", "dq_convert_kernel")
+                 "merge_kernel", "fill_state_kernel", "copy_kernel", "dq_convert_kernel",
+                 "dilated_ids_kernel")
 
 
 def cubins_of(path, arch, workdir, cuobjdump):
@@ -791,7 +804,7 @@ def report(paths, arch, ptxas_text="", include_simt=False, kernels=None, cuobjdu
     cuobjdump = cuobjdump or find_tool("cuobjdump")
     if cuobjdump is None:
         raise RuntimeError("cuobjdump not found: install the CUDA toolkit's or "
-                           "`pip install nvidia-cuda-cuobjdump`")
+                           "`pip install nvidia-cuda-cuobjdump` (and nvidia-cuda-nvdisasm)")
 
     def wanted(mangled):
         name, info = short_name(mangled)
