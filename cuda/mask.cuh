@@ -293,6 +293,41 @@ __device__ __forceinline__ void row_ids(SegIds ids, int64_t first, int64_t n, in
     for (int r = 0; r < RPW; r++) id[r] = first + r < n ? ids.at(first + r) : 0;
 }
 
+/* A warp's word of 32 tiles of R rows (tile t = rows [base + t R, base +
+ * t R + R), clipped to n), tiles t0 .. t0 + 31 (those before t_end): bit k
+ * of *meet when tile t0 + k holds an id in [lo, hi], of *same when every id
+ * in it also equals lo == hi.  Warp-uniform; one load per lane and 32 rows
+ * (coalesced). */
+template <int R, int U>
+__device__ __forceinline__ void tile_words(const SegIds &ids, int64_t base, int64_t n,
+                                           int32_t lo, int32_t hi, int64_t t0, int64_t t_end,
+                                           uint32_t *meet, uint32_t *same) {
+    const int lane = threadIdx.x % 32;
+    uint32_t m = 0, s = 0;
+#pragma unroll U
+    for (int k = 0; k < 32; k++) {
+        const int64_t t = t0 + k;
+        bool any = false, all = true;
+        if (t < t_end) {
+#pragma unroll
+            for (int rr = 0; rr < R; rr += 32) {
+                const int64_t row = base + t * R + rr + lane;
+                if (row < n && (R >= 32 || lane < R)) {  // a tile under 32 rows
+                    const int32_t x = ids.at(row);
+                    any |= lo <= x && x <= hi;
+                    all &= x == lo;
+                }
+            }
+        }
+        any = __any_sync(0xffffffffu, any);
+        all = __all_sync(0xffffffffu, all);
+        m |= (uint32_t)any << k;
+        s |= (uint32_t)(any && all && lo == hi) << k;
+    }
+    *meet = m;
+    *same = s;
+}
+
 /* A streamed tile the block visits: its index and whether every id in it
  * equals the block's single id (then no element needs the document test). */
 struct Hit {
@@ -340,27 +375,8 @@ struct DocTiles {
     __device__ void test_chunk(int64_t t0, int64_t t_end) {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         __syncthreads();  // every thread is done reading the previous words
-        uint32_t meet = 0, same = 0;
-#pragma unroll 4
-        for (int k = 0; k < 32; k++) {
-            const int64_t t = t0 + 32 * warp + k;
-            bool any = false, all = true;
-            if (t < t_end) {
-#pragma unroll
-                for (int rr = 0; rr < R; rr += 32) {
-                    const int64_t row = base + t * R + rr + lane;
-                    if (row < n && (R >= 32 || lane < R)) {  // a tile under 32 rows
-                        const int32_t x = ids.at(row);
-                        any |= lo <= x && x <= hi;
-                        all &= x == lo;
-                    }
-                }
-            }
-            any = __any_sync(0xffffffffu, any);
-            all = __all_sync(0xffffffffu, all);
-            meet |= (uint32_t)any << k;
-            same |= (uint32_t)(any && all && lo == hi) << k;
-        }
+        uint32_t meet, same;
+        tile_words<R, 4>(ids, base, n, lo, hi, t0 + 32 * warp, t_end, &meet, &same);
         if (lane == 0) {
             words[warp] = meet;
             words[W + warp] = same;
@@ -416,27 +432,7 @@ struct WarpDocTiles {
     }
 
     __device__ void test_chunk(int64_t t0, int64_t t_end) {
-        const int lane = threadIdx.x % 32;
-        meet = same = 0;
-        for (int k = 0; k < 32; k++) {
-            const int64_t t = t0 + k;
-            bool any = false, all = true;
-            if (t < t_end) {
-#pragma unroll
-                for (int rr = 0; rr < R; rr += 32) {
-                    const int64_t row = base + t * R + rr + lane;
-                    if (row < n) {
-                        const int32_t x = ids.at(row);
-                        any |= lo <= x && x <= hi;
-                        all &= x == lo;
-                    }
-                }
-            }
-            any = __any_sync(0xffffffffu, any);
-            all = __all_sync(0xffffffffu, all);
-            meet |= (uint32_t)any << k;
-            same |= (uint32_t)(any && all && lo == hi) << k;
-        }
+        tile_words<R, 1>(ids, base, n, lo, hi, t0, t_end, &meet, &same);
         chunk0 = t0;
     }
 

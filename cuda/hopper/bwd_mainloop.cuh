@@ -40,6 +40,54 @@ namespace wgb {
 
 /* ---- the producer ------------------------------------------------------------- */
 
+/* The leader's arrive on `bar` expecting two tiles of `half` bytes per
+ * 64-column half, and their copies (rows r0.. of head h of batch row b):
+ * x from map xm, y from map ym. */
+template <int D>
+__device__ __forceinline__ void load_two(uint64_t *bar, int half, unsigned char *x,
+                                         const CUtensorMap *xm, unsigned char *y,
+                                         const CUtensorMap *ym, int64_t r0, int64_t h,
+                                         int32_t b) {
+    sm90::mbar_arrive_expect_tx(bar, 2u * (uint32_t)(Smem<D>::kHalves * half));
+#pragma unroll
+    for (int hf = 0; hf < Smem<D>::kHalves; hf++) {
+        sm90::tma_load_4d(x + hf * half, xm, bar, hf * 64, (int32_t)r0, (int32_t)h, b);
+        sm90::tma_load_4d(y + hf * half, ym, bar, hf * 64, (int32_t)r0, (int32_t)h, b);
+    }
+}
+
+/* The leader's copies of the block's K and V (rows k0.. of kv head hk),
+ * completing full_kv. */
+template <int D>
+__device__ __forceinline__ void load_kv(const BwdArgs &a, const Buffers<D> &buf, int32_t b,
+                                        int64_t hk, int64_t k0) {
+    sm90::tma_prefetch_map(&a.q_map);
+    sm90::tma_prefetch_map(&a.do_map);
+    load_two<D>(buf.full_kv(), kKHalfBytes, buf.k(), &a.k_map, buf.v(), &a.v_map, k0, hk, b);
+}
+
+/* The leader's copies of Q and dout (rows m0.. of query head h) into stage
+ * s, completing full[s]. */
+template <int D>
+__device__ __forceinline__ void load_tile(const BwdArgs &a, const Buffers<D> &buf, int s,
+                                          int32_t b, int64_t h, int64_t m0) {
+    load_two<D>(buf.full(s), kQHalfBytes, buf.q(s), &a.q_map, buf.dout(s), &a.do_map, m0, h, b);
+}
+
+/* Row m0 + r's lse and delta (query head h; none past S_q) and id as the
+ * stage's RowStats r. */
+__device__ __forceinline__ void stage_row(const ra_attn_bwd_params &p, bwd_fused::RowStats *out,
+                                          int64_t b, int64_t h, int64_t row, int32_t qid,
+                                          float scale) {
+    bwd_fused::RowLoad rl{-CUDART_INF_F, 0.f, qid};
+    if (row < p.seqlen_q) {
+        const int64_t at = b * p.lse_batch_stride + h * p.lse_head_stride + row * p.lse_seq_stride;
+        rl.lse = ((const float *)p.lse)[at];
+        rl.delta = ((const float *)p.delta)[at];
+    }
+    bwd_fused::row_stats_of(rl, scale, out);
+}
+
 /* Run by every lane of the producer warp: K, V once, then per tile of the
  * walk Q and dout of (b, head h0 + walk.head(t), rows m0..) and the rows'
  * lse and delta. */
@@ -52,56 +100,28 @@ __device__ void produce(const BwdArgs &a, const Buffers<D> &buf, const Walk &w, 
     const float scale = (float)p.scale;
     const int32_t cb = (int32_t)b;
     if (w.n_tiles == 0) return;
-    if (leader) {
-        sm90::tma_prefetch_map(&a.q_map);
-        sm90::tma_prefetch_map(&a.do_map);
-        sm90::mbar_arrive_expect_tx(buf.full_kv(), 2u * (uint32_t)Smem<D>::kKVBytes);
-#pragma unroll
-        for (int hf = 0; hf < Smem<D>::kHalves; hf++) {
-            sm90::tma_load_4d(buf.k() + hf * kKHalfBytes, &a.k_map, buf.full_kv(), hf * 64,
-                              (int32_t)k0, (int32_t)hk, cb);
-            sm90::tma_load_4d(buf.v() + hf * kKHalfBytes, &a.v_map, buf.full_kv(), hf * 64,
-                              (int32_t)k0, (int32_t)hk, cb);
-        }
-    }
+    if (leader) load_kv<D>(a, buf, cb, hk, k0);
     Stage st{0, 0};
     for (int32_t t = 0; t < w.n_tiles; t++) {
         const int s = st.index;
         const int64_t h = h0 + w.head(t), m0 = w.m0(t);
         sm90::mbar_wait(buf.empty(s), st.phase ^ 1u);
-        const int64_t lo = b * p.lse_batch_stride + h * p.lse_head_stride;
-        for (int r = lane; r < kBlockM; r += 32) {
-            const int64_t row = m0 + r;
-            bwd_fused::RowLoad rl{-CUDART_INF_F, 0.f, 0};
-            if (row < p.seqlen_q) {
-                rl.lse = ((const float *)p.lse)[lo + row * p.lse_seq_stride];
-                rl.delta = ((const float *)p.delta)[lo + row * p.lse_seq_stride];
-            }
-            bwd_fused::row_stats_of(rl, scale, buf.stats(s) + r);
-        }
+        for (int r = lane; r < kBlockM; r += 32)
+            stage_row(p, buf.stats(s) + r, b, h, m0 + r, 0, scale);
         __syncwarp();   // the lanes' statistics before the leader's arrive releases them
-        if (leader) {
-            sm90::mbar_arrive_expect_tx(buf.full(s), 2u * (uint32_t)Smem<D>::kQBytes);
-#pragma unroll
-            for (int hf = 0; hf < Smem<D>::kHalves; hf++) {
-                sm90::tma_load_4d(buf.q(s) + hf * kQHalfBytes, &a.q_map, buf.full(s), hf * 64,
-                                  (int32_t)m0, (int32_t)h, cb);
-                sm90::tma_load_4d(buf.dout(s) + hf * kQHalfBytes, &a.do_map, buf.full(s),
-                                  hf * 64, (int32_t)m0, (int32_t)h, cb);
-            }
-        }
+        if (leader) load_tile<D>(a, buf, s, cb, h, m0);
         st.advance();
     }
 }
 
-/* The masked variant's producer (documents, windows, softcap): the block's
- * query range [w.i_begin, ..) is the window's (block_queries with M), and
- * with documents only the 64-row tiles holding an id of the block's keys
- * are loaded (WarpDocTiles).  The walk is tile by tile, every head of the
- * group on a tile before the next (the document test once per tile); each
- * stage carries its TileMeta, and a stage whose meta has m0 = -1 (a plain
- * arrive, no copies) ends the block.  K and V are loaded only once a tile
- * is found: a block that no query sees ends at once. */
+/* The masked variant's producer (documents, windows, softcap, branches):
+ * the block's query range [w.i_begin, ..) is the window's (block_queries
+ * with M), and with documents only the 64-row tiles holding an id of the
+ * block's keys are loaded (WarpDocTiles).  The walk is tile by tile, every
+ * head of the group on a tile before the next (the document test once per
+ * tile); each stage carries its TileMeta, and a stage whose meta has m0 =
+ * -1 (a plain arrive, no copies) ends the block.  K and V are loaded only
+ * once a tile is found: a block that no query sees ends at once. */
 template <int D>
 __device__ void produce_masked(const BwdArgs &a, const Buffers<D> &buf, const Walk &w, int64_t b,
                                int64_t hk, int64_t group, int64_t k0) {
@@ -128,18 +148,7 @@ __device__ void produce_masked(const BwdArgs &a, const Buffers<D> &buf, const Wa
         if (docs) hit = tiles.next(t, w.n_m);
         if (hit.tile >= w.n_m) break;
         const int32_t m0 = w.i_begin + (int32_t)hit.tile * kBlockM;
-        if (leader && !kv_loaded) {
-            sm90::tma_prefetch_map(&a.q_map);
-            sm90::tma_prefetch_map(&a.do_map);
-            sm90::mbar_arrive_expect_tx(buf.full_kv(), 2u * (uint32_t)Smem<D>::kKVBytes);
-#pragma unroll
-            for (int hf = 0; hf < Smem<D>::kHalves; hf++) {
-                sm90::tma_load_4d(buf.k() + hf * kKHalfBytes, &a.k_map, buf.full_kv(), hf * 64,
-                                  (int32_t)k0, (int32_t)hk, cb);
-                sm90::tma_load_4d(buf.v() + hf * kKHalfBytes, &a.v_map, buf.full_kv(), hf * 64,
-                                  (int32_t)k0, (int32_t)hk, cb);
-            }
-        }
+        if (leader && !kv_loaded) load_kv<D>(a, buf, cb, hk, k0);
         kv_loaded = true;
         // the tile's rows' ids, the same for every head
         int32_t id0 = 0, id1 = 0;
@@ -151,30 +160,11 @@ __device__ void produce_masked(const BwdArgs &a, const Buffers<D> &buf, const Wa
             const int s = st.index;
             const int64_t h = hk * group + hh;
             sm90::mbar_wait(buf.empty(s), st.phase ^ 1u);
-            const int64_t lo = b * p.lse_batch_stride + h * p.lse_head_stride;
-#pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const int r = lane + 32 * half;
-                const int64_t row = (int64_t)m0 + r;
-                bwd_fused::RowLoad rl{-CUDART_INF_F, 0.f, half ? id1 : id0};
-                if (row < p.seqlen_q) {
-                    rl.lse = ((const float *)p.lse)[lo + row * p.lse_seq_stride];
-                    rl.delta = ((const float *)p.delta)[lo + row * p.lse_seq_stride];
-                }
-                bwd_fused::row_stats_of(rl, scale, buf.stats(s) + r);
-            }
+            stage_row(p, buf.stats(s) + lane, b, h, (int64_t)m0 + lane, id0, scale);
+            stage_row(p, buf.stats(s) + 32 + lane, b, h, (int64_t)m0 + 32 + lane, id1, scale);
             if (leader) *buf.meta(s) = TileMeta{m0, hh, hit.same ? 1 : 0, 0};
             __syncwarp();   // the lanes' statistics before the leader's arrive releases them
-            if (leader) {
-                sm90::mbar_arrive_expect_tx(buf.full(s), 2u * (uint32_t)Smem<D>::kQBytes);
-#pragma unroll
-                for (int hf = 0; hf < Smem<D>::kHalves; hf++) {
-                    sm90::tma_load_4d(buf.q(s) + hf * kQHalfBytes, &a.q_map, buf.full(s),
-                                      hf * 64, m0, (int32_t)h, cb);
-                    sm90::tma_load_4d(buf.dout(s) + hf * kQHalfBytes, &a.do_map, buf.full(s),
-                                      hf * 64, m0, (int32_t)h, cb);
-                }
-            }
+            if (leader) load_tile<D>(a, buf, s, cb, h, m0);
             st.advance();
         }
         t = (int32_t)hit.tile + 1;
