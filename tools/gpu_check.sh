@@ -45,7 +45,7 @@
 #              tests/test_cuda_families.py tests/test_cuda_bwd_wg.py
 #              tests/test_cuda_interop.py
 #              tests/test_cuda_lifetime.py tests/test_cuda_dilated.py
-#              tests/test_jax_ffi_gpu.py (the
+#              tests/test_cuda_branches.py tests/test_jax_ffi_gpu.py (the
 #              XLA FFI CUDA handlers: they skip, with the reason shown, where
 #              JAX there has no CUDA); then the races of borrowed arrays
 #              with PyTorch tensors, each test 20 times in a row
@@ -433,11 +433,11 @@ PY
 REPEAT_RUNS=20
 
 stage_tests() {
-    note "== tests: pytest -m gpu test_cuda.py test_cuda_fwd_tc.py test_cuda_families.py test_cuda_bwd_wg.py test_cuda_interop.py test_cuda_lifetime.py test_cuda_dilated.py test_jax_ffi_gpu.py (~1.5 min)"
+    note "== tests: pytest -m gpu test_cuda.py test_cuda_fwd_tc.py test_cuda_families.py test_cuda_bwd_wg.py test_cuda_interop.py test_cuda_lifetime.py test_cuda_dilated.py test_cuda_branches.py test_jax_ffi_gpu.py (~1.5 min)"
     pytest_stage tests "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_fwd_tc.py" \
         "$REPO/tests/test_cuda_families.py" "$REPO/tests/test_cuda_bwd_wg.py" \
         "$REPO/tests/test_cuda_interop.py" "$REPO/tests/test_cuda_lifetime.py" \
-        "$REPO/tests/test_cuda_dilated.py" \
+        "$REPO/tests/test_cuda_dilated.py" "$REPO/tests/test_cuda_branches.py" \
         "$REPO/tests/test_jax_ffi_gpu.py"
     local rc=$?
     # borrowed arrays freed while ringattn's stream still used them gave a
