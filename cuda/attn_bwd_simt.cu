@@ -159,19 +159,14 @@ dkdv_simt_kernel(ra_attn_bwd_params p, int64_t n_kblocks, const __grid_constant_
             const bool doc_test = docs && !same;
             const int32_t qid = doc_test && i0 + lane < i_end ? qids.at(i0 + lane) : 0;
             // M with branches: the pair counts of the lane's query with the
-            // warp's keys, 5 bits each (a rolled loop, ahead of the unrolled
-            // one: one copy of the count code, few registers)
+            // warp's keys (mask.cuh pair_counts)
             uint32_t counts = 0;
             if constexpr (M) {
-                if (br.n != 0) {
-                    const int64_t hq = br.head0 + br.head_stride * h;
-#pragma unroll 1
-                    for (int r = 0; r < kRowsPerWarp; r++) {
-                        const int64_t kp =
-                            p.k_pos_offset + (k0 + warp * kRowsPerWarp + r) * p.k_pos_stride;
-                        counts |= (uint32_t)ra::pair_count(br, hq, qpos, kp) << (5 * r);
-                    }
-                }
+                if (br.n != 0)
+                    counts = ra::pair_counts<kRowsPerWarp, true>(
+                        br, br.head0 + br.head_stride * h, qpos,
+                        p.k_pos_offset + (k0 + warp * kRowsPerWarp) * p.k_pos_stride,
+                        p.k_pos_stride);
             }
             const int in = (int)(p.seqlen_q - i0 < kTile ? p.seqlen_q - i0 : kTile);
 #pragma unroll

@@ -117,18 +117,14 @@ dq_simt_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ 
         const bool doc_test = docs && !same;
         const int32_t kid = doc_test && kvalid ? kids.at(key) : 0;
         // M with branches: the pair counts of the warp's rows with the lane's
-        // key, 5 bits each (a rolled loop, ahead of the unrolled one)
+        // key (mask.cuh pair_counts)
         uint32_t counts = 0;
         if constexpr (M) {
-            if (br.n != 0) {
-                const int64_t hq = br.head0 + br.head_stride * h;
-#pragma unroll 1
-                for (int r = 0; r < kRowsPerWarp; r++) {
-                    const int64_t qp =
-                        p.q_pos_offset + (q0 + warp * kRowsPerWarp + r) * p.q_pos_stride;
-                    counts |= (uint32_t)ra::pair_count(br, hq, qp, kpos) << (5 * r);
-                }
-            }
+            if (br.n != 0)
+                counts = ra::pair_counts<kRowsPerWarp, false>(
+                    br, br.head0 + br.head_stride * h, kpos,
+                    p.q_pos_offset + (q0 + warp * kRowsPerWarp) * p.q_pos_stride,
+                    p.q_pos_stride);
         }
         const int jn = (int)(kend - j0 < kTile ? kend - j0 : kTile);
 #pragma unroll

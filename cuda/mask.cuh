@@ -218,6 +218,25 @@ __device__ __forceinline__ int pair_count(const Branches &br, int64_t h, int64_t
     }
     return c;
 }
+/* The pair counts of one position with N others, 5 bits each (count r at
+ * bit 5 r; c <= RA_MAX_BRANCHES < 32): `fixed` is a query position and the
+ * others keys (QUERY), or the other way round; the others are first +
+ * r step, r < N.  A rolled loop, for the generic kernels: one copy of the
+ * count code, few registers, ahead of their unrolled loops. */
+template <int N, bool QUERY>
+__device__ __forceinline__ uint32_t pair_counts(const Branches &br, int64_t h, int64_t fixed,
+                                                int64_t first, int64_t step) {
+    static_assert(5 * N <= 32, "5 bits per count");
+    uint32_t counts = 0;
+#pragma unroll 1
+    for (int r = 0; r < N; r++) {
+        const int64_t other = first + r * step;
+        const int c = QUERY ? pair_count(br, h, fixed, other) : pair_count(br, h, other, fixed);
+        counts |= (uint32_t)c << (5 * r);
+    }
+    return counts;
+}
+
 /* The exponent of a pair the exponent rule snaps (x >= band) when the
  * scores are one branch of dilated attention: -log c of the c branches
  * that share the pair (in log2 units when LOG2), so that P sums to 1 over
