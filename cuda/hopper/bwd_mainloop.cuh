@@ -153,8 +153,9 @@ __device__ void produce_masked(const BwdArgs &a, const Buffers<D> &buf, const Wa
         // the tile's rows' ids, the same for every head
         int32_t id0 = 0, id1 = 0;
         if (docs) {
-            if (m0 + lane < p.seqlen_q) id0 = qids.at(m0 + lane);
-            if (m0 + 32 + lane < p.seqlen_q) id1 = qids.at(m0 + 32 + lane);
+            const int64_t r0 = (int64_t)m0 + lane;
+            if (r0 < p.seqlen_q) id0 = qids.at(r0);
+            if (r0 + 32 < p.seqlen_q) id1 = qids.at(r0 + 32);
         }
         for (int32_t hh = 0; hh < (int32_t)group; hh++) {
             const int s = st.index;
