@@ -53,9 +53,9 @@
  * (setmaxnreg 24 / 240; masked 40 / 232: the document walk's state in the
  * producer spilled at 24), Smem<D>::kLaunchBytes of dynamic shared memory
  * (163 KB at D 128, 99 KB at D 64).  ptxas (CUDA 13.0) reports spills at
- * D 128 (a few loop invariants of the consumers: 72 bytes, about 12 local
- * loads per tile; masked 24 bytes stored, 32 loaded, 1 load per tile), none at D 64
- * (tests/test_sass_report.py KNOWN_SPILLS).
+ * D 128 (a few loop invariants of the consumers: 72 bytes, 8 local loads
+ * per tile; masked 24 bytes stored, 32 loaded, 1 load per tile), none at
+ * D 64 (tests/test_sass_report.py KNOWN_SPILLS).
  */
 #include <string.h>
 
@@ -90,15 +90,15 @@ __device__ __forceinline__ int32_t first_query(const ra_attn_bwd_params &p, int6
                     : 0;
 }
 
-/* The masked variant's rows: causal and the window as the span of query
- * positions that see the key (mask.cuh queries_seeing), and the key's id. */
+/* The masked variant's rows: the queries that see the key under causal
+ * and the window (block_queries of a one-key block), and the key's id. */
 __device__ __forceinline__ void masked_rows(const ra_attn_bwd_params &p, int64_t b, int64_t key,
                                             int32_t *qbeg, int32_t *qend, int32_t *kid) {
     *qbeg = *qend = *kid = 0;
     if (key >= p.seqlen_k) return;
-    const ra::Span sp = ra::queries_seeing(p, p.k_pos_offset + key * p.k_pos_stride);
-    *qbeg = (int32_t)ra::count_below_sat(sp.lo, p.q_pos_offset, p.q_pos_stride, p.seqlen_q);
-    *qend = (int32_t)ra::count_upto_sat(sp.hi, p.q_pos_offset, p.q_pos_stride, p.seqlen_q);
+    const ra::Range qr = ra::block_queries<1, true>(p, key);
+    *qbeg = (int32_t)qr.begin;
+    *qend = (int32_t)qr.end;
     if (ra::mask_docs(p.mask)) *kid = ra::kv_seg_ids(p.mask, b).at(key);
 }
 
