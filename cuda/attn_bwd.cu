@@ -17,10 +17,15 @@
  *   vary from run to run), unless the device lacks the shared memory or a
  *   dq scratch would be needed on a stream other than ringattn's compute
  *   stream; then, and with p->deterministic = 1, attn_bwd_tc_dkdv.cu then
- *   attn_bwd_tc_dq.cu.  The split pairs (tensor-core and generic) write
- *   every output element from exactly one thread: the same bits on every
- *   run.  RINGATTN_CUDA_GENERIC=1 forces the generic kernels (for tests
- *   that compare the two).  p->branches (the scores are one branch of
+ *   attn_bwd_tc_dq.cu, except that with p->deterministic = 1 on the sm90a
+ *   family (ra_bwd_wg_supported) both passes run on wgmma: the dk/dv pass
+ *   is the Hopper kernel's without its dq product (ra_bwd_wg_dkdv), the
+ *   dq pass hopper/attn_bwd_wg_dq.cu (ra_bwd_wg_dq; attn_bwd_tc_dq.cu
+ *   where it cannot run).
+ *   The split pairs (tensor-core and generic) write every output element
+ *   from exactly one thread: the same bits on every run.
+ *   RINGATTN_CUDA_GENERIC=1 forces the generic kernels (for tests that
+ *   compare the two).  p->branches (the scores are one branch of
  *   dilated attention; ra_check_branches) runs every family's masked
  *   variant, which applies the branch rule of mask.cuh: a pair the
  *   exponent rule snaps that c branches share gets P = 1/c.
@@ -132,11 +137,12 @@ extern "C" ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream)
     RA_CHECK(guard.enter_for(p->q));
     cudaStream_t s = (cudaStream_t)stream;
     if (!ra_force_generic() && tc_supported(*p)) {
+        bool ran = false;
+        ra_family family = RA_FAMILY_SM80;
+        RA_CHECK(ra_kernel_family(-1, &family));
+        const bool wg = family == RA_FAMILY_SM90A && ra_bwd_wg_supported(*p);
         if (!p->deterministic) {
-            bool ran = false;
-            ra_family family = RA_FAMILY_SM80;
-            RA_CHECK(ra_kernel_family(-1, &family));
-            if (family == RA_FAMILY_SM90A && ra_bwd_wg_supported(*p)) {
+            if (wg) {
                 RA_CHECK(ra_bwd_wg(*p, s, &ran));
                 if (ran) {
                     ra_count_bwd_kernel(0);
@@ -147,6 +153,13 @@ extern "C" ra_status ra_cuda_attn_bwd(const ra_attn_bwd_params *p, void *stream)
             if (ran) {
                 ra_count_bwd_kernel(1);
                 return RA_OK;
+            }
+        } else if (wg) {
+            RA_CHECK(ra_bwd_wg_dkdv(*p, s, &ran));
+            if (ran) {
+                ra_count_bwd_kernel(0);
+                RA_CHECK(ra_bwd_wg_dq(*p, s, &ran));
+                return ran ? RA_OK : ra_bwd_tc_dq(*p, s);
             }
         }
         ra_count_bwd_kernel(1);

@@ -83,41 +83,20 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ ra
     const ra::Range keys = ra::block_keys<kBlockM, M>(p, q0);
     const int64_t kbegin = keys.begin, kend = keys.end;  // kbegin = 0 without M
     const int n_tiles = (int)((kend + kBlockN - 1) / kBlockN);
-    const int64_t qpos_first = p.q_pos_offset + q0 * p.q_pos_stride;
 
-    // this thread's two rows (g and g + 8 of the warp's 16)
-    const int64_t row_a = q0 + warp * 16 + g, row_b = row_a + 8;
-    const int64_t qpos_a = p.q_pos_offset + row_a * p.q_pos_stride;
-    const int64_t qpos_b = p.q_pos_offset + row_b * p.q_pos_stride;
-    const int64_t stat_off = b * p.lse_batch_stride + h * p.lse_head_stride;
-    float lse2_a, lse2_b, delta_a, delta_b, band_a, band_b;
-    row_stats(p, stat_off, row_a, &lse2_a, &delta_a, &band_a);
-    row_stats(p, stat_off, row_b, &lse2_b, &delta_b, &band_b);
-    const float sl2 = (float)p.scale * kLog2e;
-
-    // masks (M): the rows' key spans and ids, the block's bounds, soft-capping
-    ra::Span seen_a{}, seen_b{};
-    int64_t blk_lo = 0, blk_hi = 0;  // keys at or past blk_lo, up to blk_hi, every row sees
-    int32_t qid_a = 0, qid_b = 0;
+    // this thread's two rows (g and g + 8 of the warp's 16) and, with M,
+    // the masks' bounds
+    const DqRows r = dq_rows<M>(p, b, h, q0, kBlockM, q0 + warp * 16 + g);
+    const int64_t row_a = r.row_a, row_b = row_a + 8;
     const bool docs = M && ra::mask_docs(p.mask);
-    const bool capped = M && p.mask.softcap > 0;
-    const float cap_in = capped ? (float)(p.scale / p.mask.softcap) : 0.f;
-    const float cap_out = capped ? (float)(p.mask.softcap * (double)kLog2e) : 0.f;
     const int64_t m_tiles = kend > kbegin ? (kend - kbegin + kBlockN - 1) / kBlockN : 0;
     ra::SegIds kids{};
     ra::DocTiles<kBlockN, kWarps> tiles;
     if constexpr (M) {
-        seen_a = ra::keys_seen_by(p, qpos_a);
-        seen_b = ra::keys_seen_by(p, qpos_b);
-        const int64_t q_end = q0 + kBlockM < p.seqlen_q ? q0 + kBlockM : p.seqlen_q;
-        blk_lo = ra::keys_seen_by(p, p.q_pos_offset + (q_end - 1) * p.q_pos_stride).lo;
-        blk_hi = ra::keys_seen_by(p, qpos_first).hi;
         if (docs) {
-            const ra::SegIds qids = ra::q_seg_ids(p.mask, b);
+            const int64_t q_end = q0 + kBlockM < p.seqlen_q ? q0 + kBlockM : p.seqlen_q;
             kids = ra::kv_seg_ids(p.mask, b);
-            qid_a = row_a < p.seqlen_q ? qids.at(row_a) : 0;
-            qid_b = row_b < p.seqlen_q ? qids.at(row_b) : 0;
-            tiles.init_block(qids, q0, q_end, kids, kbegin, kend, doc_words);
+            tiles.init_block(ra::q_seg_ids(p.mask, b), q0, q_end, kids, kbegin, kend, doc_words);
         }
     }
     auto next_tile = [&](int64_t it) -> ra::Hit {
@@ -202,90 +181,10 @@ dq_tc_kernel(ra_attn_bwd_params p, int64_t n_qblocks, const __grid_constant__ ra
 
         // P and dS = P (dP - delta); element (i, e) of the fragment is row
         // g (e < 2) or g + 8, key k0 + 8i + 2t + (e & 1)
-        if constexpr (M) {
-            const bool full = k0 + kBlockN <= kend &&
-                p.k_pos_offset + k0 * p.k_pos_stride >= blk_lo &&
-                p.k_pos_offset + (k0 + kBlockN - 1) * p.k_pos_stride <= blk_hi && same;
-            const int32_t *ids = skid + buf * kBlockN;
-            const bool doc_test = docs && !same;
-#pragma unroll
-            for (int i = 0; i < kNT; i++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    // the forward's score in log2 units, and d score / d (scale q.k)
-                    float xa, xb, ca = 1.f, cb = 1.f;
-                    if (capped) {
-                        const float ua = ra::tanh_acc(s[i][e] * cap_in);
-                        const float ub = ra::tanh_acc(s[i][2 + e] * cap_in);
-                        xa = ua * cap_out;
-                        xb = ub * cap_out;
-                        ca = 1.f - ua * ua;
-                        cb = 1.f - ub * ub;
-                    } else {
-                        xa = s[i][e] * sl2;
-                        xb = s[i][2 + e] * sl2;
-                    }
-                    float pa = exp2f(ra::bwd_exponent(xa - lse2_a, band_a));
-                    float pb = exp2f(ra::bwd_exponent(xb - lse2_b, band_b));
-                    if (!full) {
-                        const int col = i * 8 + 2 * t + e;
-                        const int64_t key = k0 + col;
-                        const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
-                        const bool in = key < kend;
-                        const int32_t kid = doc_test ? ids[col] : 0;
-                        if (!in || !ra::in_span(seen_a, kpos) || (doc_test && kid != qid_a))
-                            pa = 0.f;
-                        if (!in || !ra::in_span(seen_b, kpos) || (doc_test && kid != qid_b))
-                            pb = 0.f;
-                    }
-                    dp[i][e] = pa * (dp[i][e] - delta_a) * ca;
-                    dp[i][2 + e] = pb * (dp[i][2 + e] - delta_b) * cb;
-                }
-            }
-            if (br.n != 0) {
-                // the branch rule (no softcap with branches): element k = 4i +
-                // e is row a (e < 2) or b, key k0 + 8i + 2t + (e & 1); snapped
-                // as the pass above decided, from the same score; a hidden
-                // pair's dS is 0 whatever it is scaled by
-                ra::branch_rule_fix<kNT * 4>(
-                    br,
-                    [&](int k) {
-                        const bool a = (k % 4) < 2;
-                        return s[k / 4][k % 4] * sl2 - (a ? lse2_a : lse2_b) >=
-                               (a ? band_a : band_b);
-                    },
-                    [&](int k, int64_t *hq, int64_t *qp, int64_t *kp) {
-                        *hq = br.head0 + br.head_stride * h;
-                        *qp = (k % 4) < 2 ? qpos_a : qpos_b;
-                        *kp = p.k_pos_offset + (k0 + (k / 4) * 8 + 2 * t + (k & 1)) * p.k_pos_stride;
-                    },
-                    [&](int k, float f) {
-#pragma unroll
-                        for (int kk = 0; kk < kNT * 4; kk++)
-                            if (kk == k) dp[kk / 4][kk % 4] *= f;
-                    });
-            }
-        } else {
-            const bool full = k0 + kBlockN <= kend &&
-                (!p.causal || p.k_pos_offset + (k0 + kBlockN - 1) * p.k_pos_stride <= qpos_first);
-#pragma unroll
-            for (int i = 0; i < kNT; i++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float pa = exp2f(ra::bwd_exponent(s[i][e] * sl2 - lse2_a, band_a));
-                    float pb = exp2f(ra::bwd_exponent(s[i][2 + e] * sl2 - lse2_b, band_b));
-                    if (!full) {
-                        const int64_t key = k0 + i * 8 + 2 * t + e;
-                        const int64_t kpos = p.k_pos_offset + key * p.k_pos_stride;
-                        const bool in = key < kend;
-                        if (!in || (p.causal && kpos > qpos_a)) pa = 0.f;
-                        if (!in || (p.causal && kpos > qpos_b)) pb = 0.f;
-                    }
-                    dp[i][e] = pa * (dp[i][e] - delta_a);
-                    dp[i][2 + e] = pb * (dp[i][2 + e] - delta_b);
-                }
-            }
-        }
+        dq_p_ds<M, kNT>(
+            p, r, br, [&](int i, int e) { return s[i][e]; },
+            [&](int i, int e) -> float & { return dp[i][e]; }, k0, kend, same,
+            skid + buf * kBlockN, h);
 
         // dQ += dS K: k runs over the tile's 64 keys
 #pragma unroll

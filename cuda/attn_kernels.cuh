@@ -55,14 +55,24 @@ ra_status ra_bwd_tc_fused(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran
 
 /* Hopper (sm_90a) backward on wgmma and bulk tensor copies (the fused
  * kernel's contract, deterministic=False): float16/bfloat16, head_dim 64
- * or 128, no masks or dilated branches, q/k/v/dout strides a tensor map can
- * describe (ra_bwd_wg_supported, after attn_bwd.cu's tensor-core checks).
- * *ran is false (nothing launched) when the driver could not make the
- * tensor maps, the device grants too little shared memory, or a dq scratch
- * would be needed on a stream other than ringattn's compute stream.
+ * or 128, masks and dilated branches included, q/k/v/dout strides a tensor
+ * map can describe (ra_bwd_wg_supported, after attn_bwd.cu's tensor-core
+ * checks).  *ran is false (nothing launched) when the driver could not
+ * make the tensor maps, the device grants too little shared memory, or a
+ * dq scratch would be needed on a stream other than ringattn's compute
+ * stream.  ra_bwd_wg_dkdv: the same kernel without its dq product, the
+ * deterministic dk/dv pass (each element of dk and dv has one writer);
+ * *ran false as above but for the dq scratch, which it does not need.
  * cuda/hopper/attn_bwd_wg.cu */
 bool ra_bwd_wg_supported(const ra_attn_bwd_params &p);
 ra_status ra_bwd_wg(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran);
+ra_status ra_bwd_wg_dkdv(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran);
+
+/* The deterministic dq pass on the same machinery (after ra_bwd_wg_dkdv):
+ * attn_bwd_tc_dq.cu's contract; *ran false (nothing launched) when the
+ * driver could not make the tensor maps or the device grants too little
+ * shared memory.  cuda/hopper/attn_bwd_wg_dq.cu */
+ra_status ra_bwd_wg_dq(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran);
 
 /* Number of blocks for `units` work items of `per_block` each, or an error
  * when the grid would not fit a 1-D launch. */

@@ -107,7 +107,7 @@ def cuda_info():
     (wgmma and TMA: compute capability 9.0 and a build for sm_90a) or
     "sm80" (mma.sync; ``RINGATTN_CUDA_KERNELS=sm80`` forces it); None
     without a usable GPU.  On "sm90a" the backward with
-    deterministic=True still runs the mma.sync kernels.
+    deterministic=True runs two wgmma passes (dk/dv, then dq).
     """
     available, reason = _C.cuda_available()
     emulated = bool(_C.cuda_emulated())

@@ -148,6 +148,14 @@ def test_model_rows_name_every_kernel_and_the_measured_over_model_ratio():
     det = model.predict("bwd", "float16", 64, 16384, False, 1, 32, deterministic=True)
     assert set(det) == {"delta", "dkdv_tc", "dq_tc", "total"}
     assert det["total"] == pytest.approx(det["delta"] + det["dkdv_tc"] + det["dq_tc"])
+    # on the sm90a family: the wgmma kernel, and deterministic its dk/dv
+    # pass and the wgmma dq pass
+    wg = model_prediction("bwd", "float16", 64, 16384, False, 1, 32, "sm90a")
+    assert set(wg) == {"delta", "bwd_wg", "dq_convert", "total"}
+    det = model.predict("bwd", "float16", 64, 16384, False, 1, 32, deterministic=True,
+                        family="sm90a")
+    assert set(det) == {"delta", "dkdv_wg", "dq_wg", "total"}
+    assert det["total"] == pytest.approx(det["delta"] + det["dkdv_wg"] + det["dq_wg"])
     rows = [{"pass": "bwd", "dtype": "float16", "causal": False, "D": 64, "S": 16384,
              "ms": 2e3 * bwd["total"], "model": bwd},
             {"pass": "fwd", "dtype": "float16", "causal": False, "D": 64, "S": 16384,
@@ -214,19 +222,20 @@ def test_bench_gpu_quick_runs_on_this_gpu():
     masked = [line for line in lines if line.split()[:2] in
               (["causal", seq], ["window", seq], ["docs", seq])]
     assert len(masked) == 3, out
-    # the kernel family of every row; where the forward's is sm90a, the
-    # mma.sync forward timed beside it
+    # the kernel family of every row; where it is sm90a, the mma.sync
+    # kernels timed beside it
     family = info["forward_kernels"]
-    assert all(line.split()[7] == (family if line.startswith("fwd") else "sm80")
-               for line in speed), out
-    assert all((line.split()[9] != "-") == (line.startswith("fwd") and family == "sm90a")
-               for line in speed), out
+    assert info["backward_kernels"] == family
+    assert all(line.split()[7] == family for line in speed), out
+    assert all((line.split()[9] != "-") == (family == "sm90a") for line in speed), out
     # the model's prediction next to every ringattn time, and per kernel
     assert all(float(line.split()[14]) > 0 for line in speed), out
     per_kernel = [line for line in lines if line.startswith("model ")]
     fwd_kernel = "fwd_wg" if family == "sm90a" else "fwd_tc"
+    bwd_kernel = "bwd_wg" if family == "sm90a" else "bwd_tc"
     assert len(per_kernel) == 16 and all(
-        (fwd_kernel in line) == (line.split()[1] == "fwd") for line in per_kernel), out
+        (fwd_kernel in line) == (line.split()[1] == "fwd") and
+        (bwd_kernel in line) == (line.split()[1] == "bwd") for line in per_kernel), out
     assert sum(line.startswith("measured/model: median") for line in lines) == 1, out
     if not have_torch:
         assert "no PyTorch: SDPA columns skipped" in summary[0], out

@@ -143,7 +143,7 @@ def run_branch(dtype, D, causal, w, r, o, device, deterministic, seed=0):
 
 
 # (dtype, D, deterministic): the fused tensor-core pass (of the device's
-# family: test_branch_rule_on_each_fused_kernel runs each), the split
+# family: test_branch_rule_on_each_tensor_core_kernel runs each), the split
 # tensor-core pair, the generic kernels
 FAMILIES = [("float16", 64, False), ("bfloat16", 64, True), ("float32", 24, True)]
 
@@ -184,9 +184,10 @@ def bwd_counts():
     return _C.cuda_bwd_kernel_counts()
 
 
-# the fused (deterministic=False) 16-bit backward of each tensor-core family
-# the device has: "sm90a" (the wgmma kernel, the default on the Hopper
-# family) and "sm80" (the fused mma.sync kernel, forced there)
+# the 16-bit backward of each tensor-core family the device has: "sm90a"
+# (the wgmma kernel, the default on the Hopper family; deterministic=True
+# its dk/dv pass) and "sm80" (the fused mma.sync kernel, or the split
+# pair, forced there)
 FUSED = (["sm90a", "sm80"] if CUDA and ra.cuda_info()["backward_kernels"] == "sm90a"
          else ["sm80"])
 
@@ -196,21 +197,22 @@ FUSED = (["sm90a", "sm80"] if CUDA and ra.cuda_info()["backward_kernels"] == "sm
 @pytest.mark.parametrize("kernel", FUSED)
 @pytest.mark.parametrize("dtype,D", [("bfloat16", 128), ("float16", 64)])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_branch_rule_on_each_fused_kernel(monkeypatch, kernel, dtype, D, causal):
-    """The rule in each family's fused backward (the kernel that ran
-    checked), against the float64 reference and the CPU; offset 1 (strided
-    heads from 1)."""
+@pytest.mark.parametrize("det", [False, True], ids=["fused", "deterministic"])
+def test_branch_rule_on_each_tensor_core_kernel(monkeypatch, kernel, dtype, D, causal, det):
+    """The rule in each family's backward, fused and deterministic (the
+    kernel that ran checked), against the float64 reference and the CPU;
+    offset 1 (strided heads from 1)."""
     if kernel == ra.cuda_info()["backward_kernels"]:
         monkeypatch.delenv("RINGATTN_CUDA_KERNELS", raising=False)
     else:
         monkeypatch.setenv("RINGATTN_CUDA_KERNELS", kernel)
     w, r, o = SEGS[1], RATES[1], 1
     before = bwd_counts()
-    got, ref, terms = run_branch(dtype, D, causal, w, r, o, True, False, seed=D + causal)
+    got, ref, terms = run_branch(dtype, D, causal, w, r, o, True, det, seed=D + causal)
     after = bwd_counts()
     assert after[kernel] == before[kernel] + 1, (before, after)
     monkeypatch.delenv("RINGATTN_CUDA_KERNELS", raising=False)
-    cpu, _, _ = run_branch(dtype, D, causal, w, r, o, False, False, seed=D + causal)
+    cpu, _, _ = run_branch(dtype, D, causal, w, r, o, False, det, seed=D + causal)
     bad = check(got, ref, terms, dtype, 2)
     assert not bad, "CUDA vs float64:\n" + "\n".join(bad)
     bad = check(got, cpu, terms, dtype, 2)

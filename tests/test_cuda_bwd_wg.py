@@ -2,9 +2,11 @@
 attn_bwd_wg.cu: wgmma, bulk tensor copies, warp specialisation), which the
 dispatcher runs for float16/bfloat16 at head_dim 64 and 128, with or
 without masks (documents, windows, soft-capping) and dilated attention's
-branches (tests/test_cuda_branches.py), deterministic=False, where the device's family is "sm90a"
-(compute capability 9.0 with a build for sm_90a, and the emulated GPU, an
-sm_90 device).
+branches (tests/test_cuda_branches.py), where the device's family is
+"sm90a" (compute capability 9.0 with a build for sm_90a, and the emulated
+GPU, an sm_90 device): deterministic=False all of it, deterministic=True
+its dk/dv pass (the kernel without its dq product) and the wgmma dq pass
+(cuda/hopper/attn_bwd_wg_dq.cu).
 
 Each test checks which backward kernel ran (``_C.cuda_bwd_kernel_counts()``)
 and compares it with the float64 reference of ``ringattn.testing`` at
@@ -14,8 +16,8 @@ multiple of the 64-row query tiles or 128-key blocks, S_q != S_k both
 ways), GQA, causal and not, the ring's accumulate with position offsets,
 rows that see no key, huge scores, a NaN input, the masks (every mask case
 of tests/test_masks.py, long documents whose query tiles are skipped or
-need no id test, blocks no query sees, the ring's masked steps) and what
-falls back.
+need no id test, blocks no query sees, the ring's masked steps), and
+deterministic=True (the same bits on every run).
 """
 import zlib
 
@@ -66,6 +68,13 @@ def both(monkeypatch, *args, **kw):
     before = counts()
     wg = ra.attention_backward(*args, **kw)
     assert ran(before) == "sm90a"
+    if kw.get("deterministic"):
+        # the same bits on every run
+        before = counts()
+        again = ra.attention_backward(*args, **kw)
+        assert ran(before) == "sm90a"
+        for a, b in zip(wg, again):
+            assert to_host(a).tobytes() == to_host(b).tobytes()
     monkeypatch.setenv("RINGATTN_CUDA_KERNELS", "sm80")
     before = counts()
     mma = ra.attention_backward(*args, **kw)
@@ -104,11 +113,13 @@ def test_backward_matches_reference_and_mma_sync(monkeypatch, dtype, D, shape, c
         close(got, to_host(other).astype(np.float64), dtype)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["fused", "deterministic"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_ring_steps_accumulate_with_offsets(D):
+def test_ring_steps_accumulate_with_offsets(D, det):
     # the ring's calls: keys in chunks at their positions, gradients added
-    # into float32 dq, dk, dv (dq straight from the atomics); rows 0..49 of
-    # the first chunk's call see no key of it (causal, keys in their future)
+    # into float32 dq, dk, dv (dq straight from the atomics, or from the
+    # wgmma dq pass); rows 0..49 of the first chunk's call see no key of
+    # it (causal, keys in their future)
     dtype, B, Sq, Sk, H, Hkv = "float16", 1, 100, 333, 4, 2
     rng = np.random.default_rng(D + 41)
     q, k, v, dout = make(rng, B, Sq, Sk, H, Hkv, D, dtype)
@@ -121,7 +132,7 @@ def test_ring_steps_accumulate_with_offsets(D):
         ra._C.attn_bwd(dout, q, narrow(k, 1, lo, hi), narrow(v, 1, lo, hi), out, lse,
                        causal=True, dq=grads[0], dk=narrow(grads[1], 1, lo, hi),
                        dv=narrow(grads[2], 1, lo, hi), accumulate=True,
-                       q_pos_offset=qpos0, k_pos_offset=lo)
+                       q_pos_offset=qpos0, k_pos_offset=lo, deterministic=det)
         assert ran(before) == "sm90a"
     refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
                                           causal=True, q_pos=qpos, k_pos=np.arange(Sk),
@@ -191,21 +202,23 @@ def test_a_nan_reaches_what_the_mma_sync_kernel_reaches(monkeypatch):
             TOL[dtype] * max(1.0, np.abs(b[fin]).max())
 
 
-def test_what_falls_back_to_the_mma_sync_kernels():
-    dtype, D = "bfloat16", 64
-    rng = np.random.default_rng(59)
-    q, k, v, dout = make(rng, 1, 70, 90, 2, 1, D, dtype)
-    out, lse = ra.attention(q, k, v, causal=True, return_lse=True)
-    # deterministic=True: the split pair
-    before = counts()
-    ra.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
-    assert ran(before) == "sm80"
-    # masks with deterministic=True too
-    out, lse = ra.attention(q, k, v, causal=True, return_lse=True, window=(20, 3))
-    before = counts()
-    ra.attention_backward(dout, q, k, v, out, lse, causal=True, window=(20, 3),
-                          deterministic=True)
-    assert ran(before) == "sm80"
+# ---- deterministic=True: the dk/dv pass and the dq pass on wgmma -----------
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_backward_repeats_its_bits(monkeypatch, D, causal):
+    # against float64 and the split mma.sync pair; two runs, the same bits
+    dtype = "bfloat16" if causal else "float16"
+    B, Sq, Sk, H, Hkv = SHAPES[0]
+    rng = np.random.default_rng(D + 53 + causal)
+    q, k, v, dout = make(rng, B, Sq, Sk, H, Hkv, D, dtype)
+    out, lse = ra.attention(q, k, v, causal=causal, return_lse=True)
+    wg, mma = both(monkeypatch, dout, q, k, v, out, lse, causal=causal, deterministic=True)
+    refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
+                                          causal=causal, out=to_host(out))
+    for got, other, ref in zip(wg, mma, refs):
+        close(got, ref, dtype)
+        close(got, to_host(other).astype(np.float64), dtype)
 
 
 # ---- masks: documents, windows, soft-capping ------------------------------
@@ -227,13 +240,14 @@ def masked_inputs(rng, dtype, D, shape, host):
     return q, k, v, dout, on_device(host, backends_for(dtype)[0])
 
 
-def check_masked(monkeypatch, dtype, D, shape, host, causal, rng):
+def check_masked(monkeypatch, dtype, D, shape, host, causal, rng, deterministic=False):
     """The masked backward on the Hopper kernel and on the mma.sync one,
     each against the float64 reference and the two against each other;
     returns the Hopper kernel's gradients."""
     q, k, v, dout, masks = masked_inputs(rng, dtype, D, shape, host)
     out, lse = ra.attention(q, k, v, causal=causal, return_lse=True, **masks)
-    wg, mma = both(monkeypatch, dout, q, k, v, out, lse, causal=causal, **masks)
+    wg, mma = both(monkeypatch, dout, q, k, v, out, lse, causal=causal,
+                   deterministic=deterministic, **masks)
     refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
                                           causal=causal, out=to_host(out), **host)
     for got, other, ref in zip(wg, mma, refs):
@@ -248,6 +262,21 @@ def test_masked_backward_matches_reference_and_mma_sync(monkeypatch, dtype, D, c
     shape = MASK_SHAPES[MASK_CASES.index(case) % 2]
     host = mask_case(case, rng, *shape[:3])
     check_masked(monkeypatch, dtype, D, shape, host, causal, rng)
+
+
+# deterministic=True on every mask case (the dk/dv pass's masked
+# instantiation), each D, a dtype and causality per case
+DET_MASK_GRID = [(("bfloat16", "float16")[(i + D // 64) % 2], D, case, (i + D // 64) % 3 != 0)
+                 for i, case in enumerate(MASK_CASES) for D in (64, 128)
+                 if not EMULATED or (i + D // 64) % 2 == 0]
+
+
+@pytest.mark.parametrize("dtype,D,case,causal", DET_MASK_GRID)
+def test_masked_deterministic_backward(monkeypatch, dtype, D, case, causal):
+    rng = np.random.default_rng(zlib.crc32(repr(("wgbd", dtype, D, case, causal)).encode()))
+    shape = MASK_SHAPES[MASK_CASES.index(case) % 2]
+    host = mask_case(case, rng, *shape[:3])
+    check_masked(monkeypatch, dtype, D, shape, host, causal, rng, deterministic=True)
 
 
 def doc_ids(lengths):
@@ -280,21 +309,24 @@ def test_documents_and_window_and_softcap_at_once(monkeypatch):
     ({"segment_ids": np.zeros((1, 70), np.int32),
       "kv_segment_ids": (np.arange(333) >= 100).astype(np.int32)[None, :]}, slice(128, 333))],
     ids=["window", "docs"])
-def test_blocks_no_query_sees_end_at_once(monkeypatch, host, unseen):
+@pytest.mark.parametrize("det", [False, True], ids=["fused", "deterministic"])
+def test_blocks_no_query_sees_end_at_once(monkeypatch, host, unseen, det):
     # 70 queries, 333 keys: under the window (0, 0) the queries sit at
     # positions 263.. (bottom-right) and see only their own key, so the
     # blocks of keys 0..255 see no query; with the documents keys 100.. are
     # another document, so the blocks of keys 128.. see none.  Those blocks
     # load nothing and their dk, dv are 0.
     rng = np.random.default_rng(71)
-    wg = check_masked(monkeypatch, "float16", 64, (1, 70, 333, 2, 2), host, False, rng)
+    wg = check_masked(monkeypatch, "float16", 64, (1, 70, 333, 2, 2), host, False, rng,
+                      deterministic=det)
     for g in wg[1:]:
         g = to_host(g)
         assert np.all(g[:, unseen] == 0) and np.abs(g).max() > 0
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["fused", "deterministic"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_masked_ring_steps_accumulate_with_offsets(D):
+def test_masked_ring_steps_accumulate_with_offsets(D, det):
     # the ring's calls with documents and a window: keys in chunks at their
     # positions (their ids the chunk's), gradients added into float32
     dtype, B, Sq, Sk, H, Hkv = "bfloat16", 1, 100, 333, 4, 2
@@ -317,7 +349,8 @@ def test_masked_ring_steps_accumulate_with_offsets(D):
                        causal=True, dq=grads[0], dk=narrow(grads[1], 1, lo, hi),
                        dv=narrow(grads[2], 1, lo, hi), accumulate=True,
                        q_pos_offset=qpos0, k_pos_offset=lo, window=window,
-                       segment_ids=dev["segment_ids"], kv_segment_ids=kv_chunk)
+                       segment_ids=dev["segment_ids"], kv_segment_ids=kv_chunk,
+                       deterministic=det)
         assert ran(before) == "sm90a"
     refs = testing.ref_attention_backward(to_host(dout), to_host(q), to_host(k), to_host(v),
                                           causal=True, q_pos=np.arange(Sq) + qpos0,

@@ -36,8 +36,9 @@
  * one of attn_bwd_fused.cu -- dq added up by float32 atomics over the key blocks;
  * accumulated straight into a float32 dq, or through its scratch and
  * conversion) and deterministic = 1 (the split kernels, whose bits
- * run_strided checks repeat).  On a two-family device run_case and
- * run_masked check the fused backward ran the sm90a kernel, and their sm80
+ * run_strided checks repeat; on sm90a the wgmma kernel's without its dq
+ * product, then the wgmma dq pass).  On a two-family device run_case and
+ * run_masked check both backwards ran the sm90a kernel, and their sm80
  * cases run the mma.sync backward too: run_case's in the quick grid and on
  * two shapes of the full grid, run_masked's in both grids
  * (g_bwd_families).
@@ -272,8 +273,9 @@ static bool run_case(ra_dtype t, int B, int Sq, int Sk, int H, int Hk, int D, bo
     const double btol = tol * 2;
     const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
     for (int det = kern == GENERIC ? 1 : 0; bwd && det < 2 && ok; det++) {
-        // the fused backward of a two-family device: the wgmma one
-        const int want = kern == GENERIC || !tc ? 2 : kern == FAST && g_two_families && !det ? 0 : 1;
+        // the backward of a two-family device: the wgmma one (deterministic:
+        // its dk/dv pass, then its dq pass)
+        const int want = kern == GENERIC || !tc ? 2 : kern == FAST && g_two_families ? 0 : 1;
         if (!backward_ran(pr, det != 0, want)) {
             ok = false;
             break;
@@ -580,8 +582,9 @@ static bool run_masked(ra_dtype t, int D, const MaskCase &c, Kern kern) {
     // the fused backward, then the deterministic one (the generic kernels: one)
     const bool tc = (t == RA_FLOAT16 || t == RA_BFLOAT16) && (D == 64 || D == 128);
     for (int det = kern == GENERIC ? 1 : 0; bwd && det < 2 && ok; det++) {
-        // the fused backward of a two-family device, masked or not: the wgmma one
-        const int want = kern == GENERIC || !tc ? 2 : kern == FAST && g_two_families && !det ? 0 : 1;
+        // the backward of a two-family device, masked or not: the wgmma one
+        // (deterministic: its dk/dv pass, then its dq pass)
+        const int want = kern == GENERIC || !tc ? 2 : kern == FAST && g_two_families ? 0 : 1;
         if (!backward_ran(pr, det != 0, want)) {
             ok = false;
             break;

@@ -376,21 +376,36 @@ def compiled_bwd_rows(D, keys):
 
 def built_bwd_wg_row(D, keys):
     """The built Hopper backward (cuda/hopper/attn_bwd_wg.cu) priced from its
-    SASS counts, as fwd_wg is: predicted, not calibrated."""
+    SASS counts, as fwd_wg is: predicted, not calibrated.  Then the
+    deterministic backward on the same family: the kernel's dk/dv pass
+    (dkdv_wg) and the wgmma dq pass (dq_wg)."""
     counts = m.load_counts()
-    rec = counts.get(f"bwd_wg<bf16,{D},->")
-    if rec is None:
-        return []
-    cells = []
-    for k in keys:
-        B, H = shape(D, k[2])
-        t = m.predict("bwd", k[0], D, k[2], k[3], B, H, counts=counts, family="sm90a")["total"]
-        cells.append(f"{t * 1e3:.2f} / {measured_s(k, 4) / t:.2f} / {measured_s(k, 5) / t:.2f}")
+    rows = []
+    for det, kernel, name in (
+            (False, "bwd_wg", "bwd_wg (cuda/hopper/, SASS counts; not calibrated)"),
+            (True, "dkdv_wg", "deterministic on sm90a: dkdv_wg + dq_wg (SASS; not calibrated)")):
+        rec = counts.get(f"{kernel}<bf16,{D},->")
+        if rec is None:
+            continue
+        cells = []
+        for k in keys:
+            B, H = shape(D, k[2])
+            t = m.predict("bwd", k[0], D, k[2], k[3], B, H, counts=counts, family="sm90a",
+                          deterministic=det)["total"]
+            cells.append(f"{t * 1e3:.2f} / {measured_s(k, 4) / t:.2f} / "
+                         f"{measured_s(k, 5) / t:.2f}")
+        rows.append(wg_row(name, rec, cells))
+    return rows
+
+
+def wg_row(name, rec, cells):
+    """A table row of a built warp-specialised (sm_90a) kernel: its
+    registers, shared memory, blocks per SM and bound, then the cells."""
     per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"], 32 * rec["warps"])
     _, bound = m.block_tile_cycles(rec["per_tile"], rec["cycles"], per_sm * rec["mma_warps"] / 4,
                                    rec["tile_copy_bytes"] / rec["mma_warps"])
-    return [f"| bwd_wg (cuda/hopper/, SASS counts; not calibrated) | {rec['registers']} | "
-            f"{rec['dynamic_smem'] // 1024} | {per_sm} | {bound} | " + " | ".join(cells) + " |"]
+    return (f"| {name} | {rec['registers']} | {rec['dynamic_smem'] // 1024} | {per_sm} | "
+            f"{bound} | " + " | ".join(cells) + " |")
 
 
 def table_designs(pas):
@@ -428,13 +443,8 @@ def table_designs(pas):
                                   family="sm90a")["total"]
                     cells.append(f"{t * 1e3:.2f} / {measured_s(k, 1) / t:.2f} / "
                                  f"{measured_s(k, 2) / t:.2f}")
-                per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"], 32 * rec["warps"])
-                _, bound = m.block_tile_cycles(rec["per_tile"], rec["cycles"],
-                                               per_sm * rec["mma_warps"] / 4,
-                                               rec["tile_copy_bytes"] / rec["mma_warps"])
-                out.append(f"| fwd_wg (cuda/hopper/, SASS counts; not calibrated) | "
-                           f"{rec['registers']} | {rec['dynamic_smem'] // 1024} | {per_sm} | "
-                           f"{bound} | " + " | ".join(cells) + " |")
+                out.append(wg_row("fwd_wg (cuda/hopper/, SASS counts; not calibrated)", rec,
+                                  cells))
         for dsg in designs:
             rec = dsg.record()
             per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"], 32 * dsg.warps)

@@ -140,9 +140,17 @@ def _fwd_wg_smem(D, M):
 def _bwd_wg_smem(D, M):
     # cuda/hopper/bwd_traits.cuh Smem<D>::kLaunchBytes: K, V (128 x D), 2
     # stages of Q, dout (64 x D), 2 x 2 dS^T tiles (64 x 64), 2 x 64
-    # RowStats, 2 TileMetas, 5 mbarriers, 1 KB to align
+    # RowStats, 2 TileMetas, 5 mbarriers, 1 KB to align (the same for
+    # dkdv_wg, which leaves the dS^T tiles unused)
     return (2 * 128 * D * 2 + 4 * 64 * D * 2 + 4 * 64 * 64 * 2 + 2 * 64 * 16 + 2 * 16 + 5 * 8
             + 1024)
+
+
+def _dq_wg_smem(D, M):
+    # cuda/hopper/attn_bwd_wg_dq.cu Smem<D>::kLaunchBytes: Q, dout (128 x
+    # D), 2 stages of K, V (64 x D), 2 x 64 key ids, 2 TileMetas, 5
+    # mbarriers, 1 KB to align
+    return 2 * 128 * D * 2 + 4 * 64 * D * 2 + 2 * 64 * 4 + 2 * 8 + 5 * 8 + 1024
 
 
 # dynamic shared memory per block, as the launchers compute it (fwd_tc/traits.cuh
@@ -151,7 +159,8 @@ def _bwd_wg_smem(D, M):
 # Smem); keep in step with them
 DYNAMIC_SMEM = {"fwd_tc_kernel": _fwd_tc_smem, "dkdv_tc_kernel": _dkdv_tc_smem,
                 "dq_tc_kernel": _dq_tc_smem, "bwd_tc_kernel": _bwd_tc_smem,
-                "fwd_wg_kernel": _fwd_wg_smem, "bwd_wg_kernel": _bwd_wg_smem}
+                "fwd_wg_kernel": _fwd_wg_smem, "bwd_wg_kernel": _bwd_wg_smem,
+                "dkdv_wg_kernel": _bwd_wg_smem, "dq_wg_kernel": _dq_wg_smem}
 # what one iteration of each tensor-core kernel's inner loop covers: the
 # rows the block owns, the rows of the streamed tile, the block's warps and
 # (warp-specialised kernels) the warps that run that loop
@@ -169,6 +178,11 @@ TILES = {"fwd_tc_kernel": lambda D, M: {"block_rows": 128, "tile_rows": 64, "war
                                         "mma_warps": 8,
                                         # Q and dout of a tile, by bulk tensor copies
                                         "tile_copy_bytes": 2 * 64 * D * 2}}
+TILES["dkdv_wg_kernel"] = TILES["bwd_wg_kernel"]
+TILES["dq_wg_kernel"] = lambda D, M: {"block_rows": 128, "tile_rows": 64, "warps": 12,
+                                      "mma_warps": 8,
+                                      # K and V of a tile, by bulk tensor copies
+                                      "tile_copy_bytes": 2 * 64 * D * 2}
 
 # assumed latencies (cycles) of the variable-latency instructions on an
 # H100, for the single-warp schedule: shared-memory loads and ldmatrix
@@ -863,7 +877,7 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="nvcc -cubin cuda/*.cu for --arch")
     ap.add_argument("--files",
                     default="attn_fwd_tc,attn_bwd_tc_dkdv,attn_bwd_tc_dq,attn_bwd_fused,attn_fwd_wg,"
-                            "attn_bwd_wg",
+                            "attn_bwd_wg,attn_bwd_wg_dq",
                     help="with --compile: comma-separated cuda/ file stems (any folder "
                          "under cuda/), or 'all'")
     ap.add_argument("--arch", default="sm_90a")

@@ -21,7 +21,11 @@
  * branch of dilated attention) the masked instantiation also applies the
  * branch rule (mask.cuh) to its P^T and dS^T fragments (branch_rule).
  *
- * Not here: deterministic=True keeps the split mma.sync pair (attn_bwd.cu).
+ * deterministic=True (ra_bwd_wg_dkdv): the same kernel without its dq
+ * product (DQ false: no dS^T in shared memory, no barrier between the
+ * consumers, no atomics), so each dk, dv element has one writer and the
+ * same bits on every run; dq then comes from the wgmma dq pass
+ * (hopper/attn_bwd_wg_dq.cu), as in the split pair (attn_bwd.cu).
  *
  * Shapes: q, dout, dq (B, S_q, H, D); k, v, dk, dv (B, S_k, H_kv, D); lse,
  * delta (B, H, S_q) float32.  q, dout, k, v are read through tensor maps
@@ -52,10 +56,12 @@
  * Launch: grid B * H_kv * ceil(S_k / 128), 384 threads, one block per SM
  * (setmaxnreg 24 / 240; masked 40 / 232: the document walk's state in the
  * producer spilled at 24), Smem<D>::kLaunchBytes of dynamic shared memory
- * (163 KB at D 128, 99 KB at D 64).  ptxas (CUDA 13.0) reports spills at
- * D 128 (a few loop invariants of the consumers: 72 bytes, 8 local loads
- * per tile; masked 24 bytes stored, 32 loaded, 1 load per tile), none at
- * D 64 (tests/test_sass_report.py KNOWN_SPILLS).
+ * (163 KB at D 128, 99 KB at D 64; the DQ-less pass leaves its dS^T
+ * buffers unused).  ptxas (CUDA 13.0) reports spills at D 128 (a few loop
+ * invariants of the consumers: 72 bytes, 8 local loads per tile; masked 24
+ * bytes stored, 32 loaded, 1 load per tile; without DQ 64 / 48, 3 loads
+ * per tile, and masked 44 / 60, 1), none at D 64 (tests/test_sass_report.py
+ * KNOWN_SPILLS).
  */
 #include <string.h>
 
@@ -315,8 +321,10 @@ __device__ __forceinline__ void store_grad(const ra_attn_bwd_params &p, void *gr
 }
 
 /* One tile of consumer warpgroup c: stage st's Q, dout and statistics
- * (rows m0.., query head h), the tile's parity (dS buffer) tt & 1. */
-template <typename T, int D, bool M>
+ * (rows m0.., query head h), the tile's parity (dS buffer) tt & 1.
+ * Without DQ (the deterministic dk/dv pass) only dV and dK: no dS^T in
+ * shared memory, no barrier between the consumers. */
+template <typename T, int D, bool M, bool DQ>
 __device__ __forceinline__ void consume_tile(const BwdArgs &a, const Buffers<D> &buf,
                                              const Stage &st, int32_t tt, int32_t m0, int64_t h,
                                              int64_t b, const KeyRows &kr, const TileMask &tm,
@@ -345,19 +353,22 @@ __device__ __forceinline__ void consume_tile(const BwdArgs &a, const Buffers<D> 
         if (a.br.n != 0)   // uniform: one branch of dilated attention
             branch_rule<T>(a, pa, dsa, kr, m0, h);
     }
-    store_ds(buf.ds((int)(tt & 1), c), dsa);
-    ra::sm90::fence_proxy_async();   // the generic writes of dS^T before wgmma reads them
+    if constexpr (DQ) {
+        store_ds(buf.ds((int)(tt & 1), c), dsa);
+        ra::sm90::fence_proxy_async();   // the generic writes of dS^T before wgmma reads them
+    }
     issue_dkdv<T, D>(dv, dk, pa, dsa, buf.dout(s), buf.q(s));
     // dS^T of every warp of both consumers
-    ra::sm90::named_bar_sync(kDsBarrier, kConsumers * kWarpgroupThreads);
+    if constexpr (DQ) ra::sm90::named_bar_sync(kDsBarrier, kConsumers * kWarpgroupThreads);
     // dV, dK retired before dQ's accumulator is live: P^T and dS^T's
-    // registers free (at D 128 the three at once spilled)
+    // registers free (at D 128 the three at once spilled); without DQ
+    // before the stage is released
     ra::sm90::wgmma_wait<0>();
     ra::sm90::fence_operand(dv);
     ra::sm90::fence_operand(dk);
     ra::sm90::fence_operand(pa);
     ra::sm90::fence_operand(dsa);
-    {
+    if constexpr (DQ) {
         float dq[D / 4];
         issue_dq<T, D>(dq, buf.ds((int)(tt & 1), 0), buf.k(), c);
         ra::sm90::wgmma_wait<0>();
@@ -370,7 +381,7 @@ __device__ __forceinline__ void consume_tile(const BwdArgs &a, const Buffers<D> 
 /* One consumer warpgroup (c = 0, 1) over the block's walk: without masks
  * the walk computed here as the producer computes it; with them (M) the
  * tiles the producer's stages name (TileMeta), until the one that ends. */
-template <typename T, int D, bool M>
+template <typename T, int D, bool M, bool DQ>
 __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
                         const ra::KBlock &blk, int c) {
     const ra_attn_bwd_params &p = a.p;
@@ -407,8 +418,8 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
             const int32_t hh = __shfl_sync(0xffffffffu, m.head, 0);
             tm.doc_test = docs && __shfl_sync(0xffffffffu, m.same, 0) == 0;
             if (tt == 0) ra::sm90::mbar_wait(buf.full_kv(), 0);
-            consume_tile<T, D, M>(a, buf, st, tt, m0, blk.hk * blk.group + hh, blk.b, kr, tm, c,
-                                  dk, dv);
+            consume_tile<T, D, M, DQ>(a, buf, st, tt, m0, blk.hk * blk.group + hh, blk.b, kr,
+                                      tm, c, dk, dv);
             st.advance();
         }
     } else {
@@ -418,8 +429,9 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
         if (n_tiles > 0) ra::sm90::mbar_wait(buf.full_kv(), 0);
         for (int32_t tt = 0; tt < n_tiles; tt++) {
             ra::sm90::mbar_wait(buf.full(st.index), st.phase);
-            consume_tile<T, D, M>(a, buf, st, tt, w.m0(tt), blk.hk * blk.group + w.head(tt),
-                                  blk.b, kr, tm, c, dk, dv);
+            consume_tile<T, D, M, DQ>(a, buf, st, tt, w.m0(tt),
+                                      blk.hk * blk.group + w.head(tt), blk.b, kr, tm, c, dk,
+                                      dv);
             st.advance();
         }
     }
@@ -429,8 +441,9 @@ __device__ void consume(const BwdArgs &a, const Buffers<D> &buf, const Walk &w,
                      key_a, dv);
 }
 
-template <typename T, int D, bool M>
-__global__ void __launch_bounds__(kThreads, 1) bwd_wg_kernel(const __grid_constant__ BwdArgs a) {
+/* The block's roles (DQ: the dq product too, else the dk/dv pass alone). */
+template <typename T, int D, bool M, bool DQ>
+__device__ __forceinline__ void bwd_wg_block(const BwdArgs &a) {
 #if defined(RA_CUDA_EMULATED) || defined(RA_SM90_ASM)
     const Buffers<D> buf(ra::dynamic_smem());
     // the block and its walk, computed by each role after its setmaxnreg
@@ -444,15 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wg_kernel(const __grid_consta
         return w;
     };
     const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x / kWarpgroupThreads), 0);
-    if (threadIdx.x == 0) {
-        ra::sm90::mbar_init(buf.full_kv(), 1);
-        for (int s = 0; s < kStages; s++) {
-            ra::sm90::mbar_init(buf.full(s), 1);
-            ra::sm90::mbar_init(buf.empty(s), kConsumers * 4);
-        }
-        ra::sm90::mbar_init_fence();
-    }
-    __syncthreads();
+    init_barriers(buf.bars());
     if (wg == 0) {
         ra::sm90::setmaxnreg_dec<M ? kMaskedProducerRegs : kProducerRegs>();
         if (threadIdx.x < 32) {
@@ -466,50 +471,61 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wg_kernel(const __grid_consta
     }
     ra::sm90::setmaxnreg_inc<M ? kMaskedConsumerRegs : kConsumerRegs>();
     const ra::KBlock blk = ra::k_block<kBlockN>(a.p, a.n_kblocks);
-    consume<T, D, M>(a, buf, walk_of(blk), blk, wg - 1);
+    consume<T, D, M, DQ>(a, buf, walk_of(blk), blk, wg - 1);
 #else
     (void)a;
     __trap();   // built for another architecture: the dispatcher never launches it there
 #endif
 }
 
-/* The tensor map of a (B, S, H, D) 16-bit tensor (element strides batch,
- * seq, head): 4-D, box 64 x `rows` rows, 128-byte swizzle.  0, or -1. */
-static int make_map(CUtensorMap *map, ra_dtype t, const void *x, int64_t batch, int64_t seq,
-                    int64_t heads, int64_t D, int64_t sb, int64_t ss, int64_t sh, uint32_t rows,
-                    char *err, size_t errlen) {
-    const uint64_t dims[4] = {(uint64_t)D, (uint64_t)seq, (uint64_t)heads, (uint64_t)batch};
-    // an axis of extent 1 is never stepped along: any legal stride does
-    const uint64_t strides[3] = {seq > 1 ? (uint64_t)ss * 2 : 16, heads > 1 ? (uint64_t)sh * 2 : 16,
-                                 batch > 1 ? (uint64_t)sb * 2 : 16};
-    const uint32_t box[4] = {64, rows, 1, 1};
-    return ra_tensor_map_tiled(map,
-                               t == RA_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                               4, x, dims, strides, box, NULL, CU_TENSOR_MAP_SWIZZLE_128B, err,
-                               errlen);
+/* dq, dk and dv (deterministic=False) */
+template <typename T, int D, bool M>
+__global__ void __launch_bounds__(kThreads, 1) bwd_wg_kernel(const __grid_constant__ BwdArgs a) {
+    bwd_wg_block<T, D, M, true>(a);
 }
 
+/* dk and dv only (the deterministic pass) */
 template <typename T, int D, bool M>
+__global__ void __launch_bounds__(kThreads, 1) dkdv_wg_kernel(const __grid_constant__ BwdArgs a) {
+    bwd_wg_block<T, D, M, false>(a);
+}
+
+template <typename T, int D, bool M, bool DQ>
 ra_status launch(const ra_attn_bwd_params &p, cudaStream_t s, const DqTarget &tgt, void *ctx) {
     BwdArgs &a = *static_cast<BwdArgs *>(ctx);
     a.dq = tgt;
     const size_t smem = (size_t)Smem<D>::kLaunchBytes;
-    RA_CHECK(ra_set_smem(bwd_wg_kernel<T, D, M>, smem));
     int64_t blocks = 0;
     RA_CHECK(ra_grid_1d(a.n_kblocks * p.heads_kv * p.batch, 1, &blocks));
-    if (blocks == 0) return RA_OK;
     // grid: B * H_kv * ceil(S_k / 128) blocks of 384 threads
-    RA_LAUNCH((bwd_wg_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(a);
-    RA_CUDA_CHECK_LAUNCH("bwd_wg_kernel");
+    if constexpr (DQ) {
+        RA_CHECK(ra_set_smem(bwd_wg_kernel<T, D, M>, smem));
+        if (blocks == 0) return RA_OK;
+        RA_LAUNCH((bwd_wg_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(a);
+        RA_CUDA_CHECK_LAUNCH("bwd_wg_kernel");
+    } else {
+        RA_CHECK(ra_set_smem(dkdv_wg_kernel<T, D, M>, smem));
+        if (blocks == 0) return RA_OK;
+        RA_LAUNCH((dkdv_wg_kernel<T, D, M>), (unsigned)blocks, kThreads, smem, s)(a);
+        RA_CUDA_CHECK_LAUNCH("dkdv_wg_kernel");
+    }
     return RA_OK;
 }
 
-/* the launcher of (dtype, D, M) */
-template <bool M>
+/* the launcher of (dtype, D, M, DQ) */
+template <bool M, bool DQ>
 ra::bwd_fused::DqRun pick(ra_dtype t, int64_t D) {
-    if (t == RA_FLOAT16) return D == 64 ? launch<ra::half_t, 64, M> : launch<ra::half_t, 128, M>;
-    return D == 64 ? launch<ra::bf16_t, 64, M> : launch<ra::bf16_t, 128, M>;
+    if (t == RA_FLOAT16)
+        return D == 64 ? launch<ra::half_t, 64, M, DQ> : launch<ra::half_t, 128, M, DQ>;
+    return D == 64 ? launch<ra::bf16_t, 64, M, DQ> : launch<ra::bf16_t, 128, M, DQ>;
+}
+
+ra::bwd_fused::DqRun pick(const ra_attn_bwd_params &p, bool dq) {
+    const bool m = ra::masked_variant(p);
+    const ra_dtype t = p.dtype;
+    const int64_t D = p.head_dim;
+    if (dq) return m ? pick<true, true>(t, D) : pick<false, true>(t, D);
+    return m ? pick<true, false>(t, D) : pick<false, false>(t, D);
 }
 
 }  // namespace
@@ -536,34 +552,58 @@ bool ra_bwd_wg_supported(const ra_attn_bwd_params &p) {
     return true;
 }
 
-ra_status ra_bwd_wg(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
-    *ran = false;
+namespace {
+
+/* The kernel's argument for p (its tensor maps made); false (nothing to
+ * launch: the caller runs the mma.sync kernels) when the device grants too
+ * little shared memory or the driver cannot make the maps. */
+ra_status prepare(const ra_attn_bwd_params &p, BwdArgs *a, bool *ok) {
+    *ok = false;
     const int64_t D = p.head_dim;
     const size_t need = D == 64 ? (size_t)Smem<64>::kLaunchBytes : (size_t)Smem<128>::kLaunchBytes;
     int dev = 0, optin = 0;
     RA_CUDA_CHECK(cudaGetDevice(&dev));
     RA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     if ((size_t)optin < need) return RA_OK;
-    BwdArgs a;
-    memset(&a, 0, sizeof a);
-    a.p = p;
-    a.n_kblocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-    a.br = ra::branches_of(p);
+    memset(a, 0, sizeof *a);
+    a->p = p;
+    a->n_kblocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    a->br = ra::branches_of(p);
     char err[300];
-    if (make_map(&a.q_map, p.dtype, p.q, p.batch, p.seqlen_q, p.heads, D, p.q_batch_stride,
-                 p.q_seq_stride, p.q_head_stride, kBlockM, err, sizeof err) != 0 ||
-        make_map(&a.do_map, p.dtype, p.dout, p.batch, p.seqlen_q, p.heads, D,
-                 p.dout_batch_stride, p.dout_seq_stride, p.dout_head_stride, kBlockM, err,
-                 sizeof err) != 0 ||
-        make_map(&a.k_map, p.dtype, p.k, p.batch, p.seqlen_k, p.heads_kv, D, p.k_batch_stride,
-                 p.k_seq_stride, p.k_head_stride, kBlockN, err, sizeof err) != 0 ||
-        make_map(&a.v_map, p.dtype, p.v, p.batch, p.seqlen_k, p.heads_kv, D, p.v_batch_stride,
-                 p.v_seq_stride, p.v_head_stride, kBlockN, err, sizeof err) != 0)
-        return RA_OK;   // no tensor map: the caller runs the mma.sync kernel
-    ra::bwd_fused::DqRun run;
-    if (ra::masked_variant(p))
-        run = pick<true>(p.dtype, D);
-    else
-        run = pick<false>(p.dtype, D);
-    return ra::bwd_fused::with_dq_target(p, s, run, &a, ran);
+    const int bf = p.dtype == RA_BFLOAT16;
+    *ok = ra_tensor_map_bshd(&a->q_map, bf, p.q, p.batch, p.seqlen_q, p.heads, D,
+                             p.q_batch_stride, p.q_seq_stride, p.q_head_stride, kBlockM, err,
+                             sizeof err) == 0 &&
+          ra_tensor_map_bshd(&a->do_map, bf, p.dout, p.batch, p.seqlen_q, p.heads, D,
+                             p.dout_batch_stride, p.dout_seq_stride, p.dout_head_stride, kBlockM,
+                             err, sizeof err) == 0 &&
+          ra_tensor_map_bshd(&a->k_map, bf, p.k, p.batch, p.seqlen_k, p.heads_kv, D,
+                             p.k_batch_stride, p.k_seq_stride, p.k_head_stride, kBlockN, err,
+                             sizeof err) == 0 &&
+          ra_tensor_map_bshd(&a->v_map, bf, p.v, p.batch, p.seqlen_k, p.heads_kv, D,
+                             p.v_batch_stride, p.v_seq_stride, p.v_head_stride, kBlockN, err,
+                             sizeof err) == 0;
+    return RA_OK;
+}
+
+}  // namespace
+
+ra_status ra_bwd_wg(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
+    *ran = false;
+    BwdArgs a;
+    bool ok = false;
+    RA_CHECK(prepare(p, &a, &ok));
+    if (!ok) return RA_OK;
+    return ra::bwd_fused::with_dq_target(p, s, pick(p, true), &a, ran);
+}
+
+ra_status ra_bwd_wg_dkdv(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
+    *ran = false;
+    BwdArgs a;
+    bool ok = false;
+    RA_CHECK(prepare(p, &a, &ok));
+    if (!ok) return RA_OK;
+    RA_CHECK(pick(p, false)(p, s, ra::bwd_fused::DqTarget{}, &a));
+    *ran = true;
+    return RA_OK;
 }

@@ -159,26 +159,6 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wg_kernel(const __grid_consta
 #endif
 }
 
-/* The tensor map of a (B, S, H, D) 16-bit tensor whose rows are `x` with
- * element strides (batch, seq, head): 4-D, box 64 x 128 rows, 128-byte
- * swizzle.  Returns 0, or -1 with the driver's answer in err. */
-static int make_map(CUtensorMap *map, ra_dtype t, const void *x, int64_t batch, int64_t seq,
-                    int64_t heads, int64_t D, int64_t sb, int64_t ss, int64_t sh, char *err,
-                    size_t errlen) {
-    const uint64_t dims[4] = {(uint64_t)D, (uint64_t)seq, (uint64_t)heads, (uint64_t)batch};
-    // a dimension of extent 1 is never stepped along: any legal stride does
-    // (the caller's may be anything a size-1 axis has)
-    const uint64_t strides[3] = {seq > 1 ? (uint64_t)ss * 2 : 16, heads > 1 ? (uint64_t)sh * 2 : 16,
-                                 batch > 1 ? (uint64_t)sb * 2 : 16};
-    const uint32_t box[4] = {64, (uint32_t)kBlockK, 1, 1};
-    static_assert(kBlockK == kBlockQ, "one box shape for Q, K and V");
-    return ra_tensor_map_tiled(map,
-                               t == RA_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                               4, x, dims, strides, box, NULL, CU_TENSOR_MAP_SWIZZLE_128B, err,
-                               errlen);
-}
-
 template <typename T, int D, bool M>
 ra_status launch(const ra_attn_fwd_params &p, cudaStream_t s, bool *ran) {
     *ran = false;
@@ -186,12 +166,18 @@ ra_status launch(const ra_attn_fwd_params &p, cudaStream_t s, bool *ran) {
     memset(&a, 0, sizeof a);
     a.p = p;
     char err[300];
-    if (make_map(&a.q_map, p.dtype, p.q, p.batch, p.seqlen_q, p.heads, D, p.q_batch_stride,
-                 p.q_seq_stride, p.q_head_stride, err, sizeof err) != 0 ||
-        make_map(&a.k_map, p.dtype, p.k, p.batch, p.seqlen_k, p.heads_kv, D, p.k_batch_stride,
-                 p.k_seq_stride, p.k_head_stride, err, sizeof err) != 0 ||
-        make_map(&a.v_map, p.dtype, p.v, p.batch, p.seqlen_k, p.heads_kv, D, p.v_batch_stride,
-                 p.v_seq_stride, p.v_head_stride, err, sizeof err) != 0)
+    // one box shape (64 x 128 rows) for Q, K and V
+    static_assert(kBlockK == kBlockQ, "one box shape for Q, K and V");
+    const int bf = p.dtype == RA_BFLOAT16;
+    const uint32_t rows = (uint32_t)kBlockK;
+    if (ra_tensor_map_bshd(&a.q_map, bf, p.q, p.batch, p.seqlen_q, p.heads, D, p.q_batch_stride,
+                           p.q_seq_stride, p.q_head_stride, rows, err, sizeof err) != 0 ||
+        ra_tensor_map_bshd(&a.k_map, bf, p.k, p.batch, p.seqlen_k, p.heads_kv, D,
+                           p.k_batch_stride, p.k_seq_stride, p.k_head_stride, rows, err,
+                           sizeof err) != 0 ||
+        ra_tensor_map_bshd(&a.v_map, bf, p.v, p.batch, p.seqlen_k, p.heads_kv, D,
+                           p.v_batch_stride, p.v_seq_stride, p.v_head_stride, rows, err,
+                           sizeof err) != 0)
         return RA_OK;   // no tensor map: the caller runs the mma.sync kernel
     a.n_qblocks = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
     const size_t smem = (size_t)Smem<D>::kLaunchBytes;

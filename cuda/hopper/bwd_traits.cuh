@@ -138,6 +138,23 @@ struct Buffers {
     }
 };
 
+/* Thread 0's initialisation of a block's barriers laid out as bars[0] (the
+ * block's one-time copies), full[s] = bars[1 + s] (one arrive with the
+ * stage's bytes), empty[s] = bars[1 + kStages + s] (one arrival per
+ * consumer warp), then a block barrier: the backward's layout (Buffers
+ * bars()) and the deterministic dq pass's (attn_bwd_wg_dq.cu). */
+__device__ __forceinline__ void init_barriers(uint64_t *bars) {
+    if (threadIdx.x == 0) {
+        sm90::mbar_init(bars, 1);
+        for (int s = 0; s < kStages; s++) {
+            sm90::mbar_init(bars + 1 + s, 1);
+            sm90::mbar_init(bars + 1 + kStages + s, kConsumers * 4);
+        }
+        sm90::mbar_init_fence();
+    }
+    __syncthreads();
+}
+
 /* A position in the ring of stages (as the forward's). */
 struct Stage {
     int index;

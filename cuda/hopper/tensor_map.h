@@ -101,4 +101,25 @@ static inline int ra_tensor_map_tiled(CUtensorMap *map, CUtensorMapDataType dtyp
     return 0;
 }
 
+/* The map of a (B, S, H, D) tensor of 16-bit elements (bfloat16 when bf16,
+ * else float16; element strides sb, ss, sh; D contiguous) as the Hopper
+ * kernels read it: 4-D (D, S, H, B), box 64 columns x `rows` rows of one
+ * head and batch row, 128-byte swizzle.  An axis of extent 1 is never stepped along, so any legal
+ * stride stands in for the caller's there.  0, or -1 with the reason in
+ * err. */
+static inline int ra_tensor_map_bshd(CUtensorMap *map, int bf16, const void *x, int64_t batch,
+                                     int64_t seq, int64_t heads, int64_t D, int64_t sb,
+                                     int64_t ss, int64_t sh, uint32_t rows, char *err,
+                                     size_t errlen) {
+    const uint64_t dims[4] = {(uint64_t)D, (uint64_t)seq, (uint64_t)heads, (uint64_t)batch};
+    const uint64_t strides[3] = {seq > 1 ? (uint64_t)ss * 2 : 16, heads > 1 ? (uint64_t)sh * 2 : 16,
+                                 batch > 1 ? (uint64_t)sb * 2 : 16};
+    const uint32_t box[4] = {64, rows, 1, 1};
+    return ra_tensor_map_tiled(map,
+                               bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                    : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                               4, x, dims, strides, box, NULL, CU_TENSOR_MAP_SWIZZLE_128B, err,
+                               errlen);
+}
+
 #endif /* RA_HOPPER_TENSOR_MAP_H */

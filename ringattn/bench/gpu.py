@@ -392,10 +392,18 @@ def forward_family():
     return ra.cuda_info().get("forward_kernels") or "sm80"
 
 
+def backward_family():
+    """The tensor-core family ringattn's backward runs here ("sm90a" or
+    "sm80"; cuda_info())."""
+    import ringattn as ra
+
+    return ra.cuda_info().get("backward_kernels") or "sm80"
+
+
 def _speed_one(dtype, D, S, causal, warmup, repeats, dev=None, sizes=SIZES):
     """{(pass, backend): ms} for one configuration (SDPA's backends only
-    with PyTorch; backend "sm80": ringattn's mma.sync forward, where the
-    default family is sm90a)."""
+    with PyTorch; backend "sm80": ringattn's mma.sync forward and backward,
+    where the default family is sm90a)."""
     import ringattn as ra
 
     dev = dev or _Device(_torch_or_none())
@@ -411,6 +419,11 @@ def _speed_one(dtype, D, S, causal, warmup, repeats, dev=None, sizes=SIZES):
         with kernel_family("sm80"):
             ms[("fwd", "sm80")] = dev.time_ms(
                 lambda: ra.attention(q, k, v, causal=causal, return_lse=True), warmup, repeats)
+    if backward_family() == "sm90a":
+        with kernel_family("sm80"):
+            ms[("bwd", "sm80")] = dev.time_ms(
+                lambda: ra.attention_backward(dout, q, k, v, out, lse, causal=causal),
+                warmup, repeats)
     if dev.torch is None:
         return ms
     for be in ("flash", "cudnn"):
@@ -424,10 +437,10 @@ def _speed_one(dtype, D, S, causal, warmup, repeats, dev=None, sizes=SIZES):
 
 def speed_rows(dtypes, dims, seqlens, warmup, repeats, echo=print, dev=None, sizes=SIZES):
     """One row per (pass, dtype, causal, D, S) with TFLOP/s of ringattn
-    (its kernel family), ringattn's mma.sync forward where that family is
+    (its kernel family), ringattn's mma.sync kernels where that family is
     sm90a, SDPA flash and SDPA cuDNN (None where a backend cannot run)."""
     dev = dev or _Device(_torch_or_none())
-    fwd_family = forward_family()
+    fwd_family, bwd_family = forward_family(), backward_family()
     rows = []
     for dtype in dtypes:
         for D in dims:
@@ -442,7 +455,7 @@ def speed_rows(dtypes, dims, seqlens, warmup, repeats, echo=print, dev=None, siz
                         tf = {name: (None if (pas, name) not in ms else
                                      flops * mult / (ms[(pas, name)] * 1e-3) / 1e12)
                               for name in ("ra", "sm80", "flash", "cudnn")}
-                        family = fwd_family if pas == "fwd" else "sm80"
+                        family = fwd_family if pas == "fwd" else bwd_family
                         row = {"pass": pas, "dtype": dtype, "causal": causal, "D": D, "S": S,
                                "B": B, "H": H, "family": family, **tf,
                                "ms": ms.get((pas, "ra")),
@@ -661,10 +674,10 @@ def run(args=None) -> int:
           f"warm-up calls, {timer}")
     print("TFLOP/s = flops / time, flops (flash-attention 2 convention): forward "
           "4*B*H*S^2*D, halved when causal; backward 2.5x the forward")
-    fam = forward_family()
+    fam, bfam = forward_family(), backward_family()
     print(f"family: the tensor-core kernels of the ringattn column (forward {fam}, backward "
-          "sm80); sm80: ringattn's mma.sync forward in the same run"
-          + ("" if fam == "sm90a" else " (- : the forward is sm80 already)"))
+          f"{bfam}); sm80: ringattn's mma.sync kernels in the same run"
+          + ("" if "sm90a" in (fam, bfam) else " (- : the column is sm80 already)"))
     print(SPEED_HEAD)
     print("-" * len(SPEED_HEAD), flush=True)
     rows = speed_rows(DTYPES, HEAD_DIMS, seqlens, warmup, repeats,

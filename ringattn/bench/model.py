@@ -216,8 +216,9 @@ def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False
     "dq_convert": s} (the fused mma.sync kernel, deterministic=False, the
     default; with family "sm90a" {"delta", "bwd_wg", "dq_convert"}, the
     wgmma one, masked or not) or {"delta": s, "dkdv_tc": s, "dq_tc": s}
-    (deterministic=True, or counts without the fused kernel).  None when a
-    kernel is not in `counts`."""
+    (deterministic=True, or counts without the fused kernel; with family
+    "sm90a" {"delta", "dkdv_wg", "dq_wg"}: the wgmma kernel's dk/dv pass,
+    then the wgmma dq pass).  None when a kernel is not in `counts`."""
     counts = load_counts() if counts is None else counts
     H_kv = H if H_kv is None else H_kv
     out = {}
@@ -234,7 +235,7 @@ def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False
     delta = 2.0 * B * S * H * D * 2 / DRAM_BYTES_PER_S + 4e-6
     fused = "bwd_wg" if family == "sm90a" else "bwd_tc"
     rf = None if deterministic else counts.get(_label(fused, dtype, D, masked))
-    if rf is None and fused == "bwd_wg":
+    if rf is None and fused == "bwd_wg" and not deterministic:
         return None
     if rf is not None:
         # one block per (b, kv head, 128 keys) walking the group's query
@@ -246,15 +247,16 @@ def predict(pas, dtype, D, S, causal, B, H, H_kv=None, counts=None, masked=False
         out["dq_convert"] = B * S * H * D * (4 + 4 + 2) / DRAM_BYTES_PER_S + 8e-6
         out["total"] = sum(out.values())
         return out
-    rk = counts.get(_label("dkdv_tc", dtype, D, masked))
-    rq = counts.get(_label("dq_tc", dtype, D, masked))
+    dkdv, dq = ("dkdv_wg", "dq_wg") if family == "sm90a" else ("dkdv_tc", "dq_tc")
+    rk = counts.get(_label(dkdv, dtype, D, masked))
+    rq = counts.get(_label(dq, dtype, D, masked))
     if rk is None or rq is None:
         return None
     out["delta"] = delta
-    out["dkdv_tc"] = kernel_seconds(rk, dkdv_blocks(B, H_kv, H // H_kv, S, causal,
-                                                    rk["block_rows"], rk["tile_rows"]))[0]
-    out["dq_tc"] = kernel_seconds(rq, fwd_blocks(B, H, S, causal, rq["block_rows"],
-                                                 rq["tile_rows"]))[0]
+    out[dkdv] = kernel_seconds(rk, dkdv_blocks(B, H_kv, H // H_kv, S, causal,
+                                               rk["block_rows"], rk["tile_rows"]))[0]
+    out[dq] = kernel_seconds(rq, fwd_blocks(B, H, S, causal, rq["block_rows"],
+                                            rq["tile_rows"]))[0]
     out["total"] = sum(out.values())
     return out
 
