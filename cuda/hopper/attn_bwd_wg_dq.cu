@@ -30,9 +30,14 @@
  * k0 = -1 ends the block) and, with documents, the keys' ids.  Consumer
  * warpgroup c owns rows 64 c.. and per tile issues S = Q_c K^T and dP =
  * dout_c V^T (64 x 64 each, both operands from shared memory), waits for
- * S, computes P while dP finishes, then dS = P (dP - delta) in registers,
- * and issues dQ += dS K (dS from registers as the A operand, K N-major),
- * dQ float32 in registers for the whole walk (D / 2 per thread).
+ * both, turns them into dS = P (dP - delta) in registers (attn_bwd_tc.cuh
+ * dq_p_ds, the mma.sync dq pass's step) and issues dQ += dS K (dS from
+ * registers as the A operand, K N-major), dQ float32 in registers for the
+ * whole walk (D / 2 per thread).  The two consumers take turns issuing
+ * (the forward's ping-pong: S and dP, then dQ, two turns per tile), so
+ * one's dS step runs under the other's products; a warpgroup's own dQ and
+ * next S, dP are not issued back to back (that pipelining spilled the
+ * masked D 128 variant: 68 bytes stored, 100 loaded).
  *
  * Launch: grid B * H * ceil(S_q / 128) (1-D, heaviest causal blocks
  * first), 384 threads, one block per SM (setmaxnreg 40 for the producer
@@ -43,6 +48,7 @@
 
 #include "attn_bwd_tc.cuh"
 #include "hopper/bwd_mainloop.cuh"   /* Stage, release */
+#include "hopper/fwd_mainloop.cuh"   /* turn_begin, turn_end */
 #include "hopper/tensor_map.h"
 
 namespace {
@@ -271,8 +277,17 @@ __device__ __forceinline__ void pack_a(uint32_t (&x16)[kBlockK / 16][4],
     }
 }
 
+/* A stage's meta as the compiler sees it: warp-uniform (lane 0's), so the
+ * wgmma under the branches on it stay asynchronous (fwd_mainloop.cuh). */
+__device__ __forceinline__ TileMeta uniform(TileMeta m) {
+    return TileMeta{__shfl_sync(0xffffffffu, m.k0, 0), __shfl_sync(0xffffffffu, m.same, 0)};
+}
+
 /* One consumer warpgroup (c = 0, 1) over the tiles the producer hands it,
- * then its rows' dq. */
+ * then its rows' dq.  The two take turns issuing their products (the
+ * forward's ping-pong, fwd_mainloop.cuh turn_begin / turn_end; two turns
+ * per tile, S and dP, then dQ), so one's dS step runs while the other's
+ * products do. */
 template <typename T, int D, bool M>
 __device__ void consume(const DqArgs &a, const Buffers<D> &buf, const ra::QBlock &blk,
                         int64_t kend, int c) {
@@ -286,19 +301,18 @@ __device__ void consume(const DqArgs &a, const Buffers<D> &buf, const ra::QBlock
     for (int i = 0; i < D / 2; i++) dq[i] = 0.f;
 
     Stage st{0, 0};
-    for (int32_t tt = 0;; tt++) {
+    ra::sm90::mbar_wait(buf.full(0), 0);
+    TileMeta m = uniform(*buf.meta(0));
+    if (m.k0 >= 0) ra::sm90::mbar_wait(buf.full_q(), 0);
+    bool first = true;
+    while (m.k0 >= 0) {
         const int s = st.index;
-        ra::sm90::mbar_wait(buf.full(s), st.phase);
-        // warp-uniform in the compiler's eyes (lane 0's): the wgmma under
-        // the branches stay asynchronous (fwd_mainloop.cuh)
-        const TileMeta m = *buf.meta(s);
-        const int32_t k0 = __shfl_sync(0xffffffffu, m.k0, 0);
-        if (k0 < 0) break;
-        const bool same = __shfl_sync(0xffffffffu, m.same, 0) != 0;
-        if (tt == 0) ra::sm90::mbar_wait(buf.full_q(), 0);
         float sx[kBlockK / 2], dpx[kBlockK / 2];
+        ra::wg::turn_begin(c, first);
         issue_xyt<T, D>(sx, buf.q(), buf.k(s), c);
         issue_xyt<T, D>(dpx, buf.dout(), buf.v(s), c);
+        ra::wg::turn_end(c, false);
+        first = false;
         ra::sm90::wgmma_wait<0>();
         ra::sm90::fence_operand(sx);
         ra::sm90::fence_operand(dpx);
@@ -306,16 +320,25 @@ __device__ void consume(const DqArgs &a, const Buffers<D> &buf, const ra::QBlock
         // fragment geometry, element e of n-tile i at 4 i + e)
         ra::bwd_tc::dq_p_ds<M, kBlockK / 8>(
             p, r, a.br, [&](int i, int e) { return sx[4 * i + e]; },
-            [&](int i, int e) -> float & { return dpx[4 * i + e]; }, k0, kend, same, buf.ids(s),
-            blk.h);
+            [&](int i, int e) -> float & { return dpx[4 * i + e]; }, m.k0, kend, m.same != 0,
+            buf.ids(s), blk.h);
         uint32_t ds[kBlockK / 16][4];
         pack_a<T>(ds, dpx);
+        // the next stage's meta first: the dQ product of the last tile is
+        // the warpgroup's last turn
+        Stage nxt = st;
+        nxt.advance();
+        ra::sm90::mbar_wait(buf.full(nxt.index), nxt.phase);
+        const TileMeta mn = uniform(*buf.meta(nxt.index));
+        ra::wg::turn_begin(c, false);
         issue_dq<T, D>(dq, ds, buf.k(s));
+        ra::wg::turn_end(c, mn.k0 < 0);
         ra::sm90::wgmma_wait<0>();
         ra::sm90::fence_operand(dq);
         ra::sm90::fence_operand(ds);
         release(buf.empty(s));
-        st.advance();
+        st = nxt;
+        m = mn;
     }
 
     // rows a, b; columns 8 j + 2 t, + 1
