@@ -586,9 +586,8 @@ done:
 ra_status ra_bwd_tc_fused(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
     *ran = false;
     // shared memory: a device that grants a block less runs the split kernels
-    int dev = 0, optin = 0;
-    RA_CUDA_CHECK(cudaGetDevice(&dev));
-    RA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if ((size_t)optin < fused_smem(p.head_dim, ra::masked_variant(p))) return RA_OK;
+    size_t optin = 0;
+    RA_CHECK(ra_smem_optin(&optin));
+    if (optin < fused_smem(p.head_dim, ra::masked_variant(p))) return RA_OK;
     return ra::bwd_fused::with_dq_target(p, s, run_fused, nullptr, ran);
 }

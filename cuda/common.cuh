@@ -273,18 +273,26 @@ class RaDeviceGuard {
     int prev_, dev_;
 };
 
+/* The most dynamic shared memory a block of the current device may opt in
+ * to (launchers pick a kernel that fits it). */
+static inline ra_status ra_smem_optin(size_t *bytes) {
+    int dev = 0, optin = 0;
+    RA_CUDA_CHECK(cudaGetDevice(&dev));
+    RA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    *bytes = (size_t)optin;
+    return RA_OK;
+}
+
 /* Grant a kernel more than 48 KiB of dynamic shared memory when it asks. */
 template <typename K>
 static inline ra_status ra_set_smem(K kernel, size_t smem) {
     if (smem > 48 * 1024) {
-        int dev = 0, optin = 0;
-        RA_CUDA_CHECK(cudaGetDevice(&dev));
-        RA_CUDA_CHECK(cudaDeviceGetAttribute(
-            &optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-        if ((size_t)optin < smem) {
+        size_t optin = 0;
+        RA_CHECK(ra_smem_optin(&optin));
+        if (optin < smem) {
             ra_set_error(RA_ERR_UNSUPPORTED,
                          "kernel needs %zu bytes of shared memory, device "
-                         "allows %d", smem, optin);
+                         "allows %zu", smem, optin);
             return RA_ERR_UNSUPPORTED;
         }
         RA_CUDA_CHECK(cudaFuncSetAttribute(

@@ -110,7 +110,7 @@ ALL_STAGES="build ptx selftest tests sanitize nccl threadring bench ringbench"
 # tests/test_gpu_kit.py keeps both lists complete; the sanitize stage's
 # canary (tools/sanitizer_canary.cu) proves the filter matches a kernel.
 KERNEL_FILES='attn_[a-z_]+|merge|copy|sanitizer_canary'
-KERNEL_NAMES='bwd_tc|bwd_wg|copy|delta|dilated_ids|dkdv_simt|dkdv_tc|dq_convert|dq_simt|dq_tc|fill_state|fwd_simt|fwd_tc|fwd_wg|merge|sanitizer_canary'
+KERNEL_NAMES='bwd_tc|bwd_wg|copy|delta|dilated_ids|dkdv_simt|dkdv_tc|dkdv_wg|dq_convert|dq_simt|dq_tc|dq_wg|fill_state|fwd_simt|fwd_tc|fwd_wg|merge|sanitizer_canary'
 KERNEL_FILTER="regex=(_GLOBAL__N__[0-9a-f]+_[0-9]+_($KERNEL_FILES)_cu_|($KERNEL_NAMES)_kernel)"
 
 case "$PY" in

@@ -188,19 +188,6 @@ __device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
     }
 }
 
-/* An accumulator of NQ columns (the S^T layout) as 16-bit A fragments:
- * k-step kk covers columns 16 kk .. 16 kk + 15 (n-tiles 2 kk, 2 kk + 1). */
-template <typename T, int NQ>
-__device__ __forceinline__ void pack_a(uint32_t (*a)[4], const float (&x)[NQ / 2]) {
-#pragma unroll
-    for (int kk = 0; kk < NQ / 16; kk++) {
-        a[kk][0] = ra::pack2<T>(x[8 * kk], x[8 * kk + 1]);
-        a[kk][1] = ra::pack2<T>(x[8 * kk + 2], x[8 * kk + 3]);
-        a[kk][2] = ra::pack2<T>(x[8 * kk + 4], x[8 * kk + 5]);
-        a[kk][3] = ra::pack2<T>(x[8 * kk + 6], x[8 * kk + 7]);
-    }
-}
-
 /* The 16-bit half e (0: low) of a packed pair, and the pair with it set. */
 template <typename T>
 __device__ __forceinline__ float half_of(uint32_t v, int e) {
@@ -561,10 +548,9 @@ ra_status prepare(const ra_attn_bwd_params &p, BwdArgs *a, bool *ok) {
     *ok = false;
     const int64_t D = p.head_dim;
     const size_t need = D == 64 ? (size_t)Smem<64>::kLaunchBytes : (size_t)Smem<128>::kLaunchBytes;
-    int dev = 0, optin = 0;
-    RA_CUDA_CHECK(cudaGetDevice(&dev));
-    RA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if ((size_t)optin < need) return RA_OK;
+    size_t optin = 0;
+    RA_CHECK(ra_smem_optin(&optin));
+    if (optin < need) return RA_OK;
     memset(a, 0, sizeof *a);
     a->p = p;
     a->n_kblocks = (p.seqlen_k + kBlockN - 1) / kBlockN;

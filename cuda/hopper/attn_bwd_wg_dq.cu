@@ -53,6 +53,9 @@
 
 namespace {
 
+using ra::wg::TileMeta;   /* the stage's tile: first key (-1: no more), all one id */
+using ra::wg::uniform;
+using ra::wgb::pack_a;
 using ra::wgb::release;
 using ra::wgb::Stage;
 
@@ -71,11 +74,6 @@ constexpr int kAtomBytes = 1024;            /* 8 rows x 128 bytes: the swizzle's
 constexpr int kQHalfBytes = kBlockQ * 128;  /* a 64-column half of the Q or dout tile */
 constexpr int kKHalfBytes = kBlockK * 128;  /* of a K or V tile */
 
-/* The stage's tile: its first key (-1: the block has no more) and whether
- * every id of its keys is the block's one id (documents; else 1). */
-struct TileMeta {
-    int32_t k0, same;
-};
 
 /* Shared memory from a 1024-aligned base: Q, dout (128 rows x D each, D / 64
  * swizzled halves), K[s], V[s] (64 x D), the keys' ids[s], meta[s], and the
@@ -263,26 +261,6 @@ __device__ __forceinline__ void issue_dq(float (&dq)[D / 2], uint32_t (&ds)[kBlo
     ra::sm90::fence_operand(ds);
 }
 
-/* dS (the accumulator layout, 64 keys) as 16-bit A fragments: k-step kk
- * covers keys 16 kk .. 16 kk + 15 (n-tiles 2 kk, 2 kk + 1). */
-template <typename T>
-__device__ __forceinline__ void pack_a(uint32_t (&x16)[kBlockK / 16][4],
-                                       const float (&x)[kBlockK / 2]) {
-#pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; kk++) {
-        x16[kk][0] = ra::pack2<T>(x[8 * kk], x[8 * kk + 1]);
-        x16[kk][1] = ra::pack2<T>(x[8 * kk + 2], x[8 * kk + 3]);
-        x16[kk][2] = ra::pack2<T>(x[8 * kk + 4], x[8 * kk + 5]);
-        x16[kk][3] = ra::pack2<T>(x[8 * kk + 6], x[8 * kk + 7]);
-    }
-}
-
-/* A stage's meta as the compiler sees it: warp-uniform (lane 0's), so the
- * wgmma under the branches on it stay asynchronous (fwd_mainloop.cuh). */
-__device__ __forceinline__ TileMeta uniform(TileMeta m) {
-    return TileMeta{__shfl_sync(0xffffffffu, m.k0, 0), __shfl_sync(0xffffffffu, m.same, 0)};
-}
-
 /* One consumer warpgroup (c = 0, 1) over the tiles the producer hands it,
  * then its rows' dq.  The two take turns issuing their products (the
  * forward's ping-pong, fwd_mainloop.cuh turn_begin / turn_end; two turns
@@ -323,7 +301,7 @@ __device__ void consume(const DqArgs &a, const Buffers<D> &buf, const ra::QBlock
             [&](int i, int e) -> float & { return dpx[4 * i + e]; }, m.k0, kend, m.same != 0,
             buf.ids(s), blk.h);
         uint32_t ds[kBlockK / 16][4];
-        pack_a<T>(ds, dpx);
+        pack_a<T, kBlockK>(ds, dpx);
         // the next stage's meta first: the dQ product of the last tile is
         // the warpgroup's last turn
         Stage nxt = st;
@@ -413,10 +391,9 @@ ra_status ra_bwd_wg_dq(const ra_attn_bwd_params &p, cudaStream_t s, bool *ran) {
     *ran = false;
     const int64_t D = p.head_dim;
     const size_t need = D == 64 ? (size_t)Smem<64>::kLaunchBytes : (size_t)Smem<128>::kLaunchBytes;
-    int dev = 0, optin = 0;
-    RA_CUDA_CHECK(cudaGetDevice(&dev));
-    RA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if ((size_t)optin < need) return RA_OK;
+    size_t optin = 0;
+    RA_CHECK(ra_smem_optin(&optin));
+    if (optin < need) return RA_OK;
     DqArgs a;
     memset(&a, 0, sizeof a);
     a.p = p;

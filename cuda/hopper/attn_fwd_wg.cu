@@ -45,14 +45,6 @@ namespace {
 
 using namespace ra::wg;
 
-/* A stage's meta as the compiler sees it: warp-uniform (lane 0's), so the
- * branches on it keep the wgmma under them asynchronous (a wgmma in a
- * branch the compiler thinks divergent is serialised behind an injected
- * warpgroup.arrive: ptxas C7520). */
-__device__ __forceinline__ TileMeta uniform(TileMeta m) {
-    return TileMeta{__shfl_sync(0xffffffffu, m.k0, 0), __shfl_sync(0xffffffffu, m.same, 0)};
-}
-
 /* One consumer warpgroup (c = 0, 1) over the tiles the producer hands it. */
 template <typename T, int D, bool M>
 __device__ void consume(const FwdArgs &a, const Buffers<D> &buf, const ra::QBlock &blk,

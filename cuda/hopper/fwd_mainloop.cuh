@@ -124,6 +124,15 @@ __device__ void produce(const FwdArgs &a, const Buffers<D> &buf, const QBlock &b
 
 /* ---- the consumers' products ---------------------------------------------- */
 
+/* A stage's meta as the compiler sees it: warp-uniform (lane 0's), so the
+ * branches on it keep the wgmma under them asynchronous (a wgmma in a
+ * branch the compiler thinks divergent is serialised behind an injected
+ * warpgroup.arrive: ptxas C7520).  Also the deterministic dq pass's
+ * (attn_bwd_wg_dq.cu), whose stages carry the same meta. */
+__device__ __forceinline__ TileMeta uniform(TileMeta m) {
+    return TileMeta{__shfl_sync(0xffffffffu, m.k0, 0), __shfl_sync(0xffffffffu, m.same, 0)};
+}
+
 /* Each batch opens with its own wgmma.fence in the same basic block as its
  * wgmma (a fence before a branch or a wait loop does not count for ptxas,
  * which then injects one and serialises the wgmma: C7519/C7520), and the
