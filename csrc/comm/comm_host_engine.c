@@ -16,6 +16,11 @@
  * whole and the caller's buffer is free), a receive half-way through
  * drops the rest.
  *
+ * A peer that closes its connection between operations (nothing of ours
+ * needs it: no frame half read, no receive posted, no send of ours queued
+ * or on the wire) has left: its connection is marked gone and CLOSE
+ * notices still for it are dropped, so a rank that finished first and
+ * exited does not fail the others; an operation that needs it later fails.
  * A failure (a mismatch, a dead connection, a peer's ABORT, a deadline the
  * waiter saw pass) fails the communicator: every request fails with the
  * first error, every peer whose stream is between frames gets an ABORT
@@ -172,9 +177,24 @@ static ra_status connection_lost(ra_comm *c, host_peer *pe, int peer,
     return RA_ERR_COMM;
 }
 
+/* Something of ours needs `pe`: a frame half read, a receive posted, a
+ * send queued or on the wire.  CLOSE notices of splits this rank left do
+ * not count: a peer that closed its connection has left every
+ * communicator of the transport, so they are moot there. */
 static int peer_busy(const host_peer *pe) {
     return pe->in != IN_HEADER || pe->hin_got > 0 || pe->rq_head != NULL ||
-           pe->sq_head != NULL || pe->out_active;
+           pe->sq_head != NULL || (pe->out_active && pe->out_req != NULL);
+}
+
+static void out_frame_done(ra_comm *c, host_peer *pe);
+
+/* The peer closed its connection between operations: it is gone for good,
+ * and the notices still for it (one may be half sent) are dropped. */
+static void peer_left(ra_comm *c, host_peer *pe) {
+    pe->broken = 1;
+    if (pe->out_active) out_frame_done(c, pe);
+    ra_host_notices_free(pe->notices);
+    pe->notices = NULL;
 }
 
 /* Read what `src` sent.  RA_OK (progress, or it would block) or an error
@@ -213,7 +233,7 @@ static ra_status pump_in(ra_comm *c, host_impl *h, int src, char *msg,
             int eof = k == 0 || errno == ECONNRESET;
             const char *why = eof ? NULL : strerror(errno);
             if (!peer_busy(pe)) {          /* it left between operations */
-                pe->broken = 1;
+                peer_left(c, pe);
                 return RA_OK;
             }
             return connection_lost(c, pe, src, why, msg, n);
@@ -309,6 +329,10 @@ static ra_status pump_out(ra_comm *c, host_impl *h, int dst, char *msg,
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) return RA_OK;
             int closed = errno == EPIPE || errno == ECONNRESET;
+            if (closed && !peer_busy(pe)) {    /* only a notice was for it */
+                peer_left(c, pe);
+                return RA_OK;
+            }
             return connection_lost(c, pe, dst, closed ? NULL : strerror(errno),
                                    msg, n);
         }
