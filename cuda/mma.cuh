@@ -208,6 +208,23 @@ __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&c0)[4],
     a[3] = pack2<T>(c1[2], c1[3]);
 }
 
+/* A float accumulator row block of N columns, n-tiles of 8 back to back
+ * (4 registers each: mma.sync's C layout, also each 8-column slice of a
+ * wgmma accumulator), as N / 16 16-bit A fragments: k-step kk covers
+ * columns 16 kk .. 16 kk + 15, the pair of n-tiles 2 kk, 2 kk + 1 (a_from_c
+ * on each pair).  The Hopper forward packs P this way, the Hopper backward
+ * P^T, dS^T and dS. */
+template <typename T, int N>
+__device__ __forceinline__ void a_from_acc(uint32_t (*a)[4], const float (&x)[N / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; kk++) {
+        a[kk][0] = pack2<T>(x[8 * kk], x[8 * kk + 1]);
+        a[kk][1] = pack2<T>(x[8 * kk + 2], x[8 * kk + 3]);
+        a[kk][2] = pack2<T>(x[8 * kk + 4], x[8 * kk + 5]);
+        a[kk][3] = pack2<T>(x[8 * kk + 6], x[8 * kk + 7]);
+    }
+}
+
 }  // namespace ra
 
 #endif /* RA_MMA_CUH */

@@ -333,8 +333,8 @@ __device__ __forceinline__ void consume_tile(const BwdArgs &a, const Buffers<D> 
         ra::sm90::fence_operand(sx);
         ra::sm90::fence_operand(dpx);
         p_ds<kSlice, M>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale, tm);
-        pack_a<T, kSlice>(pa + sl * (kSlice / 16), sx);
-        pack_a<T, kSlice>(dsa + sl * (kSlice / 16), dpx);
+        ra::a_from_acc<T, kSlice>(pa + sl * (kSlice / 16), sx);
+        ra::a_from_acc<T, kSlice>(dsa + sl * (kSlice / 16), dpx);
     }
     if constexpr (M) {
         if (a.br.n != 0)   // uniform: one branch of dilated attention

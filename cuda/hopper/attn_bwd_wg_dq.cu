@@ -55,7 +55,6 @@ namespace {
 
 using ra::wg::TileMeta;   /* the stage's tile: first key (-1: no more), all one id */
 using ra::wg::uniform;
-using ra::wgb::pack_a;
 using ra::wgb::release;
 using ra::wgb::Stage;
 
@@ -301,7 +300,7 @@ __device__ void consume(const DqArgs &a, const Buffers<D> &buf, const ra::QBlock
             [&](int i, int e) -> float & { return dpx[4 * i + e]; }, m.k0, kend, m.same != 0,
             buf.ids(s), blk.h);
         uint32_t ds[kBlockK / 16][4];
-        pack_a<T, kBlockK>(ds, dpx);
+        ra::a_from_acc<T, kBlockK>(ds, dpx);
         // the next stage's meta first: the dQ product of the last tile is
         // the warpgroup's last turn
         Stage nxt = st;

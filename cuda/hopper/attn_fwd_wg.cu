@@ -75,7 +75,7 @@ __device__ void consume(const FwdArgs &a, const Buffers<D> &buf, const ra::QBloc
         mask_tile<M>(s, p, rm, first.k0, first.same != 0, buf.ids);
         st.step(s, rm.mult, &al_a, &al_b);
         release(&buf.empty_k[0]);
-        pack_p<T>(pa, s);
+        ra::a_from_acc<T, kBlockK>(pa, s);
         for (;;) {
             Stage nxt = cur;
             nxt.advance();
@@ -110,7 +110,7 @@ __device__ void consume(const FwdArgs &a, const Buffers<D> &buf, const ra::QBloc
             ra::sm90::fence_operand(o);
             release(&buf.empty_v[cur.index]);
             rescale<D>(o, al_a, al_b);
-            pack_p<T>(pa, s);
+            ra::a_from_acc<T, kBlockK>(pa, s);
             cur = nxt;
         }
     }

@@ -261,20 +261,6 @@ __device__ __forceinline__ void issue_dq(float (&dq)[D / 4], const unsigned char
     sm90::fence_operand(dq);
 }
 
-/* An accumulator of NQ columns (the S^T layout; also the dq pass's S
- * layout, attn_bwd_wg_dq.cu) as 16-bit A fragments: k-step kk covers
- * columns 16 kk .. 16 kk + 15 (n-tiles 2 kk, 2 kk + 1). */
-template <typename T, int NQ>
-__device__ __forceinline__ void pack_a(uint32_t (*a)[4], const float (&x)[NQ / 2]) {
-#pragma unroll
-    for (int kk = 0; kk < NQ / 16; kk++) {
-        a[kk][0] = pack2<T>(x[8 * kk], x[8 * kk + 1]);
-        a[kk][1] = pack2<T>(x[8 * kk + 2], x[8 * kk + 3]);
-        a[kk][2] = pack2<T>(x[8 * kk + 4], x[8 * kk + 5]);
-        a[kk][3] = pack2<T>(x[8 * kk + 6], x[8 * kk + 7]);
-    }
-}
-
 /* A consumer warp is done with stage s: one arrival per warp. */
 __device__ __forceinline__ void release(uint64_t *bar) {
     __syncwarp();

@@ -243,20 +243,6 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], float alpha_a, float 
     }
 }
 
-/* P (float, the S layout) as the 16-bit A fragments of O += P V: k-step kk
- * covers keys 16 kk .. 16 kk + 15, the accumulator columns of n-tiles 2 kk
- * and 2 kk + 1 (mma.cuh's a_from_c on each pair). */
-template <typename T>
-__device__ __forceinline__ void pack_p(uint32_t (&pa)[kBlockK / 16][4], const float (&s)[kSRegs]) {
-#pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; kk++) {
-        pa[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
-        pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-}
-
 }  // namespace wg
 }  // namespace ra
 
