@@ -319,6 +319,87 @@ def test_host_large_buffers_in_both_directions():
         c.close()
 
 
+def _host_pair(timeout):
+    port = free_port()
+    comms = [None, None]
+
+    def join(rank):
+        comms[rank] = _C.host_comm(rank, 2, master_port=port, token="t",
+                                   timeout=timeout)
+
+    ts = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout + 10)
+    assert comms[0] is not None and comms[1] is not None
+    return comms
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [4096, 1 << 17])
+def test_host_a_rank_that_closed_first_still_delivers_its_last_frame(n):
+    """Rank 0 sends its last frame and closes before rank 1 posts the
+    receive; meanwhile rank 1 leaves a split, whose CLOSE notice reaches
+    rank 0 while (32 KiB) or before (1 MiB: the frame is still in rank 0's
+    kernel queue) rank 0's socket closes.  Rank 1 still receives the whole
+    frame: the closing rank waits for its bytes to be taken and drops what
+    arrives meanwhile, and a parked frame outlives its sender's reset."""
+    c0, c1 = _host_pair(timeout=20)
+    subs = [None, None]
+
+    def split(rank):
+        subs[rank] = (c0, c1)[rank].split(0, rank)
+
+    ts = [threading.Thread(target=split, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    data = np.arange(n, dtype=np.float64)
+    req = c0.sendrecv_start(data, 1, None, None)   # parked at rank 1
+    closed_after = []
+
+    def finish():
+        req.wait()
+        t0 = time.monotonic()
+        c0.close()
+        closed_after.append(time.monotonic() - t0)
+
+    closer = threading.Thread(target=finish)
+    closer.start()
+    time.sleep(0.5)
+    subs[1].close()                  # a CLOSE notice for rank 0
+    time.sleep(0.2)
+    out = np.empty(n)
+    c1.sendrecv(None, None, out, 0)
+    closer.join(30)
+    assert not closer.is_alive() and closed_after[0] < 10
+    np.testing.assert_array_equal(out, data)
+    # rank 0 is gone: a send to it fails, naming it, and close is prompt
+    with pytest.raises(CommError, match="peer rank 0 closed the connection"):
+        c1.sendrecv(np.ones(2), 0, None, None)
+    t0 = time.monotonic()
+    c1.close()
+    assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.timeout(60)
+def test_host_close_waits_for_a_live_peer_a_bounded_time():
+    """A peer that never takes rank 0's last frame holds rank 0's close()
+    for the communicator's timeout (here 2 s) at most."""
+    c0, c1 = _host_pair(timeout=2)
+    # 1 MiB, never received: its tail stays in rank 0's kernel queue (or the
+    # send is still in flight, and close() ends it at once)
+    c0.sendrecv_start(np.zeros(1 << 17), 1, None, None)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    c0.close()
+    took = time.monotonic() - t0
+    assert took < 6, took
+    c1.close()
+
+
 def _join_host_ranks(size, port, timeout=30):
     """Join `size` host ranks as threads; returns (comms, errors)."""
     comms, errors = [None] * size, [None] * size

@@ -15,12 +15,19 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <linux/sockios.h>
+
+/* How long close() waits at most for live peers to take what this rank
+ * already sent (the communicator's timeout, if shorter). */
+#define LINGER_MAX_S 10.0
 
 /* ---- vtable ------------------------------------------------------------ */
 
@@ -79,6 +86,63 @@ static void host_free_impl(ra_comm *c) {
     c->impl = NULL;
 }
 
+/* The bytes of this rank's last sends may still sit in its kernel's queue
+ * when it closes: a send is done once its frame is handed to the kernel, and
+ * the receiver may post its receive later.  If the read side is shut, or the
+ * socket closed with unread bytes from that peer (a frame nobody here takes,
+ * a notice that came after the thread stopped), the kernel answers the
+ * peer's next segment with a reset and drops that queue, and the peer's
+ * receive fails half-way.  So a close that follows no failure first shuts
+ * the write side only (the FIN goes after the data), then reads and drops
+ * whatever arrives until every peer has acknowledged every byte sent to it
+ * (SIOCOUTQ 0), has closed its end, or the deadline passed.  A dead peer
+ * ends the wait at once (reset or EOF). */
+static void linger(ra_comm *c, host_impl *h) {
+    double limit = c->default_timeout < LINGER_MAX_S ? c->default_timeout
+                                                     : LINGER_MAX_S;
+    double deadline = ra_now() + limit;
+    int n = c->size;
+    for (int i = 0; i < n; i++) {
+        host_peer *pe = &h->peers[i];
+        if (pe->fd >= 0 && !pe->broken && !pe->out_gone)
+            shutdown(pe->fd, SHUT_WR);
+    }
+    unsigned char *waiting = ra_host_calloc((size_t)n);
+    struct pollfd *pfd = ra_host_calloc(sizeof *pfd * (size_t)n);
+    if (waiting == NULL || pfd == NULL) goto out;
+    for (int i = 0; i < n; i++)
+        waiting[i] = h->peers[i].fd >= 0 && !h->peers[i].broken &&
+                     !h->peers[i].out_gone;
+    for (;;) {
+        int np = 0;
+        for (int i = 0; i < n; i++) {
+            if (!waiting[i]) continue;
+            int fd = h->peers[i].fd;
+            for (;;) {              /* drop what came: nobody reads it now */
+                ssize_t k = recv(fd, h->sink, SINK_BYTES, MSG_DONTWAIT);
+                if (k > 0) continue;
+                if (k < 0 && errno == EINTR) continue;
+                if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
+                    waiting[i] = 0;  /* the peer closed, or the link died */
+                break;
+            }
+            int queued = 0;
+            if (waiting[i] && (ioctl(fd, SIOCOUTQ, &queued) != 0 ||
+                               queued == 0))
+                waiting[i] = 0;      /* all acknowledged (or unknowable) */
+            if (waiting[i]) pfd[np++] = (struct pollfd){fd, POLLIN, 0};
+        }
+        double left = deadline - ra_now();
+        if (np == 0 || left <= 0) break;
+        /* acknowledgements wake nobody: poll in short slices */
+        int ms = left < 0.005 ? (int)(left * 1000) + 1 : 5;
+        if (poll(pfd, (nfds_t)np, ms) < 0 && errno != EINTR) break;
+    }
+out:
+    ra_host_free(pfd, sizeof *pfd * (size_t)n);
+    ra_host_free(waiting, (size_t)n);
+}
+
 static void host_close(ra_comm *c) {
     host_impl *h = c->impl;
     if (h == NULL) return;
@@ -101,6 +165,7 @@ static void host_close(ra_comm *c) {
         }
         h->thread_started = 0;
     }
+    if (!atomic_load(&c->failed)) linger(c, h);
     for (int i = 0; i < c->size; i++)
         if (h->peers[i].fd >= 0) shutdown(h->peers[i].fd, SHUT_RDWR);
 }

@@ -21,6 +21,9 @@
  * or on the wire) has left: its connection is marked gone and CLOSE
  * notices still for it are dropped, so a rank that finished first and
  * exited does not fail the others; an operation that needs it later fails.
+ * Its last frame may be parked here, whole in the kernel's buffer, when
+ * its end closes (or resets, answering a notice of ours): then only the
+ * way out is gone, and the frame is read when its receive comes.
  * A failure (a mismatch, a dead connection, a peer's ABORT, a deadline the
  * waiter saw pass) fails the communicator: every request fails with the
  * first error, every peer whose stream is between frames gets an ABORT
@@ -177,24 +180,41 @@ static ra_status connection_lost(ra_comm *c, host_peer *pe, int peer,
     return RA_ERR_COMM;
 }
 
-/* Something of ours needs `pe`: a frame half read, a receive posted, a
- * send queued or on the wire.  CLOSE notices of splits this rank left do
- * not count: a peer that closed its connection has left every
- * communicator of the transport, so they are moot there. */
+/* Something of ours needs what `pe` sends: a frame half read or parked, a
+ * receive posted. */
+static int in_busy(const host_peer *pe) {
+    return pe->in != IN_HEADER || pe->hin_got > 0 || pe->rq_head != NULL;
+}
+
+/* Something of ours is for `pe`: a send queued or on the wire.  CLOSE
+ * notices of splits this rank left do not count: a peer that closed its
+ * connection has left every communicator of the transport, so they are
+ * moot there. */
+static int out_busy(const host_peer *pe) {
+    return pe->sq_head != NULL || (pe->out_active && pe->out_req != NULL);
+}
+
 static int peer_busy(const host_peer *pe) {
-    return pe->in != IN_HEADER || pe->hin_got > 0 || pe->rq_head != NULL ||
-           pe->sq_head != NULL || (pe->out_active && pe->out_req != NULL);
+    return in_busy(pe) || out_busy(pe);
 }
 
 static void out_frame_done(ra_comm *c, host_peer *pe);
 
-/* The peer closed its connection between operations: it is gone for good,
- * and the notices still for it (one may be half sent) are dropped. */
-static void peer_left(ra_comm *c, host_peer *pe) {
-    pe->broken = 1;
+/* The peer closed its end, and nothing of ours was for it: the notices
+ * still for it (one may be half sent) are dropped, and nothing more is
+ * sent.  What it sent before stays readable: its last frame may be parked
+ * here, whole in the kernel's buffer, for a receive posted later. */
+static void out_gone(ra_comm *c, host_peer *pe) {
+    pe->out_gone = 1;
     if (pe->out_active) out_frame_done(c, pe);
     ra_host_notices_free(pe->notices);
     pe->notices = NULL;
+}
+
+/* The peer closed its connection between operations: it is gone for good. */
+static void peer_left(ra_comm *c, host_peer *pe) {
+    out_gone(c, pe);
+    pe->broken = 1;
 }
 
 /* Read what `src` sent.  RA_OK (progress, or it would block) or an error
@@ -310,7 +330,7 @@ static ra_status pump_out(ra_comm *c, host_impl *h, int dst, char *msg,
                           size_t n) {
     host_peer *pe = &h->peers[dst];
     for (;;) {
-        if (pe->broken) return RA_OK;
+        if (pe->broken || pe->out_gone) return RA_OK;
         if (!pe->out_active && !next_frame(pe)) return RA_OK;
         ssize_t k;
         int in_hdr = pe->hout_sent < FRAME_HDR;
@@ -329,8 +349,9 @@ static ra_status pump_out(ra_comm *c, host_impl *h, int dst, char *msg,
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) return RA_OK;
             int closed = errno == EPIPE || errno == ECONNRESET;
-            if (closed && !peer_busy(pe)) {    /* only a notice was for it */
-                peer_left(c, pe);
+            if (closed && !out_busy(pe)) {     /* only a notice was for it */
+                if (in_busy(pe)) out_gone(c, pe);
+                else peer_left(c, pe);
                 return RA_OK;
             }
             return connection_lost(c, pe, dst, closed ? NULL : strerror(errno),
@@ -358,7 +379,8 @@ static void fail_later(host_impl *h, ra_req *r) {
 
 static ra_status take_request(ra_comm *c, host_impl *h, ra_req *r, char *msg,
                               size_t n) {
-    int bad = r->x.dst >= 0 && h->peers[r->x.dst].broken ? r->x.dst
+    int bad = r->x.dst >= 0 && (h->peers[r->x.dst].broken ||
+                                h->peers[r->x.dst].out_gone) ? r->x.dst
               : r->x.src >= 0 && h->peers[r->x.src].broken ? r->x.src : -1;
     if (bad >= 0) {
         char pre[128];
@@ -397,7 +419,7 @@ static void handle_failure(ra_comm *c, host_impl *h) {
         host_peer *pe = &h->peers[i];
         if (pe->fd < 0) continue;
         int midframe = pe->out_active && pe->hout_sent > 0;
-        if (!midframe && !pe->broken) {
+        if (!midframe && !pe->broken && !pe->out_gone) {
             ssize_t rc = send(pe->fd, frame, FRAME_HDR + n,
                               MSG_NOSIGNAL | MSG_DONTWAIT);
             (void)rc;
@@ -491,8 +513,13 @@ static ra_status one_round(ra_comm *c, host_impl *h, ra_req *submitted,
     for (int i = 0; i < c->size; i++) {
         host_peer *pe = &h->peers[i];
         if (pe->fd < 0 || pe->broken) continue;
+        /* a parked frame of a peer that closed its end waits for its
+         * receive, unpolled (its socket would report the hang-up at once,
+         * again and again) */
+        if (pe->in == IN_PARKED && pe->out_gone) continue;
         short ev = pe->in == IN_PARKED ? 0 : POLLIN;
-        if (pe->out_active || pe->notices != NULL || pe->sq_head != NULL)
+        if (!pe->out_gone &&
+            (pe->out_active || pe->notices != NULL || pe->sq_head != NULL))
             ev |= POLLOUT;
         who[np] = i;
         pfd[np++] = (struct pollfd){pe->fd, ev, 0};
@@ -523,10 +550,11 @@ static ra_status one_round(ra_comm *c, host_impl *h, ra_req *submitted,
         int i = who[k];
         host_peer *pe = &h->peers[i];
         if (pe->in == IN_PARKED && (pfd[k].revents & (POLLHUP | POLLERR))) {
-            /* gone; whoever needs it later fails */
-            if (pe->out_active || pe->sq_head != NULL)
-                return connection_lost(c, pe, i, NULL, msg, n);
-            pe->broken = 1;
+            /* the peer closed its end after its last frame: that frame
+             * is still read when its receive comes (and fails then if it
+             * came short); a send of ours for the peer fails now */
+            if (out_busy(pe)) return connection_lost(c, pe, i, NULL, msg, n);
+            out_gone(c, pe);
             continue;
         }
         if (pfd[k].revents & (POLLIN | POLLHUP | POLLERR))

@@ -96,6 +96,9 @@ typedef enum {
 typedef struct host_peer {
     int fd;                   /* -1 for self */
     int broken;               /* known dead: not polled any more */
+    int out_gone;             /* the peer closed its end: nothing more goes
+                               * to it, but what it sent before (a frame
+                               * parked here) may still be read */
     /* out: one frame at a time; CLOSE notices first, then sends in order */
     ra_req *sq_head, *sq_tail;          /* sends waiting (r->next) */
     struct host_notice *notices;        /* FRAME_CLOSEs to send */

@@ -171,7 +171,9 @@ static void queue_notices(ra_comm *c, host_impl *h, const host_leave *k) {
     size_t len = k->closed ? 0 : strlen(k->why);
     for (int i = 0; i < k->nmembers; i++) {
         host_peer *pe = &h->peers[k->members[i]];
-        if (k->members[i] == c->rank || pe->fd < 0 || pe->broken) continue;
+        if (k->members[i] == c->rank || pe->fd < 0 || pe->broken ||
+            pe->out_gone)
+            continue;
         host_notice *t = ra_host_calloc(sizeof *t);
         char *why = len > 0 ? ra_host_alloc(len) : NULL;
         if (t == NULL || (len > 0 && why == NULL)) {
