@@ -202,6 +202,20 @@ selftest)
     work selftest; echo "selftest full: 0 of 5 cases failed" ;;
 ptx_conformance)
     work ptx; echo "ptx_conformance: 3 of 3 digests match"; echo "overall 0123abcd" ;;
+ncu)
+    if [[ " $* " == *" --query-metrics "* ]]; then
+        echo "lts__t_sectors_op_red      # of sectors reduced at L2"
+        echo "sm__cycles_elapsed         # of cycles elapsed"; exit 0
+    elif [[ " $* " == *" --import "* ]]; then
+        echo '==PROF== a note that is not CSV'
+        echo '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+        echo '"0","fwd_wg_kernel<__nv_bfloat16, 64, false>","SOL","Duration","usecond","640.5"'
+        echo '"0","fwd_wg_kernel<__nv_bfloat16, 64, false>","LS","Registers Per Thread","register/thread","168"'
+        exit 0
+    fi
+    echo "$*" >"$FAKE_TRACE.ncu"
+    work profile; echo "profile case done"
+    fails profile && exit 1; exit 0 ;;
 esac
 exit 0
 '''
@@ -224,7 +238,7 @@ def _start_kit(tmp, stages, **env_extra):
     (process, trace file, out folder)."""
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
-    for name in ["python", "nvcc", "gcc", "nvidia-smi", "compute-sanitizer"]:
+    for name in ["python", "nvcc", "gcc", "nvidia-smi", "compute-sanitizer", "ncu"]:
         (bin_dir / name).write_text(FAKE)
         (bin_dir / name).chmod(0o755)
     for rel, text in FAKE_MODULES.items():
@@ -341,3 +355,67 @@ def test_serial_knob_runs_one_stage_after_another(tmp_path):
     spans = _trace(trace)
     assert spans["ptx"]["end"] <= spans["nccl"]["start"], spans
     assert spans["nccl"]["end"] <= spans["threadring"]["start"], spans
+
+
+def test_profile_stage_runs_ncu_on_the_wgmma_kernels_and_tabulates(tmp_path):
+    """`profile` (not in `all`): ncu with the clocks left alone, filtered to
+    the wgmma kernels, asking only for the raw metrics this ncu lists, then
+    the report's table and summary line."""
+    assert "profile" not in _script_var_dq("ALL_STAGES").split()
+    proc, trace, _ = _start_kit(tmp_path, ["profile"], FAKE_SLEEP="0.2")
+    stdout = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, stdout
+    summary = _summary(stdout)
+    assert summary["profile"].startswith(
+        "PASS 1 launches (of 20 expected); measured/predicted none"), stdout
+    assert "| 0: fwd D 64 | fwd_wg | 0.640 | — | — | 168 |" in stdout, stdout
+    args = open(str(trace) + ".ncu").read().split()
+    assert args[args.index("--clock-control") + 1] == "none"
+    assert args[args.index("--kernel-name") + 1] == "regex:(fwd_wg|bwd_wg|dkdv_wg|dq_wg)_kernel"
+    assert args[args.index("--metrics") + 1] == "lts__t_sectors_op_red.sum"   # the known one
+    assert args[-1].endswith("tools/profile_case.py")
+    # a failing profiler fails the stage
+    (tmp_path / "again").mkdir()
+    proc, _, _ = _start_kit(tmp_path / "again", ["profile"], FAKE_SLEEP="0.2",
+                            FAKE_FAIL="profile")
+    stdout = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0 and _summary(stdout)["profile"].startswith("FAIL ncu rc=1"), stdout
+
+
+def test_profile_case_and_report_pair_launches_with_cases(tmp_path):
+    """profile_case's launches in order (20: one per wgmma kernel of each
+    case) and the report pairing a details page with them, with the model's
+    prediction beside each unmasked one and a kernel other than the
+    expected one named as such."""
+    tools = os.path.join(ROOT, "tools")
+    listed = subprocess.run([sys.executable, os.path.join(tools, "profile_case.py"), "--list"],
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(listed) == 16 and listed[2] == (
+        "case 2 bwd D=64 causal=0 det=1 mask=none kernels=dkdv_wg,dq_wg"), listed
+    sys.path.insert(0, tools)
+    try:
+        import profile_case
+        import profile_report
+    finally:
+        sys.path.remove(tools)
+    kernels = [k for c in profile_case.cases() for k in c[5]]
+    assert len(kernels) == 20
+    rows = ['"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"']
+    for i, k in enumerate(kernels):
+        k = "dq_tc" if i == 3 else k                 # a fallback, reported as such
+        name = f"(anonymous namespace)::{k}_kernel<__nv_bfloat16, 64, false>(Args)"
+        rows.append(f'"{i}","{name}","SOL","Duration","msecond","{1 + i / 10:.1f}"')
+        rows.append(f'"{i}","{name}","CWA","Issue Slots Busy","%","{40 + i}"')
+    path = tmp_path / "details.csv"
+    path.write_text("==PROF== not CSV\n" + "\n".join(rows) + "\n")
+    text = profile_report.report(profile_report.read_launches(str(path)), 8192)
+    from ringattn.bench import model
+    pred = model.predict("fwd", "bfloat16", 64, 8192, False, 1, 16, family="sm90a")
+    want = pred["fwd_wg"] * 1e3
+    assert f"| 0: fwd D 64 | fwd_wg | 1.000 | {want:.3f} | {1 / want:.2f} | — | — | — | 40 |" \
+        in text, text
+    assert "| 2: bwd D 64 det | dq_tc (expected dq_wg) | 1.300 | — | — |" in text, text
+    assert "| 15: bwd D 128 causal docs | bwd_wg | 2.900 | — | — |" in text, text
+    last = text.splitlines()[-1]
+    assert last.startswith("profile: 20 launches (of 20 expected); measured/predicted bwd_wg "), last
+    assert "dq_wg" in last and "fwd_wg" in last

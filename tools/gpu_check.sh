@@ -69,6 +69,14 @@
 #              accuracy by flash-attention's rule)
 #   ringbench  ringattn bench --ring --gpu (the NCCL ring, p = 1..4, and
 #              thread ranks, p = 2, 4, 8; RINGBENCH_SEQ_LEN sets --seq-len)
+#   profile    not in "all" (it would not fit one call): Nsight Compute
+#              (ncu --clock-control none) on every wgmma kernel of
+#              tools/profile_case.py (bf16, B 1, H 16, S 8192 or
+#              PROFILE_SEQ_LEN; forward, both backwards, D 64/128, causal
+#              and not, a window and documents), its sections and the
+#              PROFILE_METRICS this ncu knows; tools/profile_report.py
+#              tabulates each launch next to the model's prediction
+#              (profile_report.log, the report profile.ncu-rep)
 #
 # What it prints: "== <stage> ..." as a stage starts and, for a stage that
 # failed, the tail of its log (a stage of phase 3 writes to
@@ -126,7 +134,7 @@ STAGES=()
 for a in "$@"; do
     case "$a" in
         all) read -r -a STAGES <<<"$ALL_STAGES" ;;
-        build | ptx | selftest | tests | sanitize | nccl | threadring | bench | ringbench) STAGES+=("$a") ;;
+        build | ptx | selftest | tests | sanitize | nccl | threadring | bench | ringbench | profile) STAGES+=("$a") ;;
         -h | --help) usage ;;
         *) echo "gpu_check.sh: unknown stage '$a' (stages: $ALL_STAGES, all)" >&2; exit 2 ;;
     esac
@@ -577,6 +585,66 @@ stage_bench() {
     bench_stage bench bench-gpu --gpu
 }
 
+# The raw metrics the profile stage asks for besides its sections, where
+# this ncu knows them (an unknown name would fail the whole run): spill
+# traffic, dq's reductions at L1 and L2, and the wgmma pipe.
+PROFILE_METRICS="${PROFILE_METRICS:-l1tex__t_requests_pipe_lsu_mem_local_op_ld.sum l1tex__t_requests_pipe_lsu_mem_local_op_st.sum l1tex__t_requests_pipe_lsu_mem_global_op_red.sum lts__t_sectors_op_red.sum sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active sm__inst_executed_pipe_tensor_op_gmma.sum}"
+
+stage_profile() {
+    note "== profile: Nsight Compute on each Hopper kernel, tools/profile_case.py (~1.5 min)"
+    local ncu
+    ncu="$(command -v ncu || true)"
+    [ -n "$ncu" ] || ncu="${CUDA_HOME:-/usr/local/cuda}/bin/ncu"
+    if [ ! -x "$ncu" ]; then
+        record profile FAIL "no ncu (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin)"
+        return 1
+    fi
+    local why
+    why="$(cuda_reason)"
+    if [ -n "$why" ]; then
+        record profile FAIL "$why"
+        return 1
+    fi
+    local m metrics=() extra=()
+    "$ncu" --query-metrics >"$LOGDIR/profile_metrics.log" 2>&1 ||
+        "$ncu" --query-metrics --chip gh100 >>"$LOGDIR/profile_metrics.log" 2>&1
+    for m in $PROFILE_METRICS; do
+        grep -qw -- "${m%%.*}" "$LOGDIR/profile_metrics.log" && metrics+=("$m")
+    done
+    [ ${#metrics[@]} -gt 0 ] && extra=(--metrics "$(IFS=,; echo "${metrics[*]}")")
+    # the clocks as they are (the device's METHOD.md); one launch of each
+    # case, every wgmma kernel of them and nothing else
+    run_logged profile 300 env PROFILE_SEQ_LEN="${PROFILE_SEQ_LEN:-8192}" "$ncu" \
+        --clock-control none --target-processes all \
+        --kernel-name "regex:(fwd_wg|bwd_wg|dkdv_wg|dq_wg)_kernel" \
+        --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis "${extra[@]}" \
+        --export "$LOGDIR/profile" --force-overwrite "$PY" "$REPO/tools/profile_case.py"
+    local rc=$?
+    if [ $rc -ne 0 ] || ! grep -q 'profile case done' "$LOGDIR/profile.log"; then
+        [ $rc -eq 124 ] && rc="$rc timed out"
+        record profile FAIL "ncu rc=$rc"
+        show_tail profile 30
+        return 1
+    fi
+    run_logged profile_csv 120 "$ncu" --import "$LOGDIR/profile.ncu-rep" --csv --page details
+    run_logged profile_report 60 "$PY" "$REPO/tools/profile_report.py" \
+        "$LOGDIR/profile_csv.log" --seq-len "${PROFILE_SEQ_LEN:-8192}"
+    rc=$?
+    local line
+    line="$(grep -E '^profile:' "$LOGDIR/profile_report.log" | tail -n 1)"
+    line="${line#profile: }"
+    if [ $rc -eq 0 ]; then
+        record profile PASS "$line (tables: profile_report.log)"
+        grep -E '^\|' "$LOGDIR/profile_report.log" | head -n 24 | cut -c1-300
+    else
+        record profile FAIL "rc=$rc; ${line:-no summary line}"
+        show_tail profile_report 20
+        return 1
+    fi
+}
+
 stage_ringbench() {
     note "== ringbench: ringattn bench --ring --gpu, NCCL and thread ranks (~0.75 min)"
     bench_stage ringbench bench-gpu-ring --ring --gpu ${RINGBENCH_SEQ_LEN:+--seq-len "$RINGBENCH_SEQ_LEN"}
@@ -607,7 +675,7 @@ finish() {
     # the stages in their usual order (the tests stage's repeat-* lines after
     # it), whatever order they ended in
     for s in build ptx selftest tests repeat-docs repeat-lifetime sanitize nccl threadring \
-        bench ringbench "${ORDER[@]}"; do
+        bench ringbench profile "${ORDER[@]}"; do
         [ -n "${RESULT[$s]:-}" ] && [[ "$shown" != *" $s "* ]] && shown+="$s "
     done
     read -r -a ORDER <<<"$shown"
@@ -632,7 +700,7 @@ finish() {
 # ---- running the stages ----------------------------------------------------------
 
 CONCURRENT_STAGES=" ptx selftest tests sanitize nccl threadring "
-TIMING_STAGES=" bench ringbench "
+TIMING_STAGES=" bench ringbench profile "
 
 requested() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
 
@@ -791,6 +859,7 @@ else
     reserve=0
     requested bench && reserve=$((reserve + 90))
     requested ringbench && reserve=$((reserve + 60))
+    requested profile && reserve=$((reserve + 120))
     RESERVE="${GPU_CHECK_RESERVE:-$reserve}"
     run_concurrent
     RESERVE=0
