@@ -123,7 +123,7 @@ def test_speed_row_shows_the_model_next_to_the_measured_time():
     assert cells[13] == "1.26" and float(cells[14]) == pytest.approx(pred["total"] * 1e3, abs=0.01)
     assert float(cells[15]) == pytest.approx(1.26 / (pred["total"] * 1e3), abs=0.01)
     # without a prediction (no counts for the kernels) the model cells are dashes
-    assert format_speed_row(dict(r, model=None)).split()[14:] == ["-", "-"]
+    assert format_speed_row(dict(r, model=None)).split()[14:16] == ["-", "-"]
 
 
 def test_speed_row_puts_the_two_forward_families_side_by_side():
@@ -164,6 +164,18 @@ def test_model_rows_name_every_kernel_and_the_measured_over_model_ratio():
     assert len(lines) == 2 and lines[0].startswith("model bwd  float16")
     assert all(k in lines[0] for k in ("delta", "bwd_tc", "dq_convert", "measured"))
     assert lines[1].startswith("measured/model: median 2.00")
+    # a backward row's deterministic pass: its own line, out of the median
+    rows[0].update(det_ms=5e3 * det["total"], det_model=det)
+    lines = format_model_rows(rows)
+    assert len(lines) == 3 and lines[1].startswith("model det  float16")
+    assert all(k in lines[1] for k in ("dkdv_wg", "dq_wg", "measured"))
+    assert lines[2].startswith("measured/model: median 2.00")
+    # and its TFLOP/s last on the speed row ("-" on a forward row)
+    r = {"pass": "bwd", "dtype": "float16", "causal": False, "D": 64, "S": 16384, "B": 1,
+         "H": 32, "family": "sm90a", "ra": 500.0, "sm80": 150.0, "flash": 300.0,
+         "cudnn": 450.0, "ms": 1.0, "model": wg, "det": 420.0}
+    assert format_speed_row(r).split()[16] == "420.0"
+    assert format_speed_row(dict(r, det=None)).split()[16] == "-"
 
 
 BASELINE_COUNTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -233,9 +245,15 @@ def test_bench_gpu_quick_runs_on_this_gpu():
     per_kernel = [line for line in lines if line.startswith("model ")]
     fwd_kernel = "fwd_wg" if family == "sm90a" else "fwd_tc"
     bwd_kernel = "bwd_wg" if family == "sm90a" else "bwd_tc"
-    assert len(per_kernel) == 16 and all(
+    assert len(per_kernel) == 24 and all(
         (fwd_kernel in line) == (line.split()[1] == "fwd") and
         (bwd_kernel in line) == (line.split()[1] == "bwd") for line in per_kernel), out
+    # deterministic=True timed beside every backward row, with its kernels
+    det_kernels = ("dkdv_wg", "dq_wg") if family == "sm90a" else ("dkdv_tc", "dq_tc")
+    assert all((line.split()[16] != "-") == (line.split()[0] == "bwd") for line in speed), out
+    dets = [line for line in per_kernel if line.split()[1] == "det"]
+    assert len(dets) == 8 and all(all(k in line for k in det_kernels) and "measured" in line
+                                  for line in dets), out
     assert sum(line.startswith("measured/model: median") for line in lines) == 1, out
     if not have_torch:
         assert "no PyTorch: SDPA columns skipped" in summary[0], out

@@ -12,16 +12,18 @@ causal; backward 2.5 times the forward's count.
 
 Kernel families: the "family" column names the tensor-core kernels the
 ringattn column ran: "sm90a" (wgmma/TMA, cuda/hopper/) where the device and
-the build have them, else "sm80" (mma.sync).  Where the forward runs sm90a,
-the "sm80" column times the mma.sync forward in the same run
-(RINGATTN_CUDA_KERNELS=sm80 around those calls), side by side; the backward
-has the mma.sync family only so far.
+the build have them, else "sm80" (mma.sync).  Where a pass runs sm90a, the
+"sm80" column times its mma.sync kernels in the same run
+(RINGATTN_CUDA_KERNELS=sm80 around those calls), side by side.  The "det"
+column (backward rows) times attention_backward with deterministic=True: on
+sm90a the wgmma dk/dv pass and the wgmma dq pass, else the mma.sync pair.
 
 Model: next to every ringattn time, the H100 SXM performance model's
 prediction for the family that ran (ringattn/bench/model.py, fed by the
 kernels' SASS counts in kernel_counts.json), with measured/model, and after
 the table the model's time of each kernel (fwd_wg or fwd_tc; delta, bwd_tc,
-dq_convert: the fused backward that attention_backward runs by default), so
+dq_convert: the fused backward that attention_backward runs by default;
+"model det": the deterministic pass's kernels and its measured time), so
 that one GPU run both checks the kernels and recalibrates the model
 (docs/results.md).
 
@@ -403,7 +405,8 @@ def backward_family():
 def _speed_one(dtype, D, S, causal, warmup, repeats, dev=None, sizes=SIZES):
     """{(pass, backend): ms} for one configuration (SDPA's backends only
     with PyTorch; backend "sm80": ringattn's mma.sync forward and backward,
-    where the default family is sm90a)."""
+    where the default family is sm90a; ("bwd", "det"): ringattn's backward
+    with deterministic=True)."""
     import ringattn as ra
 
     dev = dev or _Device(_torch_or_none())
@@ -424,6 +427,10 @@ def _speed_one(dtype, D, S, causal, warmup, repeats, dev=None, sizes=SIZES):
             ms[("bwd", "sm80")] = dev.time_ms(
                 lambda: ra.attention_backward(dout, q, k, v, out, lse, causal=causal),
                 warmup, repeats)
+    # deterministic=True (dq in a pass of its own: the same bits every run)
+    ms[("bwd", "det")] = dev.time_ms(
+        lambda: ra.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                      deterministic=True), warmup, repeats)
     if dev.torch is None:
         return ms
     for be in ("flash", "cudnn"):
@@ -438,7 +445,9 @@ def _speed_one(dtype, D, S, causal, warmup, repeats, dev=None, sizes=SIZES):
 def speed_rows(dtypes, dims, seqlens, warmup, repeats, echo=print, dev=None, sizes=SIZES):
     """One row per (pass, dtype, causal, D, S) with TFLOP/s of ringattn
     (its kernel family), ringattn's mma.sync kernels where that family is
-    sm90a, SDPA flash and SDPA cuDNN (None where a backend cannot run)."""
+    sm90a, SDPA flash and SDPA cuDNN (None where a backend cannot run), and
+    for the backward ringattn's deterministic=True ("det", with its own
+    "det_ms" and "det_model")."""
     dev = dev or _Device(_torch_or_none())
     fwd_family, bwd_family = forward_family(), backward_family()
     rows = []
@@ -454,13 +463,17 @@ def speed_rows(dtypes, dims, seqlens, warmup, repeats, echo=print, dev=None, siz
                     for pas, mult in (("fwd", 1.0), ("bwd", 2.5)):
                         tf = {name: (None if (pas, name) not in ms else
                                      flops * mult / (ms[(pas, name)] * 1e-3) / 1e12)
-                              for name in ("ra", "sm80", "flash", "cudnn")}
+                              for name in ("ra", "sm80", "flash", "cudnn", "det")}
                         family = fwd_family if pas == "fwd" else bwd_family
                         row = {"pass": pas, "dtype": dtype, "causal": causal, "D": D, "S": S,
                                "B": B, "H": H, "family": family, **tf,
                                "ms": ms.get((pas, "ra")),
                                "model": model_prediction(pas, dtype, D, S, causal, B, H,
                                                          family)}
+                        if pas == "bwd":
+                            row["det_ms"] = ms.get(("bwd", "det"))
+                            row["det_model"] = model_prediction(pas, dtype, D, S, causal, B,
+                                                                H, family, deterministic=True)
                         rows.append(row)
                         echo(format_speed_row(row))
     return rows
@@ -468,16 +481,18 @@ def speed_rows(dtypes, dims, seqlens, warmup, repeats, echo=print, dev=None, siz
 
 SPEED_HEAD = (f"{'pass':4} {'dtype':8} {'causal':6} {'D':>4} {'S':>6} {'B':>3} {'H':>3} "
               f"{'family':>6} {'ringattn':>9} {'sm80':>9} {'flash':>9} {'cudnn':>9} "
-              f"{'ra/flash':>8} {'ra ms':>8} {'model ms':>8} {'ra/model':>8}  (TFLOP/s; ms)")
+              f"{'ra/flash':>8} {'ra ms':>8} {'model ms':>8} {'ra/model':>8} {'det':>9}  "
+              "(TFLOP/s; ms)")
 
 
-def model_prediction(pas, dtype, D, S, causal, B, H, family="sm80"):
+def model_prediction(pas, dtype, D, S, causal, B, H, family="sm80", deterministic=False):
     """The H100 model's seconds by kernel of the kernel family that ran
     (ringattn/bench/model.py), or None where it has no counts for them."""
     from . import model
 
     try:
-        return model.predict(pas, dtype, D, S, causal, B, H, family=family)
+        return model.predict(pas, dtype, D, S, causal, B, H, family=family,
+                             deterministic=deterministic)
     except (OSError, ValueError, KeyError):
         return None
 
@@ -495,12 +510,14 @@ def format_speed_row(r):
     return (f"{r['pass']:4} {r['dtype']:8} {str(r['causal']):6} {r['D']:4d} {r['S']:6d} "
             f"{r['B']:3d} {r['H']:3d} {r.get('family', 'sm80'):>6} {fmt(r['ra'])} "
             f"{fmt(r.get('sm80'))} {fmt(r['flash'])} {fmt(r['cudnn'])} {ratio} "
-            f"{ms} {mdl} {vs}")
+            f"{ms} {mdl} {vs} {fmt(r.get('det'))}")
 
 
 def format_model_rows(rows):
     """Per row the model's time of each kernel, and how the measured pass
-    time compares: the lines that recalibrate the model after a GPU run."""
+    time compares: the lines that recalibrate the model after a GPU run (a
+    backward row's deterministic=True pass on a line "model det" of its
+    own, left out of the median)."""
     lines = []
     ratios = []
     for r in rows:
@@ -513,6 +530,12 @@ def format_model_rows(rows):
                      f"{r['S']:6d}: {kernels} ms{meas}")
         if r.get("ms"):
             ratios.append(r["ms"] / (pred["total"] * 1e3))
+        det = r.get("det_model")
+        if det:
+            kernels = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in det.items() if k != "total")
+            meas = f"; measured {r['det_ms']:.3f} ms" if r.get("det_ms") else ""
+            lines.append(f"model {'det':4} {r['dtype']:8} {str(r['causal']):6} {r['D']:4d} "
+                         f"{r['S']:6d}: {kernels} ms{meas}")
     if ratios:
         ratios.sort()
         lines.append(f"measured/model: median {ratios[len(ratios) // 2]:.2f}, "
