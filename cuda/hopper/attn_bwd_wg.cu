@@ -40,7 +40,8 @@
  * sees key k0) into a two-stage ring.  Consumer warpgroup c owns keys
  * 64 c.. and per tile, 32 queries at a time at D 128 (64 at D 64), issues
  * S^T = K_c Q^T and dP^T = V_c dout^T, turns them into P^T and dS^T in
- * registers (as 16-bit A fragments), then issues dV += P^T dout and
+ * registers (as 16-bit A fragments; unmasked, P^T is formed while dP^T's
+ * product still runs), then issues dV += P^T dout and
  * dK += dS^T Q, stages dS^T in shared memory and, once both consumers
  * have, issues dQ = dS K over the block's 128 keys for its half of D's
  * columns, whose float32 result it adds into the dq target by
@@ -58,10 +59,9 @@
  * producer spilled at 24), Smem<D>::kLaunchBytes of dynamic shared memory
  * (163 KB at D 128, 99 KB at D 64; the DQ-less pass leaves its dS^T
  * buffers unused).  ptxas (CUDA 13.0) reports spills at D 128 (a few loop
- * invariants of the consumers: 72 bytes, 8 local loads per tile; masked 24
- * bytes stored, 32 loaded, 1 load per tile; without DQ 64 / 48, 3 loads
- * per tile, and masked 44 / 60, 1), none at D 64 (tests/test_sass_report.py
- * KNOWN_SPILLS).
+ * invariants of the consumers: 40 bytes stored, 48 loaded, 4 local loads
+ * per tile; masked 24 / 32, 1 load per tile; without DQ none, and masked
+ * 44 / 60, 1), none at D 64 (tests/test_sass_report.py KNOWN_SPILLS).
  */
 #include <string.h>
 
@@ -122,6 +122,15 @@ struct TileMask {
     bool doc_test;
 };
 
+/* The first column key a, key b of a thread sees on a tile of NQ queries
+ * from m0 (qbeg - m0, clamped to 0..NQ). */
+template <int NQ>
+__device__ __forceinline__ void first_cols(const KeyRows &kr, int32_t m0, int *lo_a, int *lo_b) {
+    const int32_t a = kr.qbeg_a - m0, b = kr.qbeg_b - m0;
+    *lo_a = a < 0 ? 0 : a > NQ ? NQ : (int)a;
+    *lo_b = b < 0 ? 0 : b > NQ ? NQ : (int)b;
+}
+
 /* S^T -> P^T and dP^T -> dS^T in place (the fused kernel's P/dS step on
  * the transposed tile: column `col` is query m0 + col, with its row's
  * statistics rows[col]); pairs a mask hides get 0 after the arithmetic, so
@@ -136,9 +145,8 @@ __device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
     const int t = threadIdx.x % 4;
     // the first column key a, key b sees (0..NQ; 0 on tiles every row
     // sees whole: one path, two compares per pair)
-    const int32_t a = kr.qbeg_a - m0, b = kr.qbeg_b - m0;
-    const int lo_a = a < 0 ? 0 : a > NQ ? NQ : (int)a;
-    const int lo_b = b < 0 ? 0 : b > NQ ? NQ : (int)b;
+    int lo_a, lo_b;
+    first_cols<NQ>(kr, m0, &lo_a, &lo_b);
     int hi_a = NQ, hi_b = NQ;
     if constexpr (M) {
         const int32_t ea = kr.qend_a - m0, eb = kr.qend_b - m0;
@@ -184,6 +192,55 @@ __device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
             s[4 * j + 2 + e] = ob;
             dp[4 * j + e] = da;
             dp[4 * j + 2 + e] = db;
+        }
+    }
+}
+
+/* The unmasked variant's P/dS step in two halves, so that P^T is formed
+ * while dP^T's product still runs (consume_tile waits for S^T alone
+ * first), with the values and the zeros of p_ds: S^T -> P^T in place (0
+ * where the key does not see the query). */
+template <int NQ>
+__device__ __forceinline__ void p_step(float (&s)[NQ / 2], const RowStats *rows,
+                                       const KeyRows &kr, int32_t m0, float sl2) {
+    const int t = threadIdx.x % 4;
+    int lo_a, lo_b;
+    first_cols<NQ>(kr, m0, &lo_a, &lo_b);
+#pragma unroll
+    for (int j = 0; j < NQ / 8; j++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int col = 8 * j + 2 * t + e;
+            const RowStats rs = rows[col];
+            const float xa = fmaf(s[4 * j + e], sl2, -rs.lse2);
+            const float xb = fmaf(s[4 * j + 2 + e], sl2, -rs.lse2);
+            const float pa = ra::ex2_approx(ra::bwd_exponent(xa, rs.band));
+            const float pb = ra::ex2_approx(ra::bwd_exponent(xb, rs.band));
+            s[4 * j + e] = col < lo_a ? 0.f : pa;
+            s[4 * j + 2 + e] = col < lo_b ? 0.f : pb;
+        }
+    }
+}
+
+/* dP^T -> dS^T in place from P^T (0 where the key does not see the query,
+ * also when dP is not finite there). */
+template <int NQ>
+__device__ __forceinline__ void ds_step(const float (&p)[NQ / 2], float (&dp)[NQ / 2],
+                                        const RowStats *rows, const KeyRows &kr, int32_t m0,
+                                        float scale) {
+    const int t = threadIdx.x % 4;
+    int lo_a, lo_b;
+    first_cols<NQ>(kr, m0, &lo_a, &lo_b);
+#pragma unroll
+    for (int j = 0; j < NQ / 8; j++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int col = 8 * j + 2 * t + e;
+            const float dls = rows[col].dls;
+            const float da = p[4 * j + e] * fmaf(dp[4 * j + e], scale, -dls);
+            const float db = p[4 * j + 2 + e] * fmaf(dp[4 * j + 2 + e], scale, -dls);
+            dp[4 * j + e] = col < lo_a ? 0.f : da;
+            dp[4 * j + 2 + e] = col < lo_b ? 0.f : db;
         }
     }
 }
@@ -329,10 +386,20 @@ __device__ __forceinline__ void consume_tile(const BwdArgs &a, const Buffers<D> 
         float sx[kSlice / 2], dpx[kSlice / 2];
         issue_xyt<T, D, kSlice>(sx, buf.k(), buf.q(s) + sl * kSlice * 128, c);
         issue_xyt<T, D, kSlice>(dpx, buf.v(), buf.dout(s) + sl * kSlice * 128, c);
-        ra::sm90::wgmma_wait<0>();
-        ra::sm90::fence_operand(sx);
-        ra::sm90::fence_operand(dpx);
-        p_ds<kSlice, M>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale, tm);
+        if constexpr (M) {
+            ra::sm90::wgmma_wait<0>();
+            ra::sm90::fence_operand(sx);
+            ra::sm90::fence_operand(dpx);
+            p_ds<kSlice, M>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale, tm);
+        } else {
+            // P^T while dP^T's product still runs, then dS^T
+            ra::sm90::wgmma_wait<1>();
+            ra::sm90::fence_operand(sx);
+            p_step<kSlice>(sx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2);
+            ra::sm90::wgmma_wait<0>();
+            ra::sm90::fence_operand(dpx);
+            ds_step<kSlice>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, scale);
+        }
         ra::a_from_acc<T, kSlice>(pa + sl * (kSlice / 16), sx);
         ra::a_from_acc<T, kSlice>(dsa + sl * (kSlice / 16), dpx);
     }
