@@ -43,7 +43,8 @@
  * registers (as 16-bit A fragments; unmasked, P^T is formed while dP^T's
  * product still runs), then issues dV += P^T dout and
  * dK += dS^T Q, stages dS^T in shared memory and, once both consumers
- * have, issues dQ = dS K over the block's 128 keys for its half of D's
+ * have, issues (behind dV and dK, without waiting for them) dQ = dS K over
+ * the block's 128 keys for its half of D's
  * columns, whose float32 result it adds into the dq target by
  * red.global.add (one add per element and block, as the fused kernel's).
  * At the end dK and dV go out from the accumulators (added into float32
@@ -412,20 +413,21 @@ __device__ __forceinline__ void consume_tile(const BwdArgs &a, const Buffers<D> 
         ra::sm90::fence_proxy_async();   // the generic writes of dS^T before wgmma reads them
     }
     issue_dkdv<T, D>(dv, dk, pa, dsa, buf.dout(s), buf.q(s));
-    // dS^T of every warp of both consumers
-    if constexpr (DQ) ra::sm90::named_bar_sync(kDsBarrier, kConsumers * kWarpgroupThreads);
-    // dV, dK retired before dQ's accumulator is live: P^T and dS^T's
-    // registers free (at D 128 the three at once spilled); without DQ
-    // before the stage is released
+    float dq[D / 4];
+    if constexpr (DQ) {
+        // dS^T of every warp of both consumers, then dQ's product queued
+        // right behind dV's and dK's (all three accumulators live: no
+        // spill since P^T forms while dP^T's product runs)
+        ra::sm90::named_bar_sync(kDsBarrier, kConsumers * kWarpgroupThreads);
+        issue_dq<T, D>(dq, buf.ds((int)(tt & 1), 0), buf.k(), c);
+    }
+    // retired before the stage is released
     ra::sm90::wgmma_wait<0>();
     ra::sm90::fence_operand(dv);
     ra::sm90::fence_operand(dk);
     ra::sm90::fence_operand(pa);
     ra::sm90::fence_operand(dsa);
     if constexpr (DQ) {
-        float dq[D / 4];
-        issue_dq<T, D>(dq, buf.ds((int)(tt & 1), 0), buf.k(), c);
-        ra::sm90::wgmma_wait<0>();
         ra::sm90::fence_operand(dq);
         add_dq<D>(a.dq, b, h, m0, p.seqlen_q, c, dq);
     }
