@@ -198,6 +198,24 @@ cuda_reason() {  # empty when the installed ringattn sees a usable GPU
 print("" if ra.cuda_available() else "no GPU: " + ra.cuda_info()["reason"])' 2>&1 | tail -n 1
 }
 
+# gpu_tool STAGE NAME: TOOL set to the toolkit program NAME (PATH,
+# $CUDA_HOME/bin, /usr/local/cuda/bin) when it is there and the installed
+# ringattn sees a GPU; else STAGE's FAIL recorded and status 1.
+gpu_tool() {
+    local stage="$1" name="$2" why
+    TOOL="$(command -v "$name" || true)"
+    [ -n "$TOOL" ] || TOOL="${CUDA_HOME:-/usr/local/cuda}/bin/$name"
+    if [ ! -x "$TOOL" ]; then
+        record "$stage" FAIL "no $name (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin)"
+        return 1
+    fi
+    why="$(cuda_reason)"
+    if [ -n "$why" ]; then
+        record "$stage" FAIL "$why"
+        return 1
+    fi
+}
+
 source_hash() {  # what the installed package is built from, and for which archs
     { (cd "$REPO" && find setup.py pyproject.toml csrc cuda ringattn -type f \
         ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum); echo "archs $ARCHS"; } |
@@ -485,19 +503,8 @@ stage_threadring() {
 
 stage_sanitize() {
     note "== sanitize: ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck} on selftest quick, memcheck on sanitize_case.py (~2 min, all at once)"
-    local san
-    san="$(command -v compute-sanitizer || true)"
-    [ -n "$san" ] || san="${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"
-    if [ ! -x "$san" ]; then
-        record sanitize FAIL "no compute-sanitizer (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin)"
-        return 1
-    fi
-    local why
-    why="$(cuda_reason)"
-    if [ -n "$why" ]; then
-        record sanitize FAIL "$why"
-        return 1
-    fi
+    gpu_tool sanitize compute-sanitizer || return 1
+    local san="$TOOL"
     local bin
     if ! bin="$(build_selftest)"; then
         record sanitize FAIL "the selftest did not build (selftest_build.log)"
@@ -592,19 +599,8 @@ PROFILE_METRICS="${PROFILE_METRICS:-l1tex__t_requests_pipe_lsu_mem_local_op_ld.s
 
 stage_profile() {
     note "== profile: Nsight Compute on each Hopper kernel, tools/profile_case.py (~1.5 min)"
-    local ncu
-    ncu="$(command -v ncu || true)"
-    [ -n "$ncu" ] || ncu="${CUDA_HOME:-/usr/local/cuda}/bin/ncu"
-    if [ ! -x "$ncu" ]; then
-        record profile FAIL "no ncu (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin)"
-        return 1
-    fi
-    local why
-    why="$(cuda_reason)"
-    if [ -n "$why" ]; then
-        record profile FAIL "$why"
-        return 1
-    fi
+    gpu_tool profile ncu || return 1
+    local ncu="$TOOL"
     local m metrics=() extra=()
     "$ncu" --query-metrics >"$LOGDIR/profile_metrics.log" 2>&1 ||
         "$ncu" --query-metrics --chip gh100 >>"$LOGDIR/profile_metrics.log" 2>&1
