@@ -199,11 +199,12 @@ __device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
 
 /* The unmasked variant's P/dS step in two halves, so that P^T is formed
  * while dP^T's product still runs (consume_tile waits for S^T alone
- * first), with the values and the zeros of p_ds: S^T -> P^T in place (0
- * where the key does not see the query). */
-template <int NQ>
-__device__ __forceinline__ void p_step(float (&s)[NQ / 2], const RowStats *rows,
-                                       const KeyRows &kr, int32_t m0, float sl2) {
+ * first), with the values and the zeros of p_ds.  for_frag walks a
+ * thread's fragment: f(ia, ib, col, hide_a, hide_b) for each column col
+ * of its two rows (registers ia for key a, ib for key b) and whether the
+ * key does not see that query. */
+template <int NQ, typename F>
+__device__ __forceinline__ void for_frag(const KeyRows &kr, int32_t m0, F f) {
     const int t = threadIdx.x % 4;
     int lo_a, lo_b;
     first_cols<NQ>(kr, m0, &lo_a, &lo_b);
@@ -212,15 +213,24 @@ __device__ __forceinline__ void p_step(float (&s)[NQ / 2], const RowStats *rows,
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int col = 8 * j + 2 * t + e;
-            const RowStats rs = rows[col];
-            const float xa = fmaf(s[4 * j + e], sl2, -rs.lse2);
-            const float xb = fmaf(s[4 * j + 2 + e], sl2, -rs.lse2);
-            const float pa = ra::ex2_approx(ra::bwd_exponent(xa, rs.band));
-            const float pb = ra::ex2_approx(ra::bwd_exponent(xb, rs.band));
-            s[4 * j + e] = col < lo_a ? 0.f : pa;
-            s[4 * j + 2 + e] = col < lo_b ? 0.f : pb;
+            f(4 * j + e, 4 * j + 2 + e, col, col < lo_a, col < lo_b);
         }
     }
+}
+
+/* S^T -> P^T in place (0 where the key does not see the query). */
+template <int NQ>
+__device__ __forceinline__ void p_step(float (&s)[NQ / 2], const RowStats *rows,
+                                       const KeyRows &kr, int32_t m0, float sl2) {
+    for_frag<NQ>(kr, m0, [&](int ia, int ib, int col, bool hide_a, bool hide_b) {
+        const RowStats rs = rows[col];
+        const float xa = fmaf(s[ia], sl2, -rs.lse2);
+        const float xb = fmaf(s[ib], sl2, -rs.lse2);
+        const float pa = ra::ex2_approx(ra::bwd_exponent(xa, rs.band));
+        const float pb = ra::ex2_approx(ra::bwd_exponent(xb, rs.band));
+        s[ia] = hide_a ? 0.f : pa;
+        s[ib] = hide_b ? 0.f : pb;
+    });
 }
 
 /* dP^T -> dS^T in place from P^T (0 where the key does not see the query,
@@ -229,21 +239,13 @@ template <int NQ>
 __device__ __forceinline__ void ds_step(const float (&p)[NQ / 2], float (&dp)[NQ / 2],
                                         const RowStats *rows, const KeyRows &kr, int32_t m0,
                                         float scale) {
-    const int t = threadIdx.x % 4;
-    int lo_a, lo_b;
-    first_cols<NQ>(kr, m0, &lo_a, &lo_b);
-#pragma unroll
-    for (int j = 0; j < NQ / 8; j++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            const int col = 8 * j + 2 * t + e;
-            const float dls = rows[col].dls;
-            const float da = p[4 * j + e] * fmaf(dp[4 * j + e], scale, -dls);
-            const float db = p[4 * j + 2 + e] * fmaf(dp[4 * j + 2 + e], scale, -dls);
-            dp[4 * j + e] = col < lo_a ? 0.f : da;
-            dp[4 * j + 2 + e] = col < lo_b ? 0.f : db;
-        }
-    }
+    for_frag<NQ>(kr, m0, [&](int ia, int ib, int col, bool hide_a, bool hide_b) {
+        const float dls = rows[col].dls;
+        const float da = p[ia] * fmaf(dp[ia], scale, -dls);
+        const float db = p[ib] * fmaf(dp[ib], scale, -dls);
+        dp[ia] = hide_a ? 0.f : da;
+        dp[ib] = hide_b ? 0.f : db;
+    });
 }
 
 /* The 16-bit half e (0: low) of a packed pair, and the pair with it set. */
