@@ -61,8 +61,8 @@
  * (163 KB at D 128, 99 KB at D 64; the DQ-less pass leaves its dS^T
  * buffers unused).  ptxas (CUDA 13.0) reports spills at D 128 (a few loop
  * invariants of the consumers: 40 bytes stored, 48 loaded, 4 local loads
- * per tile; masked 24 / 32, 1 load per tile; without DQ none, and masked
- * 44 / 60, 1), none at D 64 (tests/test_sass_report.py KNOWN_SPILLS).
+ * per tile) unmasked, none masked, none without DQ, none at D 64
+ * (tests/test_sass_report.py KNOWN_SPILLS).
  */
 #include <string.h>
 
@@ -132,77 +132,10 @@ __device__ __forceinline__ void first_cols(const KeyRows &kr, int32_t m0, int *l
     *lo_b = b < 0 ? 0 : b > NQ ? NQ : (int)b;
 }
 
-/* S^T -> P^T and dP^T -> dS^T in place (the fused kernel's P/dS step on
- * the transposed tile: column `col` is query m0 + col, with its row's
- * statistics rows[col]); pairs a mask hides get 0 after the arithmetic, so
- * a NaN score stays NaN only where the pair is visible.  M: the visible
- * columns of key a are [qbeg_a, qend_a) (and, with tm.doc_test, those of
- * its id); with a softcap the exponent is of the capped score and dS
- * gains 1 - u^2 of the same u = tanh (mask.cuh). */
-template <int NQ, bool M>
-__device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
-                                     const RowStats *rows, const KeyRows &kr, int32_t m0,
-                                     float sl2, float scale, const TileMask &tm) {
-    const int t = threadIdx.x % 4;
-    // the first column key a, key b sees (0..NQ; 0 on tiles every row
-    // sees whole: one path, two compares per pair)
-    int lo_a, lo_b;
-    first_cols<NQ>(kr, m0, &lo_a, &lo_b);
-    int hi_a = NQ, hi_b = NQ;
-    if constexpr (M) {
-        const int32_t ea = kr.qend_a - m0, eb = kr.qend_b - m0;
-        hi_a = ea < 0 ? 0 : ea > NQ ? NQ : (int)ea;
-        hi_b = eb < 0 ? 0 : eb > NQ ? NQ : (int)eb;
-    }
-    const bool capped = M && tm.cap_in != 0.f;
-#pragma unroll
-    for (int j = 0; j < NQ / 8; j++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            const int col = 8 * j + 2 * t + e;
-            const RowStats rs = rows[col];
-            float xa, xb, fa = 1.f, fb = 1.f;
-            if (capped) {
-                const float ua = ra::tanh_acc(s[4 * j + e] * tm.cap_in);
-                const float ub = ra::tanh_acc(s[4 * j + 2 + e] * tm.cap_in);
-                xa = fmaf(ua, tm.cap_out, -rs.lse2);
-                xb = fmaf(ub, tm.cap_out, -rs.lse2);
-                fa = 1.f - ua * ua;
-                fb = 1.f - ub * ub;
-            } else {
-                xa = fmaf(s[4 * j + e], sl2, -rs.lse2);
-                xb = fmaf(s[4 * j + 2 + e], sl2, -rs.lse2);
-            }
-            const float pa = ra::ex2_approx(ra::bwd_exponent(xa, rs.band));
-            const float pb = ra::ex2_approx(ra::bwd_exponent(xb, rs.band));
-            float da = pa * fmaf(dp[4 * j + e], scale, -rs.dls);
-            float db = pb * fmaf(dp[4 * j + 2 + e], scale, -rs.dls);
-            if (M) {
-                da *= fa;
-                db *= fb;
-            }
-            float oa = pa, ob = pb;
-            bool hide_a = col < lo_a, hide_b = col < lo_b;
-            if constexpr (M) {
-                hide_a = hide_a || col >= hi_a || (tm.doc_test && rs.qid != kr.kid_a);
-                hide_b = hide_b || col >= hi_b || (tm.doc_test && rs.qid != kr.kid_b);
-            }
-            if (hide_a) oa = da = 0.f;
-            if (hide_b) ob = db = 0.f;
-            s[4 * j + e] = oa;
-            s[4 * j + 2 + e] = ob;
-            dp[4 * j + e] = da;
-            dp[4 * j + 2 + e] = db;
-        }
-    }
-}
-
-/* The unmasked variant's P/dS step in two halves, so that P^T is formed
- * while dP^T's product still runs (consume_tile waits for S^T alone
- * first), with the values and the zeros of p_ds.  for_frag walks a
- * thread's fragment: f(ia, ib, col, hide_a, hide_b) for each column col
- * of its two rows (registers ia for key a, ib for key b) and whether the
- * key does not see that query. */
+/* A thread's walk over its fragment of a tile of NQ queries from m0:
+ * f(ia, ib, col, before_a, before_b) for each column col of its two rows
+ * (registers ia for key a, ib for key b), and whether col comes before the
+ * first query that key sees (first_cols). */
 template <int NQ, typename F>
 __device__ __forceinline__ void for_frag(const KeyRows &kr, int32_t m0, F f) {
     const int t = threadIdx.x % 4;
@@ -218,7 +151,57 @@ __device__ __forceinline__ void for_frag(const KeyRows &kr, int32_t m0, F f) {
     }
 }
 
-/* S^T -> P^T in place (0 where the key does not see the query). */
+/* The masked variant's P/dS step, S^T -> P^T and dP^T -> dS^T in place
+ * (the fused kernel's P/dS step on the transposed tile: column `col` is
+ * query m0 + col, with its row's statistics rows[col]); pairs a mask hides
+ * get 0 after the arithmetic, so a NaN score stays NaN only where the pair
+ * is visible.  The visible columns of key a are [qbeg_a, qend_a) (and,
+ * with tm.doc_test, those of its id); with a softcap the exponent is of
+ * the capped score and dS gains 1 - u^2 of the same u = tanh (mask.cuh).
+ * The unmasked variant takes two steps (p_step, ds_step). */
+template <int NQ>
+__device__ __forceinline__ void p_ds(float (&s)[NQ / 2], float (&dp)[NQ / 2],
+                                     const RowStats *rows, const KeyRows &kr, int32_t m0,
+                                     float sl2, float scale, const TileMask &tm) {
+    const int32_t ea = kr.qend_a - m0, eb = kr.qend_b - m0;
+    const int hi_a = ea < 0 ? 0 : ea > NQ ? NQ : (int)ea;
+    const int hi_b = eb < 0 ? 0 : eb > NQ ? NQ : (int)eb;
+    const bool capped = tm.cap_in != 0.f;
+    for_frag<NQ>(kr, m0, [&](int ia, int ib, int col, bool before_a, bool before_b) {
+        const RowStats rs = rows[col];
+        float xa, xb, fa = 1.f, fb = 1.f;
+        if (capped) {
+            const float ua = ra::tanh_acc(s[ia] * tm.cap_in);
+            const float ub = ra::tanh_acc(s[ib] * tm.cap_in);
+            xa = fmaf(ua, tm.cap_out, -rs.lse2);
+            xb = fmaf(ub, tm.cap_out, -rs.lse2);
+            fa = 1.f - ua * ua;
+            fb = 1.f - ub * ub;
+        } else {
+            xa = fmaf(s[ia], sl2, -rs.lse2);
+            xb = fmaf(s[ib], sl2, -rs.lse2);
+        }
+        const float pa = ra::ex2_approx(ra::bwd_exponent(xa, rs.band));
+        const float pb = ra::ex2_approx(ra::bwd_exponent(xb, rs.band));
+        float da = pa * fmaf(dp[ia], scale, -rs.dls);
+        float db = pb * fmaf(dp[ib], scale, -rs.dls);
+        da *= fa;
+        db *= fb;
+        const bool hide_a =
+            before_a || col >= hi_a || (tm.doc_test && rs.qid != kr.kid_a);
+        const bool hide_b =
+            before_b || col >= hi_b || (tm.doc_test && rs.qid != kr.kid_b);
+        s[ia] = hide_a ? 0.f : pa;
+        s[ib] = hide_b ? 0.f : pb;
+        dp[ia] = hide_a ? 0.f : da;
+        dp[ib] = hide_b ? 0.f : db;
+    });
+}
+
+/* The unmasked variant's P/dS step in two halves, so that P^T is formed
+ * while dP^T's product still runs (consume_tile waits for S^T alone
+ * first), with the values and the zeros of the joint step:
+ * S^T -> P^T in place (0 where the key does not see the query). */
 template <int NQ>
 __device__ __forceinline__ void p_step(float (&s)[NQ / 2], const RowStats *rows,
                                        const KeyRows &kr, int32_t m0, float sl2) {
@@ -393,7 +376,7 @@ __device__ __forceinline__ void consume_tile(const BwdArgs &a, const Buffers<D> 
             ra::sm90::wgmma_wait<0>();
             ra::sm90::fence_operand(sx);
             ra::sm90::fence_operand(dpx);
-            p_ds<kSlice, M>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale, tm);
+            p_ds<kSlice>(sx, dpx, rows + sl * kSlice, kr, m0 + sl * kSlice, sl2, scale, tm);
         } else {
             // P^T while dP^T's product still runs, then dS^T
             ra::sm90::wgmma_wait<1>();
