@@ -518,24 +518,23 @@ def format_model_rows(rows):
     time compares: the lines that recalibrate the model after a GPU run (a
     backward row's deterministic=True pass on a line "model det" of its
     own, left out of the median)."""
+    def line(r, label, pred, ms):
+        kernels = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in pred.items() if k != "total")
+        meas = f"; measured {ms:.3f} ms" if ms else ""
+        return (f"model {label:4} {r['dtype']:8} {str(r['causal']):6} {r['D']:4d} "
+                f"{r['S']:6d}: {kernels} ms{meas}")
+
     lines = []
     ratios = []
     for r in rows:
         pred = r.get("model")
         if not pred:
             continue
-        kernels = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in pred.items() if k != "total")
-        meas = f"; measured {r['ms']:.3f} ms" if r.get("ms") else ""
-        lines.append(f"model {r['pass']:4} {r['dtype']:8} {str(r['causal']):6} {r['D']:4d} "
-                     f"{r['S']:6d}: {kernels} ms{meas}")
+        lines.append(line(r, r["pass"], pred, r.get("ms")))
         if r.get("ms"):
             ratios.append(r["ms"] / (pred["total"] * 1e3))
-        det = r.get("det_model")
-        if det:
-            kernels = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in det.items() if k != "total")
-            meas = f"; measured {r['det_ms']:.3f} ms" if r.get("det_ms") else ""
-            lines.append(f"model {'det':4} {r['dtype']:8} {str(r['causal']):6} {r['D']:4d} "
-                         f"{r['S']:6d}: {kernels} ms{meas}")
+        if r.get("det_model"):
+            lines.append(line(r, "det", r["det_model"], r.get("det_ms")))
     if ratios:
         ratios.sort()
         lines.append(f"measured/model: median {ratios[len(ratios) // 2]:.2f}, "
