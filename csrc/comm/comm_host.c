@@ -102,17 +102,15 @@ static void linger(ra_comm *c, host_impl *h) {
                                                      : LINGER_MAX_S;
     double deadline = ra_now() + limit;
     int n = c->size;
-    for (int i = 0; i < n; i++) {
-        host_peer *pe = &h->peers[i];
-        if (pe->fd >= 0 && !pe->broken && !pe->out_gone)
-            shutdown(pe->fd, SHUT_WR);
-    }
     unsigned char *waiting = ra_host_calloc((size_t)n);
     struct pollfd *pfd = ra_host_calloc(sizeof *pfd * (size_t)n);
+    for (int i = 0; i < n; i++) {
+        host_peer *pe = &h->peers[i];
+        int live = pe->fd >= 0 && !ra_host_out_closed(pe);
+        if (live) shutdown(pe->fd, SHUT_WR);
+        if (waiting != NULL) waiting[i] = (unsigned char)live;
+    }
     if (waiting == NULL || pfd == NULL) goto out;
-    for (int i = 0; i < n; i++)
-        waiting[i] = h->peers[i].fd >= 0 && !h->peers[i].broken &&
-                     !h->peers[i].out_gone;
     for (;;) {
         int np = 0;
         for (int i = 0; i < n; i++) {

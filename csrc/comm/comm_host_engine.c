@@ -330,7 +330,7 @@ static ra_status pump_out(ra_comm *c, host_impl *h, int dst, char *msg,
                           size_t n) {
     host_peer *pe = &h->peers[dst];
     for (;;) {
-        if (pe->broken || pe->out_gone) return RA_OK;
+        if (ra_host_out_closed(pe)) return RA_OK;
         if (!pe->out_active && !next_frame(pe)) return RA_OK;
         ssize_t k;
         int in_hdr = pe->hout_sent < FRAME_HDR;
@@ -379,8 +379,7 @@ static void fail_later(host_impl *h, ra_req *r) {
 
 static ra_status take_request(ra_comm *c, host_impl *h, ra_req *r, char *msg,
                               size_t n) {
-    int bad = r->x.dst >= 0 && (h->peers[r->x.dst].broken ||
-                                h->peers[r->x.dst].out_gone) ? r->x.dst
+    int bad = r->x.dst >= 0 && ra_host_out_closed(&h->peers[r->x.dst]) ? r->x.dst
               : r->x.src >= 0 && h->peers[r->x.src].broken ? r->x.src : -1;
     if (bad >= 0) {
         char pre[128];
@@ -419,7 +418,7 @@ static void handle_failure(ra_comm *c, host_impl *h) {
         host_peer *pe = &h->peers[i];
         if (pe->fd < 0) continue;
         int midframe = pe->out_active && pe->hout_sent > 0;
-        if (!midframe && !pe->broken && !pe->out_gone) {
+        if (!midframe && !ra_host_out_closed(pe)) {
             ssize_t rc = send(pe->fd, frame, FRAME_HDR + n,
                               MSG_NOSIGNAL | MSG_DONTWAIT);
             (void)rc;

@@ -126,6 +126,12 @@ typedef struct host_peer {
     _Atomic int64_t untaken;
 } host_peer;
 
+/* Nothing more can be sent to `pe`: its connection is dead, or the peer
+ * closed its end. */
+static inline int ra_host_out_closed(const host_peer *pe) {
+    return pe->broken || pe->out_gone;
+}
+
 /* A FRAME_CLOSE to send: this rank left the split of `context`. */
 typedef struct host_notice {
     uint32_t context;

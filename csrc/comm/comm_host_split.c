@@ -171,8 +171,7 @@ static void queue_notices(ra_comm *c, host_impl *h, const host_leave *k) {
     size_t len = k->closed ? 0 : strlen(k->why);
     for (int i = 0; i < k->nmembers; i++) {
         host_peer *pe = &h->peers[k->members[i]];
-        if (k->members[i] == c->rank || pe->fd < 0 || pe->broken ||
-            pe->out_gone)
+        if (k->members[i] == c->rank || pe->fd < 0 || ra_host_out_closed(pe))
             continue;
         host_notice *t = ra_host_calloc(sizeof *t);
         char *why = len > 0 ? ra_host_alloc(len) : NULL;
