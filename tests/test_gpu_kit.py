@@ -406,6 +406,14 @@ def test_profile_case_and_report_pair_launches_with_cases(tmp_path):
         name = f"(anonymous namespace)::{k}_kernel<__nv_bfloat16, 64, false>(Args)"
         rows.append(f'"{i}","{name}","SOL","Duration","msecond","{1 + i / 10:.1f}"')
         rows.append(f'"{i}","{name}","CWA","Issue Slots Busy","%","{40 + i}"')
+    # what L2 served, and at what share of its throughput: the rate that
+    # would saturate it (0: 3.6 / 0.8, 4: 2.4 / 0.6; 1 has no percentage)
+    for i, rate, unit, pct in ((0, "3.6", "Tbyte/second", "80"), (4, "2,400", "Gbyte/second", "60"),
+                               (1, "5", "Tbyte/second", None)):
+        name = f"(anonymous namespace)::{kernels[i]}_kernel<__nv_bfloat16, 64, false>(Args)"
+        rows.append(f'"{i}","{name}","RAW","lts__t_bytes.sum.per_second","{unit}","{rate}"')
+        if pct:
+            rows.append(f'"{i}","{name}","SOL","L2 Cache Throughput","%","{pct}"')
     path = tmp_path / "details.csv"
     path.write_text("==PROF== not CSV\n" + "\n".join(rows) + "\n")
     text = profile_report.report(profile_report.read_launches(str(path)), 8192)
@@ -416,6 +424,13 @@ def test_profile_case_and_report_pair_launches_with_cases(tmp_path):
         in text, text
     assert "| 2: bwd D 64 det | dq_tc (expected dq_wg) | 1.300 | — | — |" in text, text
     assert "| 15: bwd D 128 causal docs | bwd_wg | 2.900 | — | — |" in text, text
+    assert "| 80 | — | — | 3.60 | 4.50 |" in text, text          # L2 %, DRAM, occupancy, rates
+    assert "| 60 | — | — | 2.40 | 4.00 |" in text, text
+    assert "| — | — | — | 5.00 | — |" in text, text
+    assert "| 15: bwd D 128 causal docs | bwd_wg | 2.900 | — | — | — | — | — | 59 | — " \
+           "| — | — | — | — | — |" in text, text
     last = text.splitlines()[-1]
     assert last.startswith("profile: 20 launches (of 20 expected); measured/predicted bwd_wg "), last
     assert "dq_wg" in last and "fwd_wg" in last
+    assert last.endswith(f"; L2 TB/s at 100 % fwd_wg 4.00-4.50 "
+                         f"(model: {model.L2_BYTES_PER_S / 1e12:g})"), last

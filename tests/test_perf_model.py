@@ -40,6 +40,6 @@ def test_docs_show_the_tables_the_tool_prints():
     tables = "\n".join([pm.table_calibration(), pm.table_check(), pm.table_designs("fwd"),
                         pm.table_designs("bwd"), pm.table_forward_sass(),
                         pm.table_forward_built(), pm.table_forward_masks(),
-                        pm.table_backward_masks()])
+                        pm.table_backward_masks(), pm.table_l2_sensitivity()])
     missing = [line for line in tables.splitlines() if line.startswith("|") and line not in doc]
     assert not missing, missing[:3]

@@ -594,8 +594,10 @@ stage_bench() {
 
 # The raw metrics the profile stage asks for besides its sections, where
 # this ncu knows them (an unknown name would fail the whole run): spill
-# traffic, dq's reductions at L1 and L2, and the wgmma pipe.
-PROFILE_METRICS="${PROFILE_METRICS:-l1tex__t_requests_pipe_lsu_mem_local_op_ld.sum l1tex__t_requests_pipe_lsu_mem_local_op_st.sum l1tex__t_requests_pipe_lsu_mem_global_op_red.sum lts__t_sectors_op_red.sum sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active sm__inst_executed_pipe_tensor_op_gmma.sum}"
+# traffic, dq's reductions at L1 and L2, the wgmma pipe, and the bytes per
+# second L2 served (with the L2 throughput percentage: the L2 rate the
+# model assumes, tools/profile_report.py).
+PROFILE_METRICS="${PROFILE_METRICS:-l1tex__t_requests_pipe_lsu_mem_local_op_ld.sum l1tex__t_requests_pipe_lsu_mem_local_op_st.sum l1tex__t_requests_pipe_lsu_mem_global_op_red.sum lts__t_sectors_op_red.sum sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active sm__inst_executed_pipe_tensor_op_gmma.sum lts__t_bytes.sum.per_second}"
 
 stage_profile() {
     note "== profile: Nsight Compute on each Hopper kernel, tools/profile_case.py (~1.5 min)"

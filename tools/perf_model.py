@@ -462,6 +462,54 @@ def table_designs(pas):
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------- the L2 rate
+
+# L2 rates the table below tries (bytes/s): the model's assumption first
+L2_RATES = (4.5e12, 6.0e12, 7.5e12)
+
+
+def table_l2_sensitivity():
+    """The built Hopper kernels' predicted ratio to cuDNN (lowest-highest
+    over the goal's columns of each D) and their bound, with the model's
+    one assumed rate, L2_BYTES_PER_S, set to each of L2_RATES: what a
+    measured L2 rate (tools/gpu_check.sh profile) changes."""
+    counts = m.load_counts()
+    runs = (("fwd_wg", "fwd", False, ("fwd_wg",)),
+            ("bwd_wg", "bwd", False, ("bwd_wg",)),
+            ("dkdv_wg + dq_wg", "bwd", True, ("dkdv_wg", "dq_wg")))
+    Ds = (128, 64)
+    head = ("| L2 TB/s | " + " | ".join(f"{name} D {D}" for name, *_ in runs for D in Ds) + " |")
+    out = [head, "|---:|" + "---|" * (len(runs) * len(Ds))]
+    saved = m.L2_BYTES_PER_S
+    try:
+        for rate in L2_RATES:
+            m.L2_BYTES_PER_S = rate
+            cells = []
+            for _, pas, det, kernels in runs:
+                col = 2 if pas == "fwd" else 5
+                for D in Ds:
+                    ratios = []
+                    for k in (k for k in GOAL if k[1] == D):
+                        B, H = shape(D, k[2])
+                        t = m.predict(pas, k[0], D, k[2], k[3], B, H, counts=counts,
+                                      family="sm90a", deterministic=det)["total"]
+                        ratios.append(measured_s(k, col) / t)
+                    bounds = []
+                    for kern in kernels:
+                        rec = counts[f"{kern}<bf16,{D},->"]
+                        per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"],
+                                             32 * rec["warps"])
+                        bounds.append(m.block_tile_cycles(
+                            rec["per_tile"], rec["cycles"], per_sm * rec["mma_warps"] / 4,
+                            rec["tile_copy_bytes"] / rec["mma_warps"])[1])
+                    cells.append(f"{min(ratios):.2f}-{max(ratios):.2f} ({', '.join(bounds)})")
+            mark = " (assumed)" if rate == saved else ""
+            out.append(f"| {rate / 1e12:g}{mark} | " + " | ".join(cells) + " |")
+    finally:
+        m.L2_BYTES_PER_S = saved
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------- the built forward
 
 # kernel_counts.json: the SASS counts of the kernels as built now (rewritten
@@ -630,6 +678,8 @@ def main(argv=None):
     print(table_forward_masks())
     print("\n## the built backward: masks against causal\n")
     print(table_backward_masks())
+    print("\n## the L2 rate\n")
+    print(table_l2_sensitivity())
     return 0
 
 

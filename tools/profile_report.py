@@ -9,7 +9,12 @@ uncalibrated parts (the wgmma rate, the L2 rate of dq's red.global.add).
 Prints markdown: the launches table, the raw metrics table (metrics given
 to ncu with --metrics), and a last line
 
-    profile: N launches (of M expected); measured/predicted fwd_wg a-b, ...
+    profile: N launches (of M expected); measured/predicted fwd_wg a-b, ...;
+             L2 TB/s at 100 % fwd_wg c-d, ... (model: 4.5)
+
+(the L2 part where ncu gave lts__t_bytes.sum.per_second: the rate L2
+served over its "L2 Cache Throughput" percentage, the rate that would
+saturate it, which the model assumes, L2_BYTES_PER_S).
 
 Launches pair with profile_case.cases() in order; a kernel name that is
 not the expected one is shown as such (a fallback to another kernel).
@@ -26,6 +31,15 @@ import profile_case  # noqa: E402
 
 TIME_MS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0,
            "ms": 1.0, "second": 1e3, "s": 1e3}
+# ncu's rate units, in TB/s
+RATE_TBS = {"byte/second": 1e-12, "Kbyte/second": 1e-9, "Mbyte/second": 1e-6,
+            "Gbyte/second": 1e-3, "Tbyte/second": 1.0, "Pbyte/second": 1e3}
+# the bytes per second L2 served the launch (gpu_check.sh PROFILE_METRICS):
+# with the section's "L2 Cache Throughput" (% of the busiest L2 unit's
+# peak), the rate L2 would serve at 100 %, which calibrates the model's
+# L2_BYTES_PER_S (an assumption until a run measures it)
+L2_RATE = "lts__t_bytes.sum.per_second"
+L2_PCT = "L2 Cache Throughput"
 
 # (column, the metric names ncu's sections give it, in order of preference)
 COLUMNS = [
@@ -81,6 +95,18 @@ def cell(metrics, names):
     return "—"
 
 
+def l2_rates(metrics):
+    """(TB/s L2 served, TB/s it would serve at 100 % of its throughput) of
+    one launch; None where ncu did not give them."""
+    unit, value = metrics.get(L2_RATE, ("", ""))
+    x = number(value)
+    if x is None or unit not in RATE_TBS:
+        return None, None
+    tbs = x * RATE_TBS[unit]
+    pct = number(metrics.get(L2_PCT, ("", ""))[1])
+    return tbs, (tbs * 100.0 / pct if pct else None)
+
+
 def predicted_ms(case, kernel, S):
     pas, D, causal, det, mask, _ = case
     if mask != "none":
@@ -102,9 +128,9 @@ def report(launches, S):
     cases = profile_case.cases()
     want = expected(cases)
     head = ["case", "kernel", "measured ms", "predicted ms", "measured / predicted"]
-    head += [c for c, _ in COLUMNS]
+    head += [c for c, _ in COLUMNS] + ["L2 TB/s", "L2 TB/s at 100 %"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ratios = {}
+    ratios, l2 = {}, {}
     raw_names = sorted({m for _, _, ms in launches for m in ms if "__" in m})
     raw = ["| case | kernel | " + " | ".join(raw_names) + " |",
            "|" + "---|" * (2 + len(raw_names))]
@@ -127,6 +153,10 @@ def report(launches, S):
                "—" if pred is None else f"{pred:.3f}",
                "—" if ratio is None else f"{ratio:.2f}"]
         row += [cell(metrics, names) for _, names in COLUMNS]
+        tbs, full = l2_rates(metrics)
+        row += ["—" if tbs is None else f"{tbs:.2f}", "—" if full is None else f"{full:.2f}"]
+        if full is not None:
+            l2.setdefault(name, []).append(full)
         out.append("| " + " | ".join(row) + " |")
         if raw_names:
             raw.append(f"| {label} | {shown} | "
@@ -134,6 +164,14 @@ def report(launches, S):
     parts = [f"{k} {min(v):.2f}-{max(v):.2f}" for k, v in sorted(ratios.items())]
     summary = (f"profile: {len(launches)} launches (of {len(want)} expected); "
                f"measured/predicted {', '.join(parts) if parts else 'none'}")
+    if l2:
+        try:
+            from ringattn.bench import model
+            assumed = f" (model: {model.L2_BYTES_PER_S / 1e12:g})"
+        except ImportError:
+            assumed = ""
+        summary += "; L2 TB/s at 100 % " + ", ".join(
+            f"{k} {min(v):.2f}-{max(v):.2f}" for k, v in sorted(l2.items())) + assumed
     text = (f"B {profile_case.B}, H {profile_case.H}, S {S}, bfloat16 "
             "(tools/profile_case.py); predicted: ringattn/bench/model.py\n\n"
             + "\n".join(out) + "\n")
