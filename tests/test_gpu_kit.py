@@ -408,8 +408,8 @@ def test_profile_case_and_report_pair_launches_with_cases(tmp_path):
         rows.append(f'"{i}","{name}","CWA","Issue Slots Busy","%","{40 + i}"')
     # what L2 served, and at what share of its throughput: the rate that
     # would saturate it (0: 3.6 / 0.8, 4: 2.4 / 0.6; 1 has no percentage)
-    for i, rate, unit, pct in ((0, "3.6", "Tbyte/second", "80"), (4, "2,400", "Gbyte/second", "60"),
-                               (1, "5", "Tbyte/second", None)):
+    for i, rate, unit, pct in ((0, "3.6", "Tbyte/second", "80"), (4, "2,400", "Gbyte/s", "60"),
+                               (1, "5", "Tbyte/second", None), (2, "7", "furlong/s", "50")):
         name = f"(anonymous namespace)::{kernels[i]}_kernel<__nv_bfloat16, 64, false>(Args)"
         rows.append(f'"{i}","{name}","RAW","lts__t_bytes.sum.per_second","{unit}","{rate}"')
         if pct:

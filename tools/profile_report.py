@@ -31,9 +31,9 @@ import profile_case  # noqa: E402
 
 TIME_MS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0,
            "ms": 1.0, "second": 1e3, "s": 1e3}
-# ncu's rate units, in TB/s
-RATE_TBS = {"byte/second": 1e-12, "Kbyte/second": 1e-9, "Mbyte/second": 1e-6,
-            "Gbyte/second": 1e-3, "Tbyte/second": 1.0, "Pbyte/second": 1e3}
+# ncu's rate units ("Gbyte/second", "Tbyte/s", ...), in TB/s
+RATE_UNIT = re.compile(r"^([KMGTP]?)(?:byte|B)/(?:second|s)$")
+RATE_TBS = {"": 1e-12, "K": 1e-9, "M": 1e-6, "G": 1e-3, "T": 1.0, "P": 1e3}
 # the bytes per second L2 served the launch (gpu_check.sh PROFILE_METRICS):
 # with the section's "L2 Cache Throughput" (% of the busiest L2 unit's
 # peak), the rate L2 would serve at 100 %, which calibrates the model's
@@ -99,10 +99,10 @@ def l2_rates(metrics):
     """(TB/s L2 served, TB/s it would serve at 100 % of its throughput) of
     one launch; None where ncu did not give them."""
     unit, value = metrics.get(L2_RATE, ("", ""))
-    x = number(value)
-    if x is None or unit not in RATE_TBS:
+    x, u = number(value), RATE_UNIT.match(unit.strip())
+    if x is None or u is None:
         return None, None
-    tbs = x * RATE_TBS[unit]
+    tbs = x * RATE_TBS[u.group(1)]
     pct = number(metrics.get(L2_PCT, ("", ""))[1])
     return tbs, (tbs * 100.0 / pct if pct else None)
 
