@@ -31,6 +31,7 @@ independent of how ringattn is installed; no GPU.
 """
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -118,11 +119,17 @@ def _selftest(builder):
 
 # The full grid in shards (`selftest full I/N`: every N-th case from case
 # I - 1): the whole grid (775 cases: both backward paths, both forward
-# families of the emulated sm_90 device) takes about 15 minutes on 2 cores
+# families of the emulated sm_90 device) takes about 21 minutes on 2 cores
 # with the checker, more than the suite's 600 s timeout allows one test; a
-# shard takes a twelfth of it (the costs spread unevenly: under a load of 4
-# jobs per core the shards of 8 took 233 to 851 s).
-FULL_SHARDS = 12
+# test takes a twelfth of it, as two shards of 24 run side by side (I and
+# I + 12: together the cases I - 1, I - 1 + 12, ...).  One emulated launch
+# keeps about 1.7 of 2 cores busy (its blocks on RINGATTN_EMU_WORKERS
+# threads, small grids leave one idle), two processes nearly 2: the twelve
+# tests took 39 to 172 s, 20 min in all, where twelve shards run one after
+# the other took 24 min.  (The costs spread unevenly: under a load of 4
+# jobs per core the shards of 8 took 233 to 851 s.)
+FULL_SHARDS = 24
+FULL_TESTS = FULL_SHARDS // 2
 
 
 def _plan(exe, *args):
@@ -153,24 +160,29 @@ def test_selftest_quick_grid_on_the_emulated_gpu(builder):
     assert "0 of" in out and "FAIL" not in out, out[-4000:]
 
 
-# 900 s per shard: room for a machine several times slower than the 2-core
+# 900 s per test: room for a machine several times slower than the 2-core
 # one, or as loaded as it was when a shard of 8 took 851 s.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("shard", range(1, FULL_SHARDS + 1))
-def test_selftest_full_grid_on_the_emulated_gpu(builder, shard):
+@pytest.mark.parametrize("part", range(1, FULL_TESTS + 1))
+def test_selftest_full_grid_on_the_emulated_gpu(builder, part):
     """The whole grid (4 dtypes, D 8..256, causal, GQA/MQA, S_q != S_k both
-    ways, strides, masks, huge scores, merge, copy), one shard per test:
-    every case of the shard passes, and the shard ran the cases the rule
-    gives it."""
+    ways, strides, masks, huge scores, merge, copy), two shards per test
+    run side by side: every case of each passes, and each ran the cases the
+    rule gives it."""
     exe = _selftest(builder)
-    want, total = _plan(exe, "full", f"{shard}/{FULL_SHARDS}")
-    rc, out = run(exe, "full", f"{shard}/{FULL_SHARDS}", timeout=850)
-    assert rc == 0, out[-4000:]
-    m = re.search(rf"^selftest full {shard}/{FULL_SHARDS}: (\d+) of (\d+) cases failed "
-                  rf"\(grid cases {shard - 1}, .* of (\d+)\)$", out, re.M)
-    assert m and "FAIL" not in out, out[-4000:]
-    assert (int(m[1]), int(m[2]), int(m[3])) == (0, want, total), m[0]
+    shards = (part, part + FULL_TESTS)
+    plans = {i: _plan(exe, "full", f"{i}/{FULL_SHARDS}") for i in shards}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outs = dict(zip(shards, pool.map(
+            lambda i: run(exe, "full", f"{i}/{FULL_SHARDS}", timeout=850), shards)))
+    for i in shards:
+        rc, out = outs[i]
+        assert rc == 0, out[-4000:]
+        m = re.search(rf"^selftest full {i}/{FULL_SHARDS}: (\d+) of (\d+) cases failed "
+                      rf"\(grid cases {i - 1}, .* of (\d+)\)$", out, re.M)
+        assert m and "FAIL" not in out, out[-4000:]
+        assert (int(m[1]), int(m[2]), int(m[3])) == (0, *plans[i]), m[0]
 
 
 @pytest.mark.slow
