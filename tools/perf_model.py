@@ -398,12 +398,19 @@ def built_bwd_wg_row(D, keys):
     return rows
 
 
-def wg_row(name, rec, cells):
-    """A table row of a built warp-specialised (sm_90a) kernel: its
-    registers, shared memory, blocks per SM and bound, then the cells."""
+def wg_bound(rec):
+    """(blocks per SM, the bound of its tile) of a built warp-specialised
+    (sm_90a) kernel's record."""
     per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"], 32 * rec["warps"])
     _, bound = m.block_tile_cycles(rec["per_tile"], rec["cycles"], per_sm * rec["mma_warps"] / 4,
                                    rec["tile_copy_bytes"] / rec["mma_warps"])
+    return per_sm, bound
+
+
+def wg_row(name, rec, cells):
+    """A table row of a built warp-specialised (sm_90a) kernel: its
+    registers, shared memory, blocks per SM and bound, then the cells."""
+    per_sm, bound = wg_bound(rec)
     return (f"| {name} | {rec['registers']} | {rec['dynamic_smem'] // 1024} | {per_sm} | "
             f"{bound} | " + " | ".join(cells) + " |")
 
@@ -494,14 +501,7 @@ def table_l2_sensitivity():
                         t = m.predict(pas, k[0], D, k[2], k[3], B, H, counts=counts,
                                       family="sm90a", deterministic=det)["total"]
                         ratios.append(measured_s(k, col) / t)
-                    bounds = []
-                    for kern in kernels:
-                        rec = counts[f"{kern}<bf16,{D},->"]
-                        per_sm = m.occupancy(rec["registers"], rec["dynamic_smem"],
-                                             32 * rec["warps"])
-                        bounds.append(m.block_tile_cycles(
-                            rec["per_tile"], rec["cycles"], per_sm * rec["mma_warps"] / 4,
-                            rec["tile_copy_bytes"] / rec["mma_warps"])[1])
+                    bounds = [wg_bound(counts[f"{kern}<bf16,{D},->"])[1] for kern in kernels]
                     cells.append(f"{min(ratios):.2f}-{max(ratios):.2f} ({', '.join(bounds)})")
             mark = " (assumed)" if rate == saved else ""
             out.append(f"| {rate / 1e12:g}{mark} | " + " | ".join(cells) + " |")

@@ -107,13 +107,25 @@ def l2_rates(metrics):
     return tbs, (tbs * 100.0 / pct if pct else None)
 
 
-def predicted_ms(case, kernel, S):
-    pas, D, causal, det, mask, _ = case
-    if mask != "none":
-        return None
+def model_module():
+    """ringattn/bench/model.py, or None where ringattn is not importable
+    (the model ships with the package)."""
     try:
         from ringattn.bench import model
-    except ImportError:          # the model ships with the package
+    except ImportError:
+        return None
+    return model
+
+
+def spans(values):
+    """'kernel lowest-highest, ...' of {kernel: [number, ...]}."""
+    return ", ".join(f"{k} {min(v):.2f}-{max(v):.2f}" for k, v in sorted(values.items()))
+
+
+def predicted_ms(case, kernel, S):
+    pas, D, causal, det, mask, _ = case
+    model = model_module()
+    if mask != "none" or model is None:
         return None
     pred = model.predict(pas, "bfloat16", D, S, causal, profile_case.B, profile_case.H,
                          deterministic=det, family="sm90a")
@@ -161,17 +173,12 @@ def report(launches, S):
         if raw_names:
             raw.append(f"| {label} | {shown} | "
                        + " | ".join(metrics.get(m, ("", "—"))[1] for m in raw_names) + " |")
-    parts = [f"{k} {min(v):.2f}-{max(v):.2f}" for k, v in sorted(ratios.items())]
     summary = (f"profile: {len(launches)} launches (of {len(want)} expected); "
-               f"measured/predicted {', '.join(parts) if parts else 'none'}")
+               f"measured/predicted {spans(ratios) if ratios else 'none'}")
     if l2:
-        try:
-            from ringattn.bench import model
-            assumed = f" (model: {model.L2_BYTES_PER_S / 1e12:g})"
-        except ImportError:
-            assumed = ""
-        summary += "; L2 TB/s at 100 % " + ", ".join(
-            f"{k} {min(v):.2f}-{max(v):.2f}" for k, v in sorted(l2.items())) + assumed
+        model = model_module()
+        assumed = f" (model: {model.L2_BYTES_PER_S / 1e12:g})" if model else ""
+        summary += f"; L2 TB/s at 100 % {spans(l2)}{assumed}"
     text = (f"B {profile_case.B}, H {profile_case.H}, S {S}, bfloat16 "
             "(tools/profile_case.py); predicted: ringattn/bench/model.py\n\n"
             + "\n".join(out) + "\n")
